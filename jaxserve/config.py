@@ -1,0 +1,284 @@
+"""Frozen configuration dataclasses, validated once where they are built.
+
+Host side: never imports jax. `ModelConfig` describes the network (from HF `config.json` or GGUF
+metadata); `CacheConfig`, `SchedulerConfig` and `ParallelConfig` are what the cache manager,
+scheduler and mesh builder receive; `EngineArgs` is the kwargs/CLI surface that builds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, independent of where its weights come from."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # Normalised rope scaling: None or {"rope_type": ..., "factor": ..., ...}.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False   # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False          # per-head RMSNorm on q and k before rope (Qwen3)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"Unsupported architecture {self.architecture!r}; jaxserve supports "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"model config field {name} must be a positive integer, "
+                                 f"got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            rope_type = dict(self.rope_scaling).get("rope_type", "default")
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"Unsupported rope_scaling type {rope_type!r}; supported: "
+                                 f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face `config.json` dict (transformers 4.x or 5.x layout)."""
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' field; cannot tell which model "
+                             "this is")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"Unsupported architecture {arch!r}; jaxserve supports "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        text = hf.get("text_config") or hf
+        try:
+            hidden = int(text["hidden_size"])
+            num_heads = int(text["num_attention_heads"])
+            cfg = dict(
+                vocab_size=int(text["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(text["intermediate_size"]),
+                num_layers=int(text["num_hidden_layers"]),
+                num_heads=num_heads,
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json is missing the required field {e.args[0]!r}") from None
+        num_kv = text.get("num_key_value_heads") or num_heads
+        head_dim = text.get("head_dim") or hidden // num_heads
+        theta, scaling = _rope_from_hf(text)
+        eos = text.get("eos_token_id", hf.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        window = text.get("sliding_window") if text.get("use_sliding_window", arch ==
+                                                        "MistralForCausalLM") else None
+        return cls(
+            architecture=arch,
+            num_kv_heads=int(num_kv),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings",
+                                            text.get("tie_word_embeddings", False))),
+            attention_bias=bool(text.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=int(window) if window else None,
+            bos_token_id=text.get("bos_token_id", hf.get("bos_token_id")),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            **cfg,
+        )
+
+
+def _rope_from_hf(text: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """Read rope settings from either `rope_parameters` (transformers 5) or
+    `rope_theta` + `rope_scaling` (older files)."""
+    params = text.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        theta = float(params.get("rope_theta", text.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(text.get("rope_theta", 10000.0))
+        scaling = dict(text.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    scaling.pop("type", None)
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"Unsupported rope_scaling type {rope_type!r}; supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None
+    return theta, tuple(sorted(scaling.items()))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """What the KV cache manager and the device cache need."""
+
+    block_size: int = 16
+    num_blocks: int | None = None          # resolved at start-up from the memory budget
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+
+    def __post_init__(self):
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got "
+                             f"{self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler needs: the per-step budgets and the policy."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    policy: str = "fcfs"                  # or "priority"
+    enable_chunked_prefill: bool = True
+    # Room in the token budget reserved per running request for speculative tokens (0 = none).
+    num_speculative_tokens: int = 0
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got "
+                             f"{self.max_num_batched_tokens}")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got "
+                             f"{self.policy!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller "
+                             f"than max_model_len ({self.max_model_len}) and chunked prefill is "
+                             "disabled, so long prompts could never be scheduled")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    data_parallel_size: int = 1
+
+    def __post_init__(self):
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every engine knob, named as vLLM names it. `LLM(**kwargs)` and the CLI both build this."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    attention_backend: str = "auto"
+    speculative_config: dict | None = None
+    seed: int = 0
+    compilation_cache_dir: str | None = None   # None: ~/.cache/jaxserve/xla; "" disables
+    max_logprobs: int = 20
+    disable_log_stats: bool = False
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        # The sub-configs validate their own fields; build them once here so errors surface early.
+        self.cache_config()
+        ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size, num_blocks=self.num_gpu_blocks_override,
+                           kv_cache_dtype=self.kv_cache_dtype,
+                           enable_prefix_caching=self.enable_prefix_caching,
+                           gpu_memory_utilization=self.gpu_memory_utilization,
+                           kv_cache_memory_bytes=self.kv_cache_memory_bytes)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        budget = self.max_num_batched_tokens or max(2048, 0 if self.enable_chunked_prefill
+                                                    else max_model_len)
+        spec = self.speculative_config or {}
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
+                               max_model_len=max_model_len, policy=self.scheduling_policy,
+                               enable_chunked_prefill=self.enable_chunked_prefill,
+                               num_speculative_tokens=int(spec.get("num_speculative_tokens", 0)))
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel)
+
+    def replace(self, **changes) -> "EngineArgs":
+        return dataclasses.replace(self, **changes)
+
