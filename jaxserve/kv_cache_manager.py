@@ -1,0 +1,172 @@
+"""The KV cache manager: which blocks each request holds, and automatic prefix caching.
+
+Host side, no jax (vLLM v1's `kv_cache_manager.py`). The scheduler talks to it through three calls:
+`get_computed_blocks` (prefix-cache lookup for a request about to be scheduled from waiting),
+`allocate_slots` (grow a request's block table for this step's tokens; None when out of blocks)
+and `free` (drop a finished or preempted request's blocks).
+
+Prefix caching hashes FULL blocks only, as a chain: hash_i = H(hash_{i-1}, tokens of block i), so a
+hash names the whole prefix up to and including its block. Hashes use xxh3-128 over fixed-width
+bytes: deterministic across processes (Python's hash() is salted per process).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import xxhash
+
+from jaxserve.block_pool import BlockPool, KVCacheBlock
+from jaxserve.request import Request
+
+_ROOT_HASH = 0x6A6178736572766500000000000000   # the parent of the first block ("jaxserve")
+
+
+def hash_block_tokens(parent_hash: int, block_token_ids: list[int]) -> int:
+    """Chained hash of one full block: H(parent_hash, tuple(block_token_ids))."""
+    data = parent_hash.to_bytes(16, "little") + struct.pack(f"<{len(block_token_ids)}q",
+                                                            *block_token_ids)
+    return xxhash.xxh3_128_intdigest(data)
+
+
+@dataclass
+class KVCacheBlocks:
+    """A list of blocks crossing the scheduler / cache-manager border."""
+
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+
+    def get_block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted once per (re)admission from waiting: queries = prompt tokens looked up,
+    hits = tokens found in the cache."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already registered in the hash map.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # --- queries ------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def _update_block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        """Extend request.block_hashes to cover its first num_full_blocks full blocks."""
+        hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest cached prefix of the request's tokens: (blocks, num_computed_tokens).
+
+        Never covers every token: the last one is always recomputed so the step yields logits to
+        sample from. Requests asking for prompt_logprobs skip the cache (they need every logit).
+        Takes no references; pass the blocks to `allocate_slots` in the same step.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return KVCacheBlocks(), 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in self._update_block_hashes(request, max_blocks)[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return KVCacheBlocks(hits), len(hits) * self.block_size
+
+    # --- mutations ----------------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: KVCacheBlocks | None = None,
+                       num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
+        """Make room for `num_new_tokens` tokens after the request's computed ones (plus
+        `num_lookahead_tokens` of speculative slack); return the newly allocated blocks, or None
+        (changing nothing) when the pool cannot supply them.
+
+        `new_computed_blocks` are prefix-cache hits from `get_computed_blocks` (only for a request
+        with no blocks yet); they count as computed tokens and get a reference here.
+
+        Hash registration rule: every block that will be full of KNOWN tokens once this step has
+        run (min(computed + new, num_tokens)) is registered now. The runner writes all of a step's
+        K/V before attention reads any of it, so a later request in the same step may hit it.
+        """
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else []
+        bs = self.block_size
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        if hits and req_blocks:
+            raise ValueError("prefix-cache hits can only be added to a request with no blocks")
+        num_computed = request.num_computed_tokens + len(hits) * bs
+        num_required = -(-(num_computed + num_new_tokens + num_lookahead_tokens) // bs)
+        num_new_blocks = max(0, num_required - len(req_blocks) - len(hits))
+        # Free hits are in the free queue: touching them uses up free blocks too.
+        num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_free_hits:
+            return None
+
+        if self.enable_caching and request.num_computed_tokens == 0 and not req_blocks:
+            # First allocation since admission (fresh or preempted): record the lookup.
+            self.prefix_cache_stats.requests += 1
+            self.prefix_cache_stats.queries += request.num_tokens
+            self.prefix_cache_stats.hits += len(hits) * bs
+        self.block_pool.touch(hits)
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, req_blocks)
+        req_blocks.extend(hits)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            num_cached = max(self.num_cached_blocks.get(request.request_id, 0), len(hits))
+            num_full = min(num_computed + num_new_tokens, request.num_tokens) // bs
+            hashes = self._update_block_hashes(request, num_full)
+            for i in range(num_cached, num_full):
+                self.block_pool.cache_full_block(req_blocks[i], hashes[i])
+            self.num_cached_blocks[request.request_id] = max(num_cached, num_full)
+        return KVCacheBlocks(new_blocks)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, last block first so a sequence's tail is evicted before
+        its (more shareable) head."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; False (nothing done) while blocks are in use. The hit/query
+        counters are not reset: they feed monotonic Prometheus counters."""
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,117 @@
+"""What generation returns: `RequestOutput` holding one `CompletionOutput` per sample (vLLM's shapes).
+
+Host side, no jax. `Logprob` entries map token id -> Logprob for the sampled token and the top-k;
+`SampleLogprobs` is one such dict per generated token, `PromptLogprobs` one per prompt token
+(None for the first, which has no context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class Logprob:
+    """The log probability of one token, its rank in the vocabulary (1 = most likely) and its
+    decoded text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request.
+
+    finish_reason: None while running, else "stop", "length" or "abort".
+    stop_reason: the stop string or stop token id that ended it; None for EOS, length or running.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[SampleLogprobs]
+    finish_reason: Optional[str] = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, text={self.text!r}, "
+                f"token_ids={self.token_ids}, cumulative_logprob={self.cumulative_logprob}, "
+                f"logprobs={self.logprobs}, finish_reason={self.finish_reason}, "
+                f"stop_reason={self.stop_reason})")
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (time.time() seconds) of one request's life."""
+
+    arrival_time: float
+    last_token_time: Optional[float] = None
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    time_in_queue: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+class RequestOutput:
+    """The output of one request so far (or the delta since the last one, in DELTA mode)."""
+
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                 prompt_logprobs: Optional[PromptLogprobs], outputs: list[CompletionOutput],
+                 finished: bool, metrics: Optional[RequestMetrics] = None,
+                 num_cached_tokens: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt_logprobs = prompt_logprobs
+        self.outputs = outputs
+        self.finished = finished
+        self.metrics = metrics
+        self.num_cached_tokens = num_cached_tokens
+
+    def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
+        """Merge a later output of the same request into this one.
+
+        aggregate=True appends deltas (text, tokens, logprobs) to the matching completion, which is
+        how a DELTA stream is coalesced; aggregate=False replaces each completion wholesale.
+        """
+        self.finished |= next_output.finished
+        self.metrics = next_output.metrics or self.metrics
+        self.num_cached_tokens = next_output.num_cached_tokens
+        if next_output.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = next_output.prompt_logprobs
+        for nxt in next_output.outputs:
+            for i, cur in enumerate(self.outputs):
+                if cur.index != nxt.index:
+                    continue
+                if aggregate:
+                    cur.text += nxt.text
+                    cur.token_ids = list(cur.token_ids) + list(nxt.token_ids)
+                    if nxt.logprobs is not None:
+                        cur.logprobs = (cur.logprobs or []) + nxt.logprobs
+                    cur.cumulative_logprob = nxt.cumulative_logprob
+                    cur.finish_reason = nxt.finish_reason
+                    cur.stop_reason = nxt.stop_reason
+                else:
+                    self.outputs[i] = nxt
+                break
+            else:
+                self.outputs.append(nxt)
+        self.outputs.sort(key=lambda c: c.index)
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
+                f"prompt_token_ids={self.prompt_token_ids}, "
+                f"prompt_logprobs={self.prompt_logprobs}, outputs={self.outputs}, "
+                f"finished={self.finished}, metrics={self.metrics}, "
+                f"num_cached_tokens={self.num_cached_tokens})")

@@ -1,0 +1,121 @@
+"""`Request`: the scheduler's record of one sequence, and `RequestStatus`.
+
+Host side, no jax. A request has no prefill/decode phase: `num_computed_tokens` (tokens of
+`all_token_ids` whose KV is in the cache) catches up to `num_tokens`; when it does, the step's last
+logits give the next token. n > 1 is the engine's business: it adds n child requests.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+from jaxserve.outputs import RequestMetrics
+from jaxserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Order matters: every status after PREEMPTED is a finished one (as in vLLM)."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+
+    def is_finished(self) -> bool:
+        """Works as `status.is_finished()` and as vLLM's `RequestStatus.is_finished(status)`."""
+        return self > RequestStatus.PREEMPTED
+
+    def get_finished_reason(self) -> Optional[str]:
+        """OpenAI finish_reason: "stop", "length", "abort", or None while not finished."""
+        return _FINISHED_REASON.get(self)
+
+
+# IGNORED (prompt too long for the cache) reports "length", as vLLM does.
+_FINISHED_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+}
+
+
+class Request:
+    """One sequence being generated.
+
+    `max_tokens` is resolved here: SamplingParams.max_tokens, or (when None) whatever fits in
+    max_model_len. `num_cached_tokens` is -1 until the first schedule, then the prefix-cache hit.
+    `block_hashes` is the prefix-cache hash chain over full blocks of `all_token_ids`, filled
+    lazily by the KV cache manager; tokens are append-only, so it stays valid across preemption.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, arrival_time: Optional[float] = None,
+                 priority: int = 0, max_model_len: Optional[int] = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []
+        if sampling_params.max_tokens is not None:
+            self.max_tokens = sampling_params.max_tokens
+        elif max_model_len is not None:
+            self.max_tokens = max(1, max_model_len - len(self.prompt_token_ids))
+        else:
+            self.max_tokens = 1 << 62
+        # Timestamps for RequestMetrics (time.time()).
+        self.first_scheduled_time: Optional[float] = None
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.finished_time: Optional[float] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        now = time.time()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    def get_finished_reason(self) -> Optional[str]:
+        return self.status.get_finished_reason()
+
+    def metrics(self) -> RequestMetrics:
+        queued = (None if self.first_scheduled_time is None
+                  else self.first_scheduled_time - self.arrival_time)
+        return RequestMetrics(arrival_time=self.arrival_time, last_token_time=self.last_token_time,
+                              first_scheduled_time=self.first_scheduled_time,
+                              first_token_time=self.first_token_time, time_in_queue=queued,
+                              finished_time=self.finished_time)
+
+    def __repr__(self) -> str:
+        return (f"Request(id={self.request_id!r}, status={self.status.name}, "
+                f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens}, "
+                f"num_output_tokens={self.num_output_tokens})")
