@@ -1,0 +1,145 @@
+"""GGUF files (llama.cpp) -> ModelConfig and Hugging Face-layout tensors, via the `gguf` package.
+
+llama.cpp's converter permutes the rows of q/k projections of llama-architecture models into
+its interleaved rotary layout; `_unpermute` puts them back so the rotate-half rope of
+models/llama.py applies unchanged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.loader import ModelLoadError
+
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_PLAIN_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+# Quantized types the gguf package can dequantize and we accept.
+_QUANT_TYPES = ("BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                "Q6_K", "IQ4_NL", "IQ4_XS")
+
+_GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
+                 "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHS:
+        raise ModelLoadError(f"Unsupported GGUF architecture {arch!r}; jaxserve supports "
+                             f"{', '.join(_ARCHS)}")
+
+    def need(key):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"GGUF file lacks the metadata field {arch}.{key}")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    if vocab is None:
+        raise ModelLoadError("GGUF file has neither a vocab_size nor a token list")
+    scaling = None
+    stype = _field(reader, f"{arch}.rope.scaling.type")
+    if stype == "linear":
+        scaling = (("factor", float(_field(reader, f"{arch}.rope.scaling.factor"))),
+                   ("rope_type", "linear"))
+    elif stype not in (None, "none"):
+        raise ModelLoadError(f"Unsupported GGUF rope scaling type {stype!r}")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=_ARCHS[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: [out, in] interleaved -> rotate-half layout."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+def dequantize(tensor) -> np.ndarray:
+    """A GGUF tensor -> f32 numpy array in row-major [out, in] order."""
+    import gguf
+
+    kind = tensor.tensor_type.name
+    if kind in _PLAIN_TYPES:
+        return np.asarray(tensor.data, dtype=np.float32)
+    if kind not in _QUANT_TYPES:
+        raise ModelLoadError(f"tensor {tensor.name} uses the GGUF quantization type {kind}, which "
+                             f"jaxserve cannot dequantize; supported: "
+                             f"{', '.join(list(_PLAIN_TYPES) + list(_QUANT_TYPES))}")
+    return gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+
+
+def open_gguf(path: Path) -> tuple[ModelConfig, Callable[[str], np.ndarray]]:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # gguf raises ValueError / struct.error / OSError on bad files
+        raise ModelLoadError(f"cannot read {path}: corrupt or not a GGUF file ({e})") from None
+    cfg = gguf_config(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    permuted = cfg.architecture == "LlamaForCausalLM"
+
+    def get(hf_name: str) -> np.ndarray:
+        if hf_name in _GLOBAL_NAMES:
+            name = _GLOBAL_NAMES[hf_name]
+        else:
+            _, _, layer, suffix = hf_name.split(".", 3)
+            name = f"blk.{layer}.{_GGUF_NAMES[suffix]}"
+        if name not in tensors:
+            raise ModelLoadError(f"tensor {name} is missing from {path}")
+        w = dequantize(tensors[name])
+        if permuted and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = cfg.num_heads if name.endswith("attn_q.weight") else cfg.num_kv_heads
+            w = _unpermute(w, heads)
+        return w
+
+    return cfg, get
+

@@ -1,0 +1,87 @@
+"""The paged KV cache: one pytree holding every layer's pages, passed in, returned and donated.
+
+Layout `[L, N, B, K, D]` (layers, blocks, block_size, kv heads, head_dim) so the model can scan
+over layers; a layer's pages are addressed as rows `layer * N + block_id` of the flat
+`[L * N, B, K, D]` view (a free reshape), which keeps every read and write in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+# Logical axis names, for the sharding rules (kv heads are split across tensor-parallel ranks).
+KV_AXES = ("layers", "kv_blocks", "kv_block_tokens", "kv_heads", "head_dim")
+SCALE_AXES = ("layers", "kv_blocks", "kv_block_tokens", "kv_heads")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    k: jax.Array                    # [L, N, B, K, D]
+    v: jax.Array                    # [L, N, B, K, D]
+    k_scale: jax.Array | None = None  # [L, N, B, K] f32, only for fp8/int8 caches
+    v_scale: jax.Array | None = None  # [L, N, B, K] f32
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype, quantized: bool) -> int:
+    """Bytes one block costs across all layers, K and V (and their scales)."""
+    per_token_head = head_dim * jnp.dtype(dtype).itemsize + (4 if quantized else 0)
+    return 2 * num_layers * block_size * num_kv_heads * per_token_head
+
+
+def allocate(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+             head_dim: int, dtype, quantized: bool = False) -> KVCache:
+    shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+    scales = (jnp.ones(shape[:-1], jnp.float32), jnp.ones(shape[:-1], jnp.float32)) \
+        if quantized else (None, None)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), *scales)
+
+
+def layer_view(x: jax.Array) -> jax.Array:
+    """[L, N, ...] -> [L * N, ...]: the flat page view attention reads through."""
+    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+def write(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array,
+          slot_mapping: jax.Array, quantize=None) -> KVCache:
+    """Scatter the step's new k, v [T, K, D] of one layer into their slots [T].
+
+    Padding tokens carry slot N * B, which is out of range for the layer and dropped.
+    `quantize(x) -> (q, scale)` is given for fp8/int8 caches.
+    """
+    L, N, B = cache.k.shape[:3]
+    in_layer = slot_mapping < N * B
+    rows = jnp.where(in_layer, layer * N + slot_mapping // B, L * N)   # L * N: dropped
+    offs = slot_mapping % B
+
+    def put(pages, new):
+        flat = layer_view(pages)
+        flat = flat.at[rows, offs].set(new.astype(flat.dtype), mode="drop")
+        return flat.reshape(pages.shape)
+
+    if quantize is None:
+        return KVCache(put(cache.k, k), put(cache.v, v), cache.k_scale, cache.v_scale)
+    kq, ks = quantize(k)
+    vq, vs = quantize(v)
+    return KVCache(put(cache.k, kq), put(cache.v, vq), put(cache.k_scale, ks),
+                   put(cache.v_scale, vs))

@@ -1,0 +1,155 @@
+"""Model loading: a Hugging Face directory (config.json + safetensors) or a single GGUF file
+-> (ModelConfig, Weights). Never needs torch.
+
+Both sources are read through a `get(hf_name) -> np.ndarray` function that returns tensors in
+the Hugging Face layout (`[out, in]` for matrices); `assemble` turns that into the stacked
+`[in, out]` pytree of models/llama.py in the requested dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.llama import LayerWeights, Weights, layer_shapes
+
+logger = logging.getLogger(__name__)
+
+# per-layer weight -> (Hugging Face tensor name suffix, is a matrix to transpose)
+_HF_LAYER_NAMES = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
+
+
+class ModelLoadError(ValueError):
+    """The model files are missing, unreadable or describe something jaxserve cannot run."""
+
+
+def resolve_dtype(dtype: str, platform: str | None = None):
+    """"auto" is float32 on CPU (bf16 matmuls are slow there) and bfloat16 on accelerators."""
+    if dtype == "auto":
+        platform = platform or jax.default_backend()
+        return jnp.float32 if platform == "cpu" else jnp.bfloat16
+    try:
+        return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+
+
+def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype) -> Weights:
+    """Stack per-layer tensors read through `get` into the model pytree, cast to `dtype`."""
+    np_dtype = np.dtype(jnp.dtype(dtype))
+
+    def tensor(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+        x = get(name)
+        x = x.T if transpose else x
+        if x.shape != shape:
+            raise ModelLoadError(f"tensor {name} has shape {tuple(x.shape)}, expected {shape} "
+                                 "from the model config")
+        return x
+
+    layers = {}
+    for field, shape in layer_shapes(cfg).items():
+        suffix, transpose = _HF_LAYER_NAMES[field]
+        stacked = np.empty(shape, np_dtype)
+        for i in range(cfg.num_layers):
+            stacked[i] = tensor(f"model.layers.{i}.{suffix}", shape[1:], transpose)
+        layers[field] = jnp.asarray(stacked)
+    V, E = cfg.vocab_size, cfg.hidden_size
+    embed = tensor("model.embed_tokens.weight", (V, E), False).astype(np_dtype)
+    lm_head = None
+    if not cfg.tie_word_embeddings:
+        lm_head = jnp.asarray(tensor("lm_head.weight", (E, V), True).astype(np_dtype))
+    final_norm = tensor("model.norm.weight", (E,), False).astype(np_dtype)
+    return Weights(embed=jnp.asarray(embed), layers=LayerWeights(**layers),
+                   final_norm=jnp.asarray(final_norm), lm_head=lm_head)
+
+
+def load_hf_config(path: Path) -> ModelConfig:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{path} has no config.json; expected a Hugging Face model directory "
+                             "(config.json + *.safetensors) or a .gguf file")
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from None
+    return ModelConfig.from_hf(hf)
+
+
+def _safetensors_getter(path: Path) -> Callable[[str], np.ndarray]:
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+        weight_map = None
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors files")
+    handles, where = {}, {}
+    for name in files:
+        f = path / name
+        if not f.is_file():
+            raise ModelLoadError(f"{f} is listed in the safetensors index but does not exist")
+        try:
+            handles[name] = safe_open(str(f), framework="numpy")
+        except Exception as e:  # safetensors raises its own SafetensorError / OSError types
+            raise ModelLoadError(f"cannot read {f}: corrupt or not a safetensors file ({e})") from None
+        for key in handles[name].keys():
+            where[key] = name
+    if weight_map is not None:
+        where.update({k: v for k, v in weight_map.items() if v in handles})
+
+    def get(name: str) -> np.ndarray:
+        if name not in where:
+            raise ModelLoadError(f"tensor {name} is missing from the safetensors files in {path}")
+        try:
+            return handles[where[name]].get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"cannot read tensor {name} from {path / where[name]}: "
+                                 f"corrupt safetensors file ({e})") from None
+    return get
+
+
+def load_model(model: str | os.PathLike, dtype="auto") -> tuple[ModelConfig, Weights]:
+    """Load a Hugging Face directory or a .gguf file. `dtype` is a name or a jnp dtype."""
+    path = Path(model)
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist (jaxserve loads local "
+                             "Hugging Face directories and .gguf files; it has no model hub)")
+    jdtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf file")
+        from jaxserve import gguf_loader
+        cfg, get = gguf_loader.open_gguf(path)
+    else:
+        cfg = load_hf_config(path)
+        get = _safetensors_getter(path)
+    logger.info("loading %s (%s, %d layers, hidden %d) as %s", path, cfg.architecture,
+                cfg.num_layers, cfg.hidden_size, jnp.dtype(jdtype).name)
+    return cfg, assemble(cfg, get, jdtype)
