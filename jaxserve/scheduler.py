@@ -1,0 +1,342 @@
+"""The token-budget scheduler (vLLM v1): continuous batching, chunked prefill, prefix caching,
+preemption by recompute, FCFS or priority.
+
+Host side, no jax. There is no prefill or decode phase: each step every scheduled request gets
+some of the tokens it has not computed yet (`num_tokens - num_computed_tokens`), and all of them
+share one budget of `max_num_batched_tokens`. Running requests are served first, in order; then
+waiting ones are admitted while budget, `max_num_seqs` and KV blocks allow.
+
+Contract with the engine:
+- `schedule()` -> `SchedulerOutput`; the runner computes KV for each `ScheduledRequest.token_ids`
+  and samples one token per row with `sample=True`.
+- `update_from_output(output, {request_id: [token, ...]})` appends the tokens, applies stop
+  token ids / EOS / min_tokens / max_tokens / max_model_len, frees finished requests and returns
+  the requests that changed (read `status`, `stop_reason`, `output_token_ids` from them).
+- Stop strings are the engine's: it calls `finish_requests(ids, RequestStatus.FINISHED_STOPPED)`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from jaxserve.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One row of a step. `token_ids` are the tokens whose KV this step computes, starting at
+    position `num_computed_tokens`; `block_ids` is the request's whole block table. `sample`:
+    the step's last logits for this row give a new token. `prompt_logprobs`: this chunk covers
+    prompt positions and the request asked for prompt logprobs (after a preemption a chunk may
+    cover positions already reported; keep the first). `num_lookahead_tokens`: KV slots reserved
+    after the known tokens for speculative tokens (0 without speculative decoding)."""
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    sample: bool
+    prompt_logprobs: bool = False
+    num_lookahead_tokens: int = 0
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: int = 0                  # sum of len(token_ids)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # freed since the last step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class _WaitingQueue:
+    """FCFS: a deque, preempted requests re-enter at the front. Priority: a heap on
+    (priority, arrival_time), so a preempted request also re-enters ahead of later arrivals."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()
+
+    def add(self, request: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._seq),
+                                        request))
+        elif front:
+            self._fifo.appendleft(request)
+        else:
+            self._fifo.append(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "priority":
+            self._heap = [e for e in self._heap if e[3] is not request]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[3] for e in sorted(self._heap)) if self.policy == "priority" \
+            else iter(self._fifo)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_blocks: int | None = None) -> None:
+        num_blocks = num_blocks or cache_config.num_blocks
+        if not num_blocks:
+            raise ValueError("Scheduler needs num_blocks (or cache_config.num_blocks) resolved")
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting = _WaitingQueue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: list[str] = []
+        self.num_preemptions_total = 0
+
+    # --- requests in and out -----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Rejects (ValueError) duplicates, empty prompts, prompts longer than
+        max_model_len, and requests that could not fit in the whole KV cache even alone (they
+        would otherwise wait forever)."""
+        n = request.num_prompt_tokens
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
+        if n == 0:
+            raise ValueError("The decoder prompt cannot be empty")
+        if n > self.config.max_model_len:
+            raise ValueError(f"The decoder prompt (length {n}) is longer than the maximum model "
+                             f"length of {self.config.max_model_len}.")
+        max_len = min(self.config.max_model_len, n + request.max_tokens)
+        max_len += self.config.num_speculative_tokens
+        need = -(-max_len // self.block_size)
+        if need > self.kv_cache_manager.num_blocks:
+            raise ValueError(f"request {request.request_id!r} may need {need} KV blocks of "
+                             f"{self.block_size} tokens but the cache has only "
+                             f"{self.kv_cache_manager.num_blocks}; lower max_tokens or "
+                             "max_model_len, or give the KV cache more memory")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        finished_status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string) at any time; blocks are freed now.
+        Unknown or already finished ids are ignored."""
+        if not finished_status.is_finished():
+            raise ValueError(f"finished_status must be a finished status, got {finished_status}")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        request.finished_time = time.time()
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.append(request.request_id)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    # --- the step -----------------------------------------------------------------------------
+
+    def _lookahead(self, request: Request, start: int, num_new: int, budget: int) -> int:
+        """The one place speculative tokens enter the budget: a row that samples this step
+        (computes up to the last known token) may carry up to num_speculative_tokens extra
+        tokens, within what is left of the budget and of max_model_len."""
+        if start + num_new < request.num_tokens:
+            return 0
+        room = self.config.max_model_len - request.num_tokens
+        return max(0, min(self.config.num_speculative_tokens, budget - num_new, room))
+
+    def _row(self, request: Request, num_new: int, lookahead: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:start + num_new],
+            num_computed_tokens=start,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+            prompt_logprobs=(request.sampling_params.prompt_logprobs is not None
+                             and start < request.num_prompt_tokens),
+            num_lookahead_tokens=lookahead)
+
+    def _preemption_victim(self) -> Request:
+        if self.config.policy == "priority":
+            # Lowest priority = largest (priority, arrival_time); among equals the newest.
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the KV, keep the tokens (outputs included), requeue at
+        the front; it resumes exactly where it was once it has recomputed its tokens."""
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.add(request, front=True)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        rows: dict[str, ScheduledRequest] = {}   # insertion order = batch order
+        cost: dict[str, int] = {}
+        preempted: list[str] = []
+
+        # 1. Running requests: decodes and unfinished prefill chunks, in order.
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:   # preempted earlier in this loop
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            lookahead = self._lookahead(request, request.num_computed_tokens, num_new, budget)
+            while self.kv_cache_manager.allocate_slots(
+                    request, num_new, num_lookahead_tokens=lookahead) is None:
+                victim = self._preemption_victim()
+                if victim.request_id in rows:   # priority policy may pick a scheduled row
+                    del rows[victim.request_id]
+                    budget += cost.pop(victim.request_id)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            rows[request.request_id] = self._row(request, num_new, lookahead)
+            cost[request.request_id] = num_new + lookahead
+            budget -= num_new + lookahead
+
+        # 2. Waiting requests. Not after a preemption: blocks are short, admitting more now would
+        # only thrash.
+        while (not preempted and len(self.waiting) and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting.peek()
+            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break   # head of line waits for a step with room for its whole prompt
+            num_new = min(num_new, budget)
+            lookahead = self._lookahead(request, num_hit_tokens, num_new, budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new, hits, lookahead) is None:
+                break
+            self.waiting.pop()
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.time()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            rows[request.request_id] = self._row(request, num_new, lookahead)
+            budget -= num_new + lookahead
+
+        scheduled = list(rows.values())
+        output = SchedulerOutput(scheduled=scheduled,
+                                 num_scheduled_tokens=sum(len(r.token_ids) for r in scheduled),
+                                 preempted_request_ids=preempted,
+                                 finished_request_ids=self.finished_req_ids)
+        self.finished_req_ids = []
+        return output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance each scheduled request by what was computed, append sampled tokens for the
+        `sample` rows (several per row with speculative decoding; tokens after a stop are
+        dropped), finish and free stopped requests. Returns the requests that got tokens or
+        finished. Rows aborted since `schedule()` are skipped."""
+        changed = []
+        for row in scheduler_output.scheduled:
+            request = self.requests.get(row.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += len(row.token_ids)
+            new_tokens = sampled.get(row.request_id, []) if row.sample else []
+            for token in new_tokens:
+                request.append_output_token(int(token))
+                if self._check_stop(request):
+                    break
+            if request.is_finished():
+                self.running.remove(request)
+                self._free_request(request)
+            if new_tokens or request.is_finished():
+                changed.append(request)
+        return changed
+
+    def _check_stop(self, request: Request) -> bool:
+        """vLLM's order: stop tokens only from min_tokens on; EOS (stop_reason None) before
+        stop_token_ids (stop_reason = the token); then max_tokens / max_model_len."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in params.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.config.max_model_len):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # --- counters -----------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.kv_cache_manager.prefix_cache_stats
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
