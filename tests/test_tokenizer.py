@@ -372,3 +372,98 @@ def test_gguf_sentencepiece_tokenizer_from_scores():
     ids = tok.encode("hi é")
     assert ids[0] == 1 and ids[1] == tokens.index("▁hi")
     assert tok.decode(ids) == "hi é"
+
+
+# ---- synthetic GGUF files: other pre-tokenizers and SentencePiece ("llama") vocabularies ---------
+
+
+def _write_tokenizer_gguf(path, model, pre, tokens, types, merges=None, scores=None):
+    """A minimal llama GGUF holding tokenizer metadata and one tensor, enough for transformers."""
+    import numpy as np
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model(model)
+    if pre:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if merges:
+        w.add_token_merges(merges)
+    if scores:
+        w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def _sentencepiece_gguf(path):
+    from tokenizers import Tokenizer as Backend, models, pre_tokenizers, trainers
+
+    backend = Backend(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"])
+    backend.train_from_iterator(TEXTS * 3, trainer=trainer)
+    pieces = [p for p, _ in sorted(backend.get_vocab().items(), key=lambda kv: kv[1]) if p not in ("<unk>", "<s>", "</s>")]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]  # earlier pieces merge first
+    return _write_tokenizer_gguf(path, "llama", None, tokens, types, scores=scores)
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "gpt2"])
+def test_gguf_pre_tokenizer_names_match_transformers(tmp_path, pre):
+    pytest.importorskip("transformers")
+    if GGUF is None:
+        pytest.skip("default SmolLM2 GGUF not installed")
+    from transformers import AutoTokenizer
+
+    from jaxserve.gguf_tokenizer import read_gguf_tokenizer
+
+    src = read_gguf_tokenizer(GGUF)  # SmolLM2's vocabulary, relabelled with another pre-tokenizer
+    path = _write_tokenizer_gguf(tmp_path / "t.gguf", "gpt2", pre, src.tokens, src.token_types, src.merges)
+    ours = Tokenizer.from_gguf(path)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text), text
+
+
+def test_gguf_sentencepiece_matches_transformers(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer.from_gguf(_sentencepiece_gguf(tmp_path / "sp.gguf"))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="sp.gguf")
+    assert ours.add_bos_token and ours.bos_token_id == 1
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), text
+
+
+def test_sentencepiece_incremental_detokenization_keeps_leading_space_after_prompt(tmp_path):
+    tok = Tokenizer.from_gguf(_sentencepiece_gguf(tmp_path / "sp.gguf"))
+    prompt = tok.encode("The quick brown")
+    for text in [" fox jumps", " naïve café 😀 日本語", " 1234"]:
+        # The continuation as the model would emit it: "▁fox" keeps its space (prompt[0] is BOS).
+        out = tok.encode("The quick brown" + text, add_special_tokens=False)[len(prompt) - 1 :]
+        assert tok.decode(out)[0] != " "  # decoded alone, the leading space would be stripped
+        expected = tok.decode(prompt + out)[len(tok.decode(prompt)) :]
+        deltas = _stream(tok, prompt, out)
+        assert "".join(deltas) == expected, text
+        assert all("\ufffd" not in d for d in deltas)
