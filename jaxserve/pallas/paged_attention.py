@@ -118,35 +118,17 @@ def ref_ragged_paged_attention(q, k_cache, v_cache, meta, *, sm_scale, sliding_w
 # ----------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------
-def _ragged_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv_lens_ref, bt_ref,
-                   q_ref, k_ref, v_ref, *rest, sm_scale, block_size, kv_block, gp,
-                   sliding_window, soft_cap, quantized):
-    # q_ref [R, D] (this tile, this kv head); k_ref/v_ref [N*B, K, D] (whole cache, flat slots);
-    # ks_ref/vs_ref [N*B, K] f32; o_ref [R, D].
-    if quantized:
-        ks_ref, vs_ref, o_ref = rest
-    else:
-        (o_ref,) = rest
-    kh = pl.program_id(0)
-    i = pl.program_id(1)
-    seq = tile_seq_ref[i]
-    nq = tile_nq_ref[i]                                  # real queries in this tile (0: idle tile)
-    kv_len = kv_lens_ref[seq]
-    p0 = kv_len - q_lens_ref[seq] + tile_qstart_ref[i]  # position of the tile's first query
-    R, D = q_ref.shape
+def kv_loop(q, seq, kh, row_pos, row_ok, c_lo, c_hi, bt_ref, k_ref, v_ref, ks_ref, vs_ref, *,
+            kv_block, block_size, sm_scale, sliding_window, soft_cap):
+    """Online softmax of q [R, D] over cache chunks [c_lo, c_hi) of sequence `seq`, kv head kh.
+
+    row_pos/row_ok [R, C]: each row's query position and whether the row is real. Returns the
+    unnormalised (m [R], l [R], acc [R, D]) in f32. Shared by the ragged and decode kernels.
+    """
+    R, D = q.shape
     C = kv_block
-    max_pages = bt_ref.shape[1]
-
-    q = q_ref[...]
     cdt = q.dtype
-    row_tok = lax.div(lax.broadcasted_iota(jnp.int32, (R, C), 0), jnp.int32(gp))   # [R, C]
-    row_pos = p0 + row_tok
-    row_ok = row_tok < nq
-
-    hi = jnp.minimum(kv_len, p0 + nq)                    # one past the last key any row sees
-    lo = 0 if sliding_window is None else jnp.maximum(p0 - sliding_window + 1, 0)
-    c_lo = lax.div(lo, C) if sliding_window is not None else jnp.int32(0)
-    c_hi = jnp.where(nq > 0, lax.div(hi + C - 1, C), c_lo)
+    max_pages = bt_ref.shape[1]
 
     def body(c, carry):
         m, l, acc = carry
@@ -154,12 +136,12 @@ def _ragged_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv_le
         page_idx = jnp.minimum(lax.div(kpos, jnp.int32(block_size)), max_pages - 1)
         pages = bt_ref[seq, page_idx]                                    # [C] block ids
         slots = pages * block_size + lax.rem(kpos, jnp.int32(block_size))
-        k = k_ref[slots, kh, :].astype(cdt)                              # [C, D]
+        k = k_ref[slots, kh, :].astype(cdt)                              # [C, D], exact widening
         v = v_ref[slots, kh, :].astype(cdt)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)          # [R, C]
-        if quantized:
-            s = s * ks_ref[slots, kh][None, :]
+        if ks_ref is not None:
+            s = s * ks_ref[slots, kh][None, :]                           # dequantise K columns
         s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -172,15 +154,47 @@ def _ragged_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv_le
         alpha = jnp.exp(m - m_new)
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         l = alpha * l + jnp.sum(p, axis=1)
-        if quantized:
-            p = p * vs_ref[slots, kh][None, :]
+        if vs_ref is not None:
+            p = p * vs_ref[slots, kh][None, :]                           # dequantise V rows
         pv = lax.dot_general(p.astype(cdt), v, (((1,), (0,)), ((), ())),
                              preferred_element_type=jnp.float32)         # [R, D]
         return m_new, l, alpha[:, None] * acc + pv
 
     init = (jnp.full((R,), MASK_VALUE, jnp.float32), jnp.zeros((R,), jnp.float32),
             jnp.zeros((R, D), jnp.float32))
-    _, l, acc = lax.fori_loop(c_lo, c_hi, body, init)
+    return lax.fori_loop(c_lo, c_hi, body, init)
+
+
+def _ragged_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv_lens_ref, bt_ref,
+                   q_ref, k_ref, v_ref, *rest, sm_scale, block_size, kv_block, gp,
+                   sliding_window, soft_cap, quantized):
+    # q_ref [R, D] (this tile, this kv head); k_ref/v_ref [N*B, K, D] (whole cache, flat slots);
+    # ks_ref/vs_ref [N*B, K] f32; o_ref [R, D].
+    if quantized:
+        ks_ref, vs_ref, o_ref = rest
+    else:
+        (o_ref,), ks_ref, vs_ref = rest, None, None
+    kh = pl.program_id(0)
+    i = pl.program_id(1)
+    seq = tile_seq_ref[i]
+    nq = tile_nq_ref[i]                                  # real queries in this tile (0: idle tile)
+    kv_len = kv_lens_ref[seq]
+    p0 = kv_len - q_lens_ref[seq] + tile_qstart_ref[i]  # position of the tile's first query
+    R, D = q_ref.shape
+    C = kv_block
+
+    row_tok = lax.div(lax.broadcasted_iota(jnp.int32, (R, C), 0), jnp.int32(gp))   # [R, C]
+    row_pos = p0 + row_tok
+    row_ok = row_tok < nq
+
+    hi = jnp.minimum(kv_len, p0 + nq)                    # one past the last key any row sees
+    c_lo = jnp.int32(0)
+    if sliding_window is not None:                       # skip chunks wholly left of the window
+        c_lo = lax.div(jnp.maximum(p0 - sliding_window + 1, 0), jnp.int32(C))
+    c_hi = jnp.where(nq > 0, lax.div(hi + C - 1, jnp.int32(C)), c_lo)
+    _, l, acc = kv_loop(q_ref[...], seq, kh, row_pos, row_ok, c_lo, c_hi, bt_ref, k_ref, v_ref,
+                        ks_ref, vs_ref, kv_block=C, block_size=block_size, sm_scale=sm_scale,
+                        sliding_window=sliding_window, soft_cap=soft_cap)
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
 
