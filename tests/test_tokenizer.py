@@ -467,3 +467,20 @@ def test_sentencepiece_incremental_detokenization_keeps_leading_space_after_prom
         deltas = _stream(tok, prompt, out)
         assert "".join(deltas) == expected, text
         assert all("\ufffd" not in d for d in deltas)
+
+
+def test_from_gguf_accepts_an_open_reader(gguf_tok):
+    from gguf import GGUFReader
+
+    tok = Tokenizer.from_gguf(GGUFReader(GGUF))  # the weight loader can share its reader
+    assert tok.encode(TEXTS[0]) == gguf_tok.encode(TEXTS[0]) and tok.chat_template == gguf_tok.chat_template
+
+
+def test_tokenizer_module_imports_neither_jax_nor_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, jaxserve.tokenizer; print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'torch'}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.strip() == "[]"
