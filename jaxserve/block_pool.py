@@ -129,6 +129,10 @@ class BlockPool:
             out.append(block)
         return out
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Forget a block's hash (its contents will not be what the hash promises)."""
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached_block_hash_to_block.get(block.block_hash) is block:

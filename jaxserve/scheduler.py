@@ -17,16 +17,14 @@ Contract with the engine:
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from jaxserve.request import Request, RequestStatus
+from jaxserve.request_queue import WaitingQueue
 
 
 @dataclass
@@ -59,46 +57,6 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class _WaitingQueue:
-    """FCFS: a deque, preempted requests re-enter at the front. Priority: a heap on
-    (priority, arrival_time), so a preempted request also re-enters ahead of later arrivals."""
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._seq = itertools.count()
-
-    def add(self, request: Request, front: bool = False) -> None:
-        if self.policy == "priority":
-            heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._seq),
-                                        request))
-        elif front:
-            self._fifo.appendleft(request)
-        else:
-            self._fifo.append(request)
-
-    def peek(self) -> Request:
-        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
-
-    def remove(self, request: Request) -> None:
-        if self.policy == "priority":
-            self._heap = [e for e in self._heap if e[3] is not request]
-            heapq.heapify(self._heap)
-        else:
-            self._fifo.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.policy == "priority" else len(self._fifo)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (e[3] for e in sorted(self._heap)) if self.policy == "priority" \
-            else iter(self._fifo)
-
-
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int | None = None) -> None:
@@ -110,7 +68,7 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
-        self.waiting = _WaitingQueue(scheduler_config.policy)
+        self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []
         self.finished_req_ids: list[str] = []
         self.num_preemptions_total = 0
@@ -230,6 +188,8 @@ class Scheduler:
                 if victim.request_id in rows:   # priority policy may pick a scheduled row
                     del rows[victim.request_id]
                     budget += cost.pop(victim.request_id)
+                    # Its row will not run, so the blocks it was about to fill hold nothing.
+                    self.kv_cache_manager.uncache_uncomputed_blocks(victim)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -275,7 +235,7 @@ class Scheduler:
                            sampled: dict[str, list[int]]) -> list[Request]:
         """Advance each scheduled request by what was computed, append sampled tokens for the
         `sample` rows (several per row with speculative decoding; tokens after a stop are
-        dropped), finish and free stopped requests. Returns the requests that got tokens or
+        dropped; every sample row needs at least one), finish and free stopped requests. Returns the requests that got tokens or
         finished. Rows aborted since `schedule()` are skipped."""
         changed = []
         for row in scheduler_output.scheduled:
@@ -284,6 +244,10 @@ class Scheduler:
                 continue
             request.num_computed_tokens += len(row.token_ids)
             new_tokens = sampled.get(row.request_id, []) if row.sample else []
+            if row.sample and not new_tokens:
+                # Without a token the request would have nothing left to compute: a silent hang.
+                raise ValueError(f"no sampled token for request {row.request_id!r}, whose row "
+                                 "had sample=True")
             for token in new_tokens:
                 request.append_output_token(int(token))
                 if self._check_stop(request):

@@ -179,3 +179,17 @@ def test_prompt_logprobs_requests_skip_the_cache():
     m = KVCacheManager(num_blocks=8, block_size=4)
     admit(m, req("a", range(9)))
     assert admit(m, req("b", range(9), prompt_logprobs=1)) == 0
+
+
+def test_dropped_row_unregisters_the_blocks_it_would_have_filled():
+    m = KVCacheManager(num_blocks=8, block_size=4)
+    a = req("a", range(7))
+    admit(m, a)                                  # blocks 0 (full) and 1 (3 tokens)
+    a.append_output_token(42)                    # position 7 will fill block 1 this step
+    m.allocate_slots(a, 1)
+    assert m.block_pool.blocks[m.get_block_ids("a")[1]].block_hash is not None
+    m.uncache_uncomputed_blocks(a)               # the row is dropped before the step runs
+    first, second = (m.block_pool.blocks[i] for i in m.get_block_ids("a"))
+    assert first.block_hash is not None and second.block_hash is None
+    m.free(a)
+    assert m.get_computed_blocks(req("b", list(range(7)) + [42, 1]))[1] == 4

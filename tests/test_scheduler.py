@@ -108,9 +108,10 @@ def check_pool_invariants(sched):
 
 @pytest.mark.parametrize("policy,caching,spec,chunked", [
     ("fcfs", True, 0, True), ("fcfs", False, 0, True), ("priority", True, 0, True),
-    ("fcfs", True, 2, True), ("priority", True, 1, False)])
-def test_random_add_step_abort_never_leaks_blocks(policy, caching, spec, chunked):
-    rng = random.Random(f"{policy}{caching}{spec}{chunked}")
+    ("fcfs", True, 2, True), ("priority", True, 1, False), ("priority", True, 0, True), ("priority", True, 2, True)])
+@pytest.mark.parametrize("seed", range(int(__import__("os").environ.get("SEEDS", 3))))
+def test_random_add_step_abort_never_leaks_blocks(policy, caching, spec, chunked, seed):
+    rng = random.Random(f"{policy}{caching}{spec}{chunked}{seed}")
     sched, runner = make(num_blocks=24, block_size=4, budget=48 if chunked else 64,
                          max_model_len=64, max_num_seqs=6, policy=policy, caching=caching,
                          spec=spec, chunked=chunked)
@@ -119,7 +120,11 @@ def test_random_add_step_abort_never_leaks_blocks(policy, caching, spec, chunked
     for _ in range(3000):
         op = rng.random()
         if op < 0.25 and len(live) < 20:
-            prompt = rng.choice(prefixes)[:rng.randrange(1, 20)] + \
+            # Share prefixes with fixed prompts and with the live tokens (outputs included) of
+            # other requests, so prefix hits land on blocks filled by decodes too.
+            source = rng.choice(prefixes) if rng.random() < 0.5 or not live else \
+                rng.choice(list(live.values())).all_token_ids
+            prompt = source[:rng.randrange(1, 40)] + \
                 [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 24))]
             prompt = prompt[:40] or [1]
             max_tokens = rng.randrange(1, 24)
@@ -339,3 +344,11 @@ def test_max_num_seqs_caps_running():
     out, _ = step(sched, runner)
     assert len(out.scheduled) == 2 and sched.num_waiting == 3
     run_all(sched, runner)
+
+
+def test_sample_row_without_a_token_is_an_error_not_a_hang():
+    sched, runner = make()
+    add(sched, "a", [1, 2, 3])
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="no sampled token"):
+        sched.update_from_output(out, {})
