@@ -8,6 +8,7 @@ logits give the next token. n > 1 is the engine's business: it adds n child requ
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 from typing import Optional
 
@@ -51,11 +52,16 @@ class Request:
     max_model_len. `num_cached_tokens` is -1 until the first schedule, then the prefix-cache hit.
     `block_hashes` is the prefix-cache hash chain over full blocks of `all_token_ids`, filled
     lazily by the KV cache manager; tokens are append-only, so it stays valid across preemption.
+    `sample_seed` (u32) seeds the sampler's noise together with the output position, so a
+    preempted request resamples the same tokens: SamplingParams.seed when set, else the
+    `sample_seed` argument (the engine derives it from its own seed for reproducible runs),
+    else a fresh random value.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: Optional[float] = None,
-                 priority: int = 0, max_model_len: Optional[int] = None) -> None:
+                 priority: int = 0, max_model_len: Optional[int] = None,
+                 sample_seed: Optional[int] = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -69,6 +75,11 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
+        if sampling_params.seed is not None:
+            sample_seed = sampling_params.seed
+        elif sample_seed is None:
+            sample_seed = secrets.randbits(32)
+        self.sample_seed = sample_seed & 0xFFFFFFFF
         if sampling_params.max_tokens is not None:
             self.max_tokens = sampling_params.max_tokens
         elif max_model_len is not None:

@@ -352,3 +352,10 @@ def test_sample_row_without_a_token_is_an_error_not_a_hang():
     out = sched.schedule()
     with pytest.raises(ValueError, match="no sampled token"):
         sched.update_from_output(out, {})
+
+
+def test_request_sample_seed_prefers_the_params_seed():
+    assert Request("a", [1], SamplingParams(seed=7), sample_seed=99).sample_seed == 7
+    assert Request("b", [1], SamplingParams(), sample_seed=99).sample_seed == 99
+    assert Request("c", [1], SamplingParams(seed=-5 + 2**40)).sample_seed == (2**40 - 5) & 0xFFFFFFFF
+    assert 0 <= Request("d", [1], SamplingParams()).sample_seed < 2**32
