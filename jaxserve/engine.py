@@ -1,0 +1,249 @@
+"""`LLMEngine`: one step = schedule -> execute -> update (+ detokenize into RequestOutputs).
+
+Builds the parts from `EngineArgs`: model and tokenizer, the KV pool sized from the memory budget,
+the scheduler (host), the model runner (device) and the output processor (host).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve import kv_cache as kvc
+from jaxserve.config import CacheConfig, EngineArgs
+from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
+from jaxserve.loader import load_model, resolve_dtype
+from jaxserve.output_processor import OutputProcessor
+from jaxserve.request import Request, RequestStatus
+from jaxserve.runner import ModelRunner, RunnerOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import Scheduler
+from jaxserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("jaxserve")
+
+CPU_KV_BUDGET_BYTES = 2 << 30    # the KV pool on CPU when no size is given
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """A snapshot for logging and /metrics."""
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+def enable_compilation_cache(directory: str | None) -> str | None:
+    """JAX's persistent compilation cache, so a second start loads programs instead of compiling."""
+    if directory == "":
+        return None
+    directory = directory or os.path.expanduser("~/.cache/jaxserve/xla")
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return directory
+
+
+def num_kv_blocks(args: EngineArgs, bytes_per_block: int, weight_bytes: int) -> int:
+    if args.num_gpu_blocks_override:
+        return args.num_gpu_blocks_override
+    if args.kv_cache_memory_bytes:
+        budget = args.kv_cache_memory_bytes
+    elif jax.default_backend() == "cpu":
+        budget = int(CPU_KV_BUDGET_BYTES * args.gpu_memory_utilization / 0.9)
+    else:
+        stats = jax.devices()[0].memory_stats() or {}
+        total = stats.get("bytes_limit", 16 << 30)
+        # Leave room for weights, activations of the largest step and XLA's workspace.
+        budget = int(total * args.gpu_memory_utilization) - weight_bytes - (2 << 30)
+    blocks = budget // bytes_per_block
+    if blocks < 1:
+        raise ValueError(f"no memory left for the KV cache (budget {budget} bytes); raise "
+                         "gpu_memory_utilization or set kv_cache_memory_bytes")
+    return int(blocks)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, *, warmup: bool = True):
+        t0 = time.perf_counter()
+        self.args = args
+        model_path = args.model or str(default_model_path())
+        self.model_path = model_path
+        self.model_name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None
+                                                     else args.model)
+        enable_compilation_cache(args.compilation_cache_dir)
+        self.tokenizer = Tokenizer.from_model(args.tokenizer or model_path)
+        dtype = resolve_dtype(args.dtype)
+        self.model_config, weights = load_model(model_path, dtype)
+        cfg = self.model_config
+        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
+        if args.max_model_len and args.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len ({args.max_model_len}) is larger than the model's "
+                             f"max_position_embeddings ({cfg.max_position_embeddings})")
+        kv_quantize, kv_dtype = _kv_quantization(args.kv_cache_dtype, dtype)
+        per_block = kvc.bytes_per_block(cfg.num_layers, args.block_size, cfg.num_kv_heads,
+                                        cfg.head_dim, kv_dtype, kv_quantize is not None)
+        weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(weights))
+        blocks = num_kv_blocks(args, per_block, weight_bytes)
+        self.cache_config = dataclasses.replace(args.cache_config(), num_blocks=blocks)
+        self.scheduler_config = args.scheduler_config(self.max_model_len)
+        tokens = blocks * args.block_size
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); maximum concurrency "
+                    "for %d tokens per request: %.2fx", blocks, args.block_size, tokens,
+                    blocks * per_block / 2**30, self.max_model_len, tokens / self.max_model_len)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        self.runner = ModelRunner(cfg, weights, self.cache_config, self.scheduler_config,
+                                  dtype=dtype, backend=_backend(args.attention_backend),
+                                  max_logprobs=args.max_logprobs, kv_quantize=kv_quantize,
+                                  kv_dtype=kv_dtype)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._rng = random.Random(args.seed)
+        self._pending = []          # outputs produced outside step() (aborts)
+        self._eos_ids = set(cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self._eos_ids.add(self.tokenizer.eos_token_id)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.warmup_seconds = self.runner.warmup() if warmup else 0.0
+        self.startup_seconds = time.perf_counter() - t0
+        logger.info("engine ready in %.1f s (%d compiled model programs)", self.startup_seconds,
+                    len(self.runner.compiled_programs))
+
+    # -- requests -----------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """A str, a list of token ids, {"prompt_token_ids": [...]} or {"prompt": "..."}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict with "
+                         f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    def validate_prompt(self, token_ids: list[int]):
+        if not token_ids:
+            raise ValueError("The decoder prompt cannot be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary (prompt_token_ids must be "
+                             f"in [0, {vocab}))")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"The decoder prompt (length {len(token_ids)}) is longer than the "
+                             f"maximum model length of {self.max_model_len}. Make sure that "
+                             "`max_model_len` is no smaller than the number of text tokens.")
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        params = (params or SamplingParams()).clone()
+        if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
+            raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater "
+                             f"than max allowed: {self.args.max_logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.args.max_logprobs:
+            raise ValueError(f"Requested prompt logprobs of {params.prompt_logprobs}, which is "
+                             f"greater than max allowed: {self.args.max_logprobs}")
+        if self.processor.has(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(token_ids)
+        params.update_from_tokenizer(self._eos_ids)
+        if params.n == 1:
+            ids, child_params = [request_id], [params]
+        else:
+            ids = [f"{i}_{request_id}" for i in range(params.n)]
+            child_params = [params.replace(n=1, best_of=None,
+                                           seed=None if params.seed is None else params.seed + i)
+                            for i in range(params.n)]
+        requests = [Request(cid, token_ids, p, arrival_time=arrival_time, priority=priority,
+                            max_model_len=self.max_model_len,
+                            sample_seed=self._rng.getrandbits(32))
+                    for cid, p in zip(ids, child_params)]
+        for req in requests:
+            self.scheduler.add_request(req)   # validates fit; nothing else is added on error
+        self.processor.add_request(request_id, text, token_ids, params, ids, child_params)
+
+    def abort_request(self, request_ids) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            children = self.processor.child_ids(rid)
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            outs, _ = self.processor.process([], {}, {}, aborted=children)
+            self._pending.extend(outs)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self):
+        """One engine iteration; returns the RequestOutputs that have something new."""
+        sched = self.scheduler.schedule()
+        if sched.scheduled:
+            result = self.runner.execute(sched.scheduled, self.scheduler.requests)
+        else:
+            result = RunnerOutput({}, {}, {})
+        prompt_rows = [self.scheduler.get_request(r) for r in result.prompt_logprobs]
+        updated = self.scheduler.update_from_output(sched, result.sampled)
+        for req in updated:
+            new = len(result.sampled.get(req.request_id, ()))
+            self.generation_tokens_total += new
+            if new and req.num_output_tokens == new:      # its prefill just finished
+                self.prompt_tokens_total += req.num_prompt_tokens
+        extra = [r for r in prompt_rows if r is not None and r not in updated]
+        outputs, stopped = self.processor.process(updated + extra, result.logprobs,
+                                                  result.prompt_logprobs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self._pending:
+            outputs, self._pending = self._pending + outputs, []
+        return outputs
+
+    def stats(self) -> EngineStats:
+        pc = self.scheduler.prefix_cache_stats
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting,
+                           self.scheduler.kv_cache_usage, self.scheduler.num_preemptions_total,
+                           pc.queries, pc.hits, self.prompt_tokens_total,
+                           self.generation_tokens_total)
+
+    def shutdown(self) -> None:
+        """Free the KV pool and the weights (device memory) now."""
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            for x in jax.tree_util.tree_leaves((runner.cache, runner.weights)):
+                x.delete()
+            runner.cache = runner.weights = None
+            self.runner = None
+
+
+def _backend(name: str) -> str:
+    from jaxserve.attention import resolve_backend
+    return resolve_backend(name)
+
+
+def _kv_quantization(kv_cache_dtype: str, model_dtype):
+    """(quantize function or None, storage dtype) for --kv-cache-dtype."""
+    if kv_cache_dtype == "auto":
+        return None, model_dtype
+    from functools import partial
+
+    from jaxserve import kv_quant
+    storage = kv_quant.kv_storage_dtype(kv_cache_dtype, model_dtype)
+    return partial(kv_quant.quantize_kv, storage_dtype=storage), storage

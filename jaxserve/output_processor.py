@@ -1,0 +1,188 @@
+"""Turns the scheduler's updated requests into `RequestOutput`s: incremental detokenization, stop
+strings, logprobs in vLLM's layout, output kinds (cumulative, delta, final only) and n > 1
+fan-in (children `"{i}_{parent_id}"` gathered back under the parent's id).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.request import Request
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer, check_stop_strings
+
+
+@dataclasses.dataclass
+class _Child:
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+    num_tokens: int = 0             # output tokens seen so far
+    sent_text: int = 0              # chars already emitted (DELTA)
+    sent_tokens: int = 0            # tokens already emitted (DELTA)
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    request: Request | None = None  # the engine's Request, once it has produced output
+
+
+@dataclasses.dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    kind: RequestOutputKind
+    children: list[_Child]
+    child_ids: list[str]
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+    sent_prompt_logprobs: bool = False
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._child_of: dict[str, tuple[_Parent, _Child]] = {}   # child request id -> both
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, child_ids: list[str],
+                    child_params: list[SamplingParams]):
+        children = [_Child(i, p, IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                                        p.skip_special_tokens)
+                           if p.detokenize else None,
+                           logprobs=[] if p.logprobs is not None else None,
+                           cumulative_logprob=0.0 if p.logprobs is not None else None)
+                    for i, p in enumerate(child_params)]
+        parent = _Parent(request_id, prompt, list(prompt_token_ids), params.output_kind, children,
+                         list(child_ids), prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        self._parents[request_id] = parent
+        for cid, child in zip(child_ids, children):
+            self._child_of[cid] = (parent, child)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    def child_ids(self, request_id: str) -> list[str]:
+        return list(self._parents[request_id].child_ids) if request_id in self._parents else []
+
+    def _logprob_entry(self, token_id, logprob, rank, top_ids, top_vals) -> dict[int, Logprob]:
+        entry = {int(token_id): Logprob(float(logprob), int(rank),
+                                        self.tokenizer.decode_token(int(token_id)))}
+        for r, (tid, val) in enumerate(zip(top_ids, top_vals), start=1):
+            entry.setdefault(int(tid), Logprob(float(val), r, self.tokenizer.decode_token(int(tid))))
+        return entry
+
+    def process(self, updated: list[Request], logprobs: dict, prompt_logprobs: dict,
+                aborted: list[str] = ()) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs to deliver and the child ids that a stop string finished (the
+        caller must finish them in the scheduler)."""
+        stopped, touched = [], {}
+        for req in updated:
+            if req.request_id not in self._child_of:
+                continue
+            parent, child = self._child_of[req.request_id]
+            child.request = req
+            new_ids = req.output_token_ids[child.num_tokens:]
+            if req.request_id in prompt_logprobs and parent.prompt_logprobs is not None:
+                have = len(parent.prompt_logprobs)
+                for (tok, lp, rank, ids, vals) in prompt_logprobs[req.request_id]:
+                    if have < len(parent.prompt_token_ids):   # a resumed request repeats chunks
+                        parent.prompt_logprobs.append(self._logprob_entry(tok, lp, rank, ids, vals))
+                        have += 1
+            if new_ids:
+                new_chars = self._add_tokens(child, new_ids, logprobs.get(req.request_id))
+                if child.finish_reason is None and child.params.stop:
+                    if self._check_stop(child, new_chars):
+                        stopped.append(req.request_id)
+            if child.finish_reason is None and req.is_finished():
+                child.finish_reason = req.get_finished_reason()
+                child.stop_reason = req.stop_reason
+                if child.detok is not None:
+                    child.text += child.detok.flush()
+            parent.num_cached_tokens = max(parent.num_cached_tokens, req.num_cached_tokens)
+            touched[parent.request_id] = (parent, req)
+        for cid in aborted:
+            if cid in self._child_of:
+                parent, child = self._child_of[cid]
+                if child.finish_reason is None:
+                    child.finish_reason = "abort"
+                touched.setdefault(parent.request_id, (parent, None))
+        outputs = []
+        for parent, req in touched.values():
+            out = self._make_output(parent, req)
+            if out is not None:
+                outputs.append(out)
+        return outputs, stopped
+
+    def _add_tokens(self, child: _Child, new_ids: list[int], lp) -> int:
+        """Returns the number of new characters."""
+        child.num_tokens += len(new_ids)
+        delta = child.detok.add_tokens(new_ids) if child.detok is not None else ""
+        child.text += delta
+        if child.logprobs is not None and lp is not None:
+            logprob, rank, top_ids, top_vals = lp
+            k = child.params.logprobs
+            child.logprobs.append(self._logprob_entry(new_ids[-1], logprob, rank, top_ids[:k],
+                                                      top_vals[:k]))
+            child.cumulative_logprob += logprob
+        return len(delta)
+
+    def _check_stop(self, child: _Child, new_chars: int) -> bool:
+        hit = check_stop_strings(child.text, new_chars, child.params.stop,
+                                 child.params.include_stop_str_in_output)
+        if hit is None:
+            return False
+        stop_str, cut = hit
+        if cut != -1:
+            child.text = child.text[:cut]
+        child.finish_reason, child.stop_reason = "stop", stop_str
+        return True
+
+    def _completion(self, child: _Child, delta: bool) -> CompletionOutput:
+        finished = child.finish_reason is not None
+        req = child.request
+        ids = req.output_token_ids[:child.num_tokens] if req is not None else []
+        text = child.text
+        end = len(text) if finished else max(child.sent_text,
+                                             len(text) - child.params.output_text_buffer_length)
+        if delta:
+            text_out, token_out = text[child.sent_text:end], ids[child.sent_tokens:]
+            lps = child.logprobs[child.sent_tokens:] if child.logprobs is not None else None
+            child.sent_text, child.sent_tokens = end, child.sent_tokens + len(token_out)
+        else:
+            text_out, token_out, lps = text[:end], list(ids), child.logprobs
+        return CompletionOutput(child.index, text_out, token_out, child.cumulative_logprob,
+                                lps, child.finish_reason, child.stop_reason)
+
+    def _make_output(self, parent: _Parent, req: Request | None) -> RequestOutput | None:
+        finished = all(c.finish_reason is not None for c in parent.children)
+        kind = parent.kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        if delta and req is not None and req.request_id in self._child_of:
+            # Stream only the child that moved (vLLM's n > 1 delta behaviour).
+            children = [self._child_of[req.request_id][1]]
+        else:
+            children = parent.children
+        outs = [self._completion(c, delta) for c in children]
+        prompt_lps = parent.prompt_logprobs
+        if delta:
+            prompt_lps = None if parent.sent_prompt_logprobs else prompt_lps
+            parent.sent_prompt_logprobs = True
+        if finished:
+            self._forget(parent)
+        first = parent.children[0].request
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             prompt_lps, outs, finished,
+                             metrics=first.metrics() if first is not None else None,
+                             num_cached_tokens=max(0, parent.num_cached_tokens))
+
+    def _forget(self, parent: _Parent):
+        del self._parents[parent.request_id]
+        for cid in parent.child_ids:
+            self._child_of.pop(cid, None)
