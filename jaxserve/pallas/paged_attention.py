@@ -40,7 +40,10 @@ Triton backend"). The int32 tables are passed as ordinary whole-array operands a
 scalars / gathered vectors from global memory, which is what scalar prefetch amounts to on GPU.
 Everything in the kernel keeps to what Triton lowering supports: power-of-two tensor sizes
 (R, C, D), 2-D dots with M, N >= 16 on GPU, dynamic-bound fori_loop, gathers through integer
-index vectors, no scratch buffers.
+index vectors, no scratch buffers. The Triton backend is pinned with `triton_params()`; left to
+itself jax may choose Mosaic GPU, which tries to stage the whole cache in shared memory. The test
+suite cross-lowers both kernels for CUDA on CPU (Pallas -> Triton IR); Triton -> PTX compilation
+and the numbers on a real GPU are not checked yet.
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -263,6 +267,7 @@ def _ragged_impl(q, k_cache, v_cache, meta, k_scale, v_scale, *, sm_scale, slidi
         out_shape=jax.ShapeDtypeStruct((K, nt, R, D), q.dtype),
         interpret=interpret,
         name="ragged_paged_attention",
+        compiler_params=triton_params(),
     )(*operands)
 
     # scatter back: token t -> (tile, row) of its sequence
@@ -377,6 +382,12 @@ DEFAULT_BLOCK_SIZES = {
     128: BlockSizes(q_rows=64, kv_tokens=64),
     256: BlockSizes(q_rows=32, kv_tokens=32),
 }
+
+
+def triton_params(num_warps: int = 4, num_stages: int = 2):
+    """Pin the Triton GPU backend: with no compiler params jax may pick Mosaic GPU
+    (`jax_pallas_use_mosaic_gpu`), which stages every whole-array operand in shared memory."""
+    return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def default_interpret() -> bool:

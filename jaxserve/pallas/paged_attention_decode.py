@@ -29,9 +29,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxserve.pallas.paged_attention import (DEFAULT_BLOCK_SIZES, MASK_VALUE, _is_concrete,
-                                             default_interpret, kv_loop, validate_inputs,
-                                             validate_metadata)
+from jaxserve.pallas.paged_attention import (DEFAULT_BLOCK_SIZES, _is_concrete,
+                                             default_interpret, kv_loop, triton_params,
+                                             validate_inputs, validate_metadata)
 
 # Aim for this many programs in flight (H100: 132 SMs, a few programs each) when choosing splits.
 TARGET_PROGRAMS = 512
@@ -120,6 +120,7 @@ def _decode_impl(q, k_cache, v_cache, meta, k_scale, v_scale, *, sm_scale, slidi
                    jax.ShapeDtypeStruct((K, S, num_splits, R), jnp.float32)],
         interpret=interpret,
         name="paged_attention_decode_split_k",
+        compiler_params=triton_params(),
     )(*operands)
     out = combine_splits(acc, m, l)[:, :, :G]                          # [K, S, G, D]
     out = out.transpose(1, 0, 2, 3).reshape(S, H, D)
