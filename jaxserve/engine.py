@@ -79,6 +79,7 @@ def num_kv_blocks(args: EngineArgs, bytes_per_block: int, weight_bytes: int) -> 
 class LLMEngine:
     def __init__(self, args: EngineArgs, *, warmup: bool = True):
         t0 = time.perf_counter()
+        _check_supported(args)
         self.args = args
         model_path = args.model or str(default_model_path())
         self.model_path = model_path
@@ -231,6 +232,17 @@ class LLMEngine:
                 x.delete()
             runner.cache = runner.weights = None
             self.runner = None
+
+
+def _check_supported(args: EngineArgs) -> None:
+    """Flags that are accepted by name (vLLM's surface) but whose feature has not landed yet."""
+    if args.tensor_parallel_size != 1 or args.enable_expert_parallel:
+        raise ValueError("tensor_parallel_size > 1 and enable_expert_parallel are not supported "
+                         "yet; run with tensor_parallel_size=1")
+    if args.quantization is not None:
+        raise ValueError(f"quantization={args.quantization!r} is not supported yet")
+    if args.speculative_config:
+        raise ValueError("speculative_config is not supported yet")
 
 
 def _backend(name: str) -> str:
