@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Any
 
 import jax
@@ -334,11 +335,12 @@ def validate_inputs(q, k_cache, v_cache, meta, *, sm_scale, sliding_window=None,
                     ("num_seqs", ns)):
         if jnp.dtype(a.dtype) != jnp.int32:
             raise ValueError(f"{name} must be int32, got {a.dtype}")
-    if not (isinstance(sm_scale, (int, float)) and sm_scale > 0):
+    if not (isinstance(sm_scale, numbers.Real) and sm_scale > 0):
         raise ValueError(f"sm_scale must be a positive Python float, got {sm_scale!r}")
-    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window > 0):
+    if sliding_window is not None and not (isinstance(sliding_window, numbers.Integral)
+                                           and sliding_window > 0):
         raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
-    if soft_cap is not None and not (isinstance(soft_cap, (int, float)) and soft_cap > 0):
+    if soft_cap is not None and not (isinstance(soft_cap, numbers.Real) and soft_cap > 0):
         raise ValueError(f"soft_cap must be None or a positive float, got {soft_cap!r}")
 
 
@@ -424,6 +426,6 @@ def ragged_paged_attention(q, k_cache, v_cache, meta: Any, *, sm_scale: float,
     if interpret is None:
         interpret = default_interpret()
     return _ragged_jit(q, k_cache, v_cache, meta, k_scale, v_scale, sm_scale=float(sm_scale),
-                       sliding_window=sliding_window,
+                       sliding_window=None if sliding_window is None else int(sliding_window),
                        soft_cap=None if soft_cap is None else float(soft_cap),
                        rows=bs.q_rows, kv_tokens=bs.kv_tokens, interpret=bool(interpret))

@@ -172,6 +172,6 @@ def ragged_paged_attention_decode(q, k_cache, v_cache, meta: Any, *, sm_scale: f
     if kv_tokens is None:
         kv_tokens = DEFAULT_BLOCK_SIZES[q.shape[-1]].kv_tokens
     return _decode_jit(q, k_cache, v_cache, meta, k_scale, v_scale, sm_scale=float(sm_scale),
-                       sliding_window=sliding_window,
+                       sliding_window=None if sliding_window is None else int(sliding_window),
                        soft_cap=None if soft_cap is None else float(soft_cap),
                        kv_tokens=int(kv_tokens), num_splits=num_splits, interpret=bool(interpret))
