@@ -50,59 +50,90 @@ def _kv_chunk_tokens(num_tokens: int, block_size: int, kv_heads: int, head_dim: 
     return max(chunk, block_size)
 
 
+def _row_layout(meta: AttentionMetadata, num_tokens: int, tile: int):
+    """Groups the query tokens into rows of up to `tile` consecutive tokens of one sequence, so a
+    sequence's context is gathered once per row instead of once per token.
+
+    Returns per row: its sequence [R], its token indices [R, tile], their positions [R, tile],
+    which are real [R, tile]; and per token its (row, column) to scatter results back.
+    """
+    seq_t, pos_t, valid_t = token_layout(meta, num_tokens)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    if tile == 1:
+        return seq_t, t[:, None], pos_t[:, None], valid_t[:, None], (t, jnp.zeros_like(t))
+    cu, kv_lens = meta.cu_q_lens, meta.kv_lens
+    S = kv_lens.shape[0]
+    q_lens = cu[1:] - cu[:-1]
+    row_cu = jnp.concatenate([jnp.zeros(1, jnp.int32),
+                              jnp.cumsum((q_lens + tile - 1) // tile).astype(jnp.int32)])
+    num_rows = num_tokens // tile + S                 # >= sum(ceil(q_len / tile)) always
+    r = jnp.arange(num_rows, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(row_cu[1:], r, side="right"), 0, S - 1).astype(jnp.int32)
+    tok = (cu[seq] + (r - row_cu[seq]) * tile)[:, None] + jnp.arange(tile, dtype=jnp.int32)
+    valid = (tok < cu[seq + 1][:, None]) & (r < row_cu[-1])[:, None]
+    pos = (kv_lens[seq] - q_lens[seq] - cu[seq])[:, None] + tok
+    local = t - cu[seq_t]
+    return seq, jnp.clip(tok, 0, num_tokens - 1), pos, valid, (row_cu[seq_t] + local // tile,
+                                                                 local % tile)
+
+
 def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, sm_scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None,
                                k_scale=None, v_scale=None):
     """q [T, H, D]; k_pages, v_pages [R, B, K, D]; scales [R, B, K] or None -> [T, H, D].
 
-    An online-softmax loop over chunks of each token's context, run for as many chunks as the
+    An online-softmax loop over chunks of each row's context, run for as many chunks as the
     longest sequence needs (a dynamic trip count, so no context-length bucket is compiled).
+    Decode-heavy steps use one row per token; prefill-heavy steps (many more tokens than
+    sequences) use rows of 16 tokens of one sequence, gathering each context once per row.
     """
     T, H, D = q.shape
     B, K = k_pages.shape[1], k_pages.shape[2]
     G = H // K
-    seq, pos, valid = token_layout(meta, T)
-    chunk = _kv_chunk_tokens(T, B, K, D)
+    S = meta.kv_lens.shape[0]
+    tile = 16 if T >= 4 * S else 1
+    seq, tok, pos, valid, (tok_row, tok_col) = _row_layout(meta, T, tile)
+    R = seq.shape[0]
+    chunk = _kv_chunk_tokens(R, B, K, D)
     blocks_per_chunk = chunk // B
     tables = meta.block_tables
     pad = (-tables.shape[1]) % blocks_per_chunk
-    tables = jnp.pad(tables, ((0, 0), (0, pad)))
-    tok_tables = tables[seq]                                     # [T, Mp]
-    qg = q.reshape(T, K, G, D).astype(jnp.float32) * sm_scale
+    row_tables = jnp.pad(tables, ((0, 0), (0, pad)))[seq]       # [R, Mp]
+    qr = (q.astype(jnp.float32) * sm_scale)[tok].reshape(R, tile, K, G, D)
 
     def gather(pages, scale, ids):
-        x = pages[ids].astype(jnp.float32)                       # [T, C, B, K, D]
+        x = pages[ids].astype(jnp.float32)                       # [R, C, B, K, D]
         if scale is not None:
             x = x * scale[ids][..., None]
-        return x.reshape(T, chunk, K, D)
+        return x.reshape(R, chunk, K, D)
 
     def body(j, carry):
-        m, l, acc = carry                                        # [T,K,G], [T,K,G], [T,K,G,D]
-        ids = jax.lax.dynamic_slice_in_dim(tok_tables, j * blocks_per_chunk, blocks_per_chunk, 1)
+        m, l, acc = carry                                 # [R,q,K,G], [R,q,K,G], [R,q,K,G,D]
+        ids = jax.lax.dynamic_slice_in_dim(row_tables, j * blocks_per_chunk, blocks_per_chunk, 1)
         k = gather(k_pages, k_scale, ids)
         v = gather(v_pages, v_scale, ids)
-        s = jnp.einsum("tkgd,tckd->tkgc", qg, k)
+        s = jnp.einsum("rqkgd,rckd->rqkgc", qr, k)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kpos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        mask = (kpos[None, :] <= pos[:, None]) & valid[:, None]  # [T, C]
+        mask = (kpos <= pos[..., None]) & valid[..., None]      # [R, q, C]
         if sliding_window is not None:
-            mask &= kpos[None, :] > pos[:, None] - sliding_window
-        mask = mask[:, None, None, :]
+            mask &= kpos > pos[..., None] - sliding_window
+        mask = mask[:, :, None, None, :]
         s = jnp.where(mask, s, _MASKED)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + jnp.einsum("tkgc,tckd->tkgd", p, v)
+        acc = acc * alpha[..., None] + jnp.einsum("rqkgc,rckd->rqkgd", p, v)
         return m_new, l, acc
 
     num_chunks = (jnp.max(meta.kv_lens) + chunk - 1) // chunk
-    init = (jnp.full((T, K, G), _MASKED, jnp.float32), jnp.zeros((T, K, G), jnp.float32),
-            jnp.zeros((T, K, G, D), jnp.float32))
+    init = (jnp.full((R, tile, K, G), _MASKED, jnp.float32),
+            jnp.zeros((R, tile, K, G), jnp.float32), jnp.zeros((R, tile, K, G, D), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
-    return out.reshape(T, H, D).astype(q.dtype)
+    return out[tok_row, tok_col].reshape(T, H, D).astype(q.dtype)
 
 
 def resolve_backend(name: str) -> str:
