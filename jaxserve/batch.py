@@ -1,0 +1,363 @@
+"""`jaxserve run-batch`: offline OpenAI Batch jobs over JSONL, streamed through the engine.
+
+    jaxserve run-batch -i in.jsonl -o out.jsonl [MODEL] [engine flags] [--resume] [--ordered]
+
+Input lines are `{"custom_id", "method": "POST", "url", "body"}` with url `/v1/completions` or
+`/v1/chat/completions`; bodies are validated and answered by the server's own code
+(`jaxserve.server.protocol` / `jaxserve.server.serving`), so a line gets exactly the JSON the
+HTTP server would have returned. The output line format is in `batch_io.py`.
+
+Semantics:
+- Streaming: lines are read lazily; at most `--max-concurrency` (default 2 x max_num_seqs) lines
+  are read and not yet written at any time, which keeps the engine's batch full and memory
+  bounded however long the file is. (Only the set of custom_ids seen is kept, to find repeats.)
+- Each result is written and flushed as soon as it is known: in completion order by default, in
+  input order with `--ordered` (the same bound then also caps the reorder buffer).
+- `--resume` keeps an existing output file, truncates a torn last line, and skips every input
+  line that file already answers (failed answers included), so a rerun after a crash completes
+  the file with each custom_id exactly once.
+- A bad line (not JSON, no string custom_id, method other than POST, unknown url, invalid body,
+  repeated custom_id) is answered with a status 400 line and the job goes on; an unknown
+  `body.model` (neither the loaded model nor --served-model-name) gets 404; an omitted
+  `body.model` means the loaded model.
+- Exit code 0 when every line of the output file is a success, 1 otherwise (2 for usage errors).
+- Progress (requests/s, tokens/s) and a summary go to stderr; `-i -` / `-o -` are stdin/stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import sys
+import time
+from typing import Awaitable, Callable, Iterable, Iterator
+
+from jaxserve import batch_io
+from jaxserve.batch_io import DUPLICATE_CODE, JsonlWriter, ResumeState, error_body, output_line
+
+logger = logging.getLogger("jaxserve")
+
+# A route answers one validated-envelope body: returns the response JSON, or raises an error that
+# carries an HTTP status (the server's OpenAIError) or a ValueError (400).
+Route = Callable[[dict], Awaitable[dict]]
+
+
+@dataclasses.dataclass
+class BatchStats:
+    lines: int = 0              # input lines answered by this run
+    ok: int = 0
+    failed: int = 0
+    skipped: int = 0            # already answered in the output file (--resume)
+    skipped_failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    wall_s: float = 0.0
+    max_in_flight: int = 0      # the most lines read but not yet written, at any moment
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.failed == 0 and self.skipped_failed == 0 else 1
+
+    def summary(self) -> str:
+        rate = self.lines / self.wall_s if self.wall_s else 0.0
+        tok = self.completion_tokens / self.wall_s if self.wall_s else 0.0
+        return (f"run-batch: {self.lines} lines ({self.ok} ok, {self.failed} failed), "
+                f"{self.skipped} skipped as already done, {self.prompt_tokens} prompt + "
+                f"{self.completion_tokens} completion tokens in {self.wall_s:.1f} s "
+                f"({rate:.2f} req/s, {tok:.1f} output tok/s)")
+
+
+@dataclasses.dataclass
+class _Job:
+    seq: int
+    custom_id: str | None
+    url: str | None = None
+    body: dict | None = None
+    status: int = 0             # set when the line is answered before any engine work
+    response: dict | None = None
+
+
+def _status_of(exc: BaseException) -> tuple[int, dict]:
+    """(HTTP status, error body) for an exception raised while answering a line."""
+    status = getattr(exc, "status", None)
+    if isinstance(status, int) and hasattr(exc, "message"):
+        body = exc.to_dict() if hasattr(exc, "to_dict") else error_body(
+            exc.message, getattr(exc, "type", "BadRequestError"), getattr(exc, "param", None),
+            status)
+        return status, body
+    try:
+        from pydantic import ValidationError
+        if isinstance(exc, ValidationError):
+            err = exc.errors()[0]
+            param = ".".join(str(p) for p in err.get("loc", ())) or None
+            return 400, error_body(f"{param}: {err.get('msg')}" if param else str(err.get("msg")),
+                                   "BadRequestError", param, 400)
+    except ImportError:
+        pass
+    if isinstance(exc, (ValueError, TypeError)):
+        return 400, error_body(str(exc), "BadRequestError", None, 400)
+    return 500, error_body(f"{type(exc).__name__}: {exc}", "InternalServerError", None, 500)
+
+
+class BatchRunner:
+    """Reads envelopes, answers them through `routes` with bounded concurrency, writes results.
+
+    routes: url -> async function(body) -> response JSON. max_in_flight: the most lines read but
+    not yet written. ordered: write in input order. resume: what the output already holds.
+    """
+
+    def __init__(self, routes: dict[str, Route], writer: JsonlWriter, *, max_in_flight: int,
+                 ordered: bool = False, resume: ResumeState | None = None, progress=None):
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.routes, self.writer = routes, writer
+        self.max_in_flight, self.ordered = max_in_flight, ordered
+        self.resume = resume or ResumeState()
+        self.progress = progress
+        self.stats = BatchStats(skipped_failed=self.resume.failed)
+        self._seen: set[str] = set()
+        self._dups: dict[str, int] = {}
+        self._anonymous = 0
+        self._open = 0                       # read and not yet written
+        self._slot_free: asyncio.Event | None = None
+        self._buffer: dict[int, dict | None] = {}   # --ordered: seq -> line (None: skipped)
+        self._next_seq = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._t0 = 0.0
+
+    # -- parsing ------------------------------------------------------------------------------
+    def _parse(self, seq: int, lineno: int, text: str) -> _Job | None:
+        """A job to run, a job already answered (status set), or None (skip: already done)."""
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            return self._bad(seq, None, f"line {lineno}: invalid JSON ({e})")
+        if not isinstance(obj, dict):
+            return self._bad(seq, None, f"line {lineno}: expected a JSON object, got "
+                                        f"{type(obj).__name__}")
+        cid = obj.get("custom_id")
+        if not isinstance(cid, str) or not cid:
+            return self._bad(seq, None, f"line {lineno}: 'custom_id' must be a non-empty string",
+                             "custom_id")
+        if cid in self._seen:
+            k = self._dups[cid] = self._dups.get(cid, 0) + 1
+            if k <= self.resume.duplicates.get(cid, 0):
+                return None
+            return self._bad(seq, cid, f"line {lineno}: duplicate custom_id {cid!r}",
+                             "custom_id", DUPLICATE_CODE)
+        self._seen.add(cid)
+        if cid in self.resume.done:
+            return None
+        if obj.get("method", "POST") != "POST":
+            return self._bad(seq, cid, f"line {lineno}: method must be 'POST', got "
+                                       f"{obj.get('method')!r}", "method")
+        url = obj.get("url")
+        if url not in self.routes:
+            return self._bad(seq, cid, f"line {lineno}: unsupported url {url!r}; expected one of "
+                                       f"{', '.join(self.routes)}", "url")
+        body = obj.get("body")
+        if not isinstance(body, dict):
+            return self._bad(seq, cid, f"line {lineno}: 'body' must be a JSON object", "body")
+        return _Job(seq, cid, url, body)
+
+    def _bad(self, seq, cid, message, param=None, code=400) -> _Job | None:
+        if cid is None:
+            self._anonymous += 1
+            if self._anonymous <= self.resume.anonymous:
+                return None       # answered by the run we resume
+        return _Job(seq, cid, status=400,
+                    response=error_body(message, "BadRequestError", param, code))
+
+    # -- running ------------------------------------------------------------------------------
+    async def run(self, lines: Iterable[str]) -> BatchStats:
+        self._t0 = time.perf_counter()
+        self._slot_free = asyncio.Event()
+        source = batch_io.non_blank(lines)
+        seq = itertools.count()
+        try:
+            while True:
+                while self._open >= self.max_in_flight:
+                    self._slot_free.clear()
+                    await self._slot_free.wait()
+                room = self.max_in_flight - self._open
+                # Read in a thread: a pipe may block, and the engine loop must keep running.
+                chunk = await asyncio.to_thread(_take, source, room)
+                if not chunk:
+                    break
+                for lineno, text in chunk:
+                    self._admit(next(seq), lineno, text)
+            while self._tasks:
+                await asyncio.wait(set(self._tasks))
+        finally:
+            for t in self._tasks:
+                t.cancel()
+            self.stats.wall_s = time.perf_counter() - self._t0
+        return self.stats
+
+    def _admit(self, seq: int, lineno: int, text: str) -> None:
+        job = self._parse(seq, lineno, text)
+        if job is None:
+            self.stats.skipped += 1
+            if self.progress is not None:
+                self.progress.update(1)
+            self._emit(seq, None)
+            return
+        self._open += 1
+        self.stats.max_in_flight = max(self.stats.max_in_flight, self._open)
+        if job.status:
+            self._emit(seq, output_line(job.custom_id, job.status, job.response))
+            return
+        task = asyncio.get_running_loop().create_task(self._answer(job))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, job: _Job) -> None:
+        try:
+            body = await self.routes[job.url](job.body)
+            status = 200
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:           # noqa: BLE001 - every failure becomes a line
+            status, body = _status_of(e)
+            if status >= 500:
+                logger.exception("request %s failed", job.custom_id)
+        request_id = body.get("id") if status == 200 else None
+        self._emit(job.seq, output_line(job.custom_id, status, body, request_id))
+
+    def _emit(self, seq: int, line: dict | None) -> None:
+        """Write a result now (completion order) or once all earlier lines are written."""
+        if not self.ordered:
+            if line is not None:
+                self._write(line)
+            return
+        self._buffer[seq] = line
+        while self._next_seq in self._buffer:
+            ready = self._buffer.pop(self._next_seq)
+            self._next_seq += 1
+            if ready is not None:
+                self._write(ready)
+
+    def _write(self, line: dict) -> None:
+        self.writer.write(line)
+        self._open -= 1
+        self._slot_free.set()
+        st = self.stats
+        st.lines += 1
+        if batch_io.is_success(line):
+            st.ok += 1
+            usage = line["response"]["body"].get("usage") or {}
+            st.prompt_tokens += usage.get("prompt_tokens") or 0
+            st.completion_tokens += usage.get("completion_tokens") or 0
+        else:
+            st.failed += 1
+        if self.progress is not None:
+            elapsed = max(time.perf_counter() - self._t0, 1e-9)
+            self.progress.set_postfix_str(f"{st.completion_tokens / elapsed:.1f} tok/s, "
+                                          f"{st.failed} failed", refresh=False)
+            self.progress.update(1)
+
+
+def _take(source: Iterator, n: int) -> list:
+    return list(itertools.islice(source, n))
+
+
+# -- the engine side: routes over the server's code -------------------------------------------------
+def engine_routes(llm, served_model_names: list[str]) -> dict[str, Route]:
+    """`/v1/completions` and `/v1/chat/completions` answered by the server's serving functions
+    on an AsyncLLM, with the server's validation and response JSON."""
+    from jaxserve.server import protocol, serving
+
+    names = list(dict.fromkeys(served_model_names))
+
+    def route(model_cls, endpoint):
+        async def answer(body: dict) -> dict:
+            body = dict(body)
+            model = body.get("model")
+            if model is None:
+                body["model"] = names[0]
+            elif model not in names:
+                raise protocol.OpenAIError(404, f"The model `{model}` does not exist.",
+                                           "NotFoundError", "model")
+            if body.get("stream"):
+                raise protocol.OpenAIError(400, "stream is not supported in batch jobs",
+                                           param="stream")
+            request = model_cls.model_validate(body)
+            return await endpoint(llm, request)
+        return answer
+
+    return {"/v1/completions": route(protocol.CompletionRequest, serving.create_completion),
+            "/v1/chat/completions": route(protocol.ChatCompletionRequest,
+                                          serving.create_chat_completion)}
+
+
+# -- CLI -----------------------------------------------------------------------------------------
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers `run-batch` on the `jaxserve` CLI (called by cli.py's subcommand registry)."""
+    from jaxserve import cli
+    p = subparsers.add_parser(
+        "run-batch", help="run an OpenAI Batch JSONL file through the engine offline",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-i", "--input-file", required=True, help="input JSONL ('-' for stdin)")
+    p.add_argument("-o", "--output-file", required=True, help="output JSONL ('-' for stdout)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the output file and skip the custom_ids it already answers")
+    p.add_argument("--ordered", action="store_true",
+                   help="write results in input order (default: completion order)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="lines read but not yet written (default: 2 x max_num_seqs)")
+    p.add_argument("--disable-progress-bar", action="store_true")
+    cli.add_engine_args(p)
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    from jaxserve import cli
+    if args.resume and args.output_file == "-":
+        print("run-batch: --resume needs an output file, not stdout", file=sys.stderr)
+        return 2
+    engine_args = cli.engine_args_from(args)
+    return asyncio.run(_main(args, engine_args))
+
+
+async def _main(args, engine_args) -> int:
+    from jaxserve.async_engine import AsyncLLM
+
+    resume = batch_io.repair_and_scan(args.output_file) if args.resume else ResumeState()
+    if resume.truncated_bytes:
+        print(f"run-batch: truncated a torn last line ({resume.truncated_bytes} bytes)",
+              file=sys.stderr)
+    llm = AsyncLLM(engine_args)
+    await llm.start()
+    names = [llm.model_name] + [n for n in _aliases(engine_args) if n != llm.model_name]
+    limit = args.max_concurrency or 2 * engine_args.max_num_seqs
+    total = batch_io.count_lines(args.input_file)
+    progress = None
+    if not args.disable_progress_bar:
+        from tqdm.auto import tqdm
+        progress = tqdm(total=total, desc="run-batch", unit="req", file=sys.stderr,
+                        dynamic_ncols=True, smoothing=0.1)
+    writer = JsonlWriter.open(args.output_file, append=args.resume)
+    try:
+        with batch_io.open_input(args.input_file) as lines:
+            runner = BatchRunner(engine_routes(llm, names), writer, max_in_flight=limit,
+                                 ordered=args.ordered, resume=resume, progress=progress)
+            stats = await runner.run(lines)
+    finally:
+        writer.close()
+        if progress is not None:
+            progress.close()
+        await llm.shutdown(graceful=False)
+    print(stats.summary(), file=sys.stderr)
+    return stats.exit_code
+
+
+def _aliases(engine_args) -> list[str]:
+    name = engine_args.served_model_name
+    if not name:
+        return []
+    return list(name) if isinstance(name, (list, tuple)) else [name]

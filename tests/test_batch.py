@@ -1,0 +1,158 @@
+"""`jaxserve run-batch`: JSONL mechanics with fake routes (fast), then the real CLI on the default
+model in subprocesses (SIGKILL + --resume, bad lines, 404, stdin/stdout, --ordered)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxserve import batch_io
+from jaxserve.batch import BatchRunner
+from jaxserve.batch_io import JsonlWriter
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def envelope(cid, url="/v1/completions", **body):
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
+
+
+class FakeEngine:
+    """Routes that answer after a delay given in the body, counting concurrent requests."""
+
+    def __init__(self):
+        self.active = self.max_active = self.calls = 0
+
+    def routes(self):
+        async def answer(body):
+            if body.get("bad"):
+                raise ValueError("bad body")
+            self.calls += 1
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+            try:
+                await asyncio.sleep(body.get("delay", 0.001))
+            finally:
+                self.active -= 1
+            return {"id": f"cmpl-{body['n']}", "choices": [{"text": str(body["n"])}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
+        return {"/v1/completions": answer, "/v1/chat/completions": answer}
+
+
+def run_fake(lines, *, max_in_flight=4, ordered=False, out_path=None, resume=None, fake=None):
+    fake = fake or FakeEngine()
+    stream = io.StringIO() if out_path is None else open(out_path, "a")
+    writer = JsonlWriter(stream, close=out_path is not None)
+    runner = BatchRunner(fake.routes(), writer, max_in_flight=max_in_flight, ordered=ordered,
+                         resume=resume)
+    stats = asyncio.run(runner.run(lines))
+    text = stream.getvalue() if out_path is None else None
+    writer.close()
+    if out_path is not None:
+        text = Path(out_path).read_text()
+    return stats, [json.loads(x) for x in text.splitlines()], fake
+
+
+def test_output_format_and_completion_order():
+    # later lines are faster, so completion order differs from input order
+    lines = [envelope(f"r{i}", n=i, delay=0.02 * (5 - i)) for i in range(5)]
+    stats, out, _ = run_fake(lines, max_in_flight=8)
+    assert stats.ok == 5 and stats.failed == 0 and stats.exit_code == 0
+    assert [o["custom_id"] for o in out] == ["r4", "r3", "r2", "r1", "r0"]
+    line = out[0]
+    assert set(line) == {"id", "custom_id", "response", "error"}
+    assert line["id"].startswith("batch_req_") and line["error"] is None
+    assert line["response"]["status_code"] == 200
+    assert line["response"]["request_id"] == "cmpl-4"
+    assert line["response"]["body"]["choices"][0]["text"] == "4"
+    assert stats.completion_tokens == 10 and stats.prompt_tokens == 5
+
+
+def test_ordered_output_keeps_input_order():
+    lines = [envelope(f"r{i}", n=i, delay=0.01 * ((7 * i) % 5)) for i in range(20)]
+    stats, out, fake = run_fake(lines, max_in_flight=6, ordered=True)
+    assert [o["custom_id"] for o in out] == [f"r{i}" for i in range(20)]
+    assert stats.max_in_flight <= 6 and fake.max_active <= 6
+
+
+def test_bad_lines_become_400_and_job_goes_on():
+    lines = ["{not json", json.dumps([1, 2]), json.dumps({"method": "POST", "url": "/v1/completions",
+                                                          "body": {}}),
+             envelope("a", n=1), envelope("a", n=2),                       # duplicate id
+             envelope("u", url="/v1/embeddings", n=3),                     # unknown url
+             json.dumps({"custom_id": "m", "method": "GET", "url": "/v1/completions", "body": {}}),
+             json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/completions",
+                         "body": "x"}),
+             envelope("v", n=4, bad=True),                                 # route says 400
+             "", "   ",                                                     # blank: ignored
+             envelope("ok", n=5)]
+    stats, out, _ = run_fake(lines)
+    by_status = {}
+    for o in out:
+        by_status.setdefault(o["response"]["status_code"], []).append(o)
+    assert sorted(o["custom_id"] for o in by_status[200]) == ["a", "ok"]
+    bad = by_status[400]
+    assert len(bad) == 8 and stats.failed == 8 and stats.exit_code == 1
+    for o in bad:
+        err = o["response"]["body"]["error"]
+        assert err["message"] and err["type"] == "BadRequestError" and o["error"] is None
+    assert [o["custom_id"] for o in bad].count(None) == 3
+    params = {o["custom_id"]: o["response"]["body"]["error"]["param"] for o in bad
+              if o["custom_id"]}
+    assert params == {"a": "custom_id", "u": "url", "m": "method", "b": "body", "v": None}
+
+
+def test_reader_is_lazy_and_in_flight_is_bounded():
+    produced = []
+    fake = FakeEngine()
+    window = 5
+
+    def lines():        # a generator: the runner can only read it as fast as it asks
+        for i in range(300):
+            # never more than `window` lines read ahead of those the engine has finished
+            assert i - (fake.calls - fake.active) <= window + 1
+            produced.append(i)
+            yield envelope(f"r{i}", n=i, delay=0.0005 * (i % 3))
+
+    stats, out, _ = run_fake(lines(), max_in_flight=window, fake=fake)
+    assert stats.ok == 300 and len(out) == 300
+    assert fake.max_active <= window and stats.max_in_flight <= window
+    assert len({o["custom_id"] for o in out}) == 300
+
+
+def test_resume_repairs_torn_line_and_skips_done(tmp_path):
+    out = tmp_path / "out.jsonl"
+    lines = (["{bad"] + [envelope(f"r{i}", n=i) for i in range(10)] + [envelope("r3", n=99)])
+    # a first run that got 4 lines out (one anonymous error, r0..r2), then died mid-line
+    first = [batch_io.output_line(None, 400, batch_io.error_body("bad"))] + \
+        [batch_io.output_line(f"r{i}", 200, {"id": f"x{i}"}) for i in range(3)]
+    out.write_text("".join(json.dumps(x) + "\n" for x in first) + '{"id": "batch_req_1", "cus')
+    state = batch_io.repair_and_scan(str(out))
+    assert state.truncated_bytes > 0 and state.done == {"r0", "r1", "r2"}
+    assert state.anonymous == 1 and state.failed == 1
+    assert out.read_text().endswith("\n")
+    stats, result, _ = run_fake(lines, out_path=str(out), resume=state)
+    ids = [o["custom_id"] for o in result]
+    assert ids.count(None) == 1
+    assert sorted(i for i in ids if i) == sorted([f"r{i}" for i in range(10)] + ["r3"])
+    assert stats.skipped == 4 and stats.exit_code == 1     # the bad line and the repeat fail
+    # resuming a complete file does nothing
+    state = batch_io.repair_and_scan(str(out))
+    stats, again, _ = run_fake(lines, out_path=str(out), resume=state)
+    assert again == result and stats.lines == 0 and stats.skipped == 12
+
+
+def test_count_lines(tmp_path):
+    p = tmp_path / "x.jsonl"
+    p.write_text("a\nb\nc")
+    assert batch_io.count_lines(str(p)) == 3
+    assert batch_io.count_lines("-") is None
