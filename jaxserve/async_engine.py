@@ -1,0 +1,311 @@
+"""`AsyncLLM`: the engine behind an asyncio server.
+
+One asyncio task owns the engine. Each `LLMEngine.step()` runs in a single worker thread
+(`run_in_executor` on a 1-thread pool) so the event loop never blocks; adds and aborts from
+request handlers are queued and applied by that task between steps, never while a step runs
+(the engine is not thread-safe). Every request has its own `asyncio.Queue` of `RequestOutput`s;
+a consumer that stops iterating, or whose task is cancelled (client disconnect), aborts its
+request at once so its KV blocks are freed.
+
+    llm = AsyncLLM(EngineArgs(...))
+    await llm.start()                      # builds the engine in the worker thread
+    async for out in llm.generate("Hi", SamplingParams(output_kind=DELTA), "req-1"):
+        ...
+    await llm.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from typing import AsyncIterator, Callable, Optional
+
+from jaxserve.config import EngineArgs
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxserve")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; no request can be served any more."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """More requests are waiting than --max-waiting-requests allows."""
+
+
+@dataclasses.dataclass
+class _Add:
+    request_id: str
+    prompt: object
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    accepted: asyncio.Future
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator. `close()` aborts it if unfinished."""
+
+    def __init__(self, llm: "AsyncLLM", request_id: str):
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        self._llm = llm
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self.queue.get()
+        except BaseException:       # cancelled (client gone): free the request's blocks now
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._llm.abort(self.request_id)
+
+
+class AsyncLLM:
+    """Async front of `LLMEngine`; see the module docstring.
+
+    engine_args: how to build the engine (in the worker thread, on `start()`); or pass a built
+    `engine` instead. max_waiting_requests: adds beyond this many waiting requests raise
+    `EngineOverloadedError` (HTTP 503). on_output: called on the event loop with every
+    RequestOutput and its arrival time (the server's metrics hook).
+    """
+
+    def __init__(self, engine_args: EngineArgs | None = None, *, engine=None, warmup: bool = True,
+                 max_waiting_requests: int | None = None,
+                 on_output: Callable[[RequestOutput, float], None] | None = None):
+        if (engine_args is None) == (engine is None):
+            raise ValueError("pass exactly one of engine_args or engine")
+        self.engine_args = engine_args if engine_args is not None else engine.args
+        self.engine = engine
+        self.warmup = warmup
+        self.max_waiting_requests = max_waiting_requests
+        self.on_output = on_output
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-engine")
+        self._streams: dict[str, RequestStream] = {}
+        self._arrivals: dict[str, float] = {}
+        self._adds: list[_Add] = []
+        self._aborts: list[str] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._accepting = True
+        self.errored = False
+        self.error: BaseException | None = None
+        self.stats = None               # EngineStats after the last step (for /metrics)
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    @property
+    def is_ready(self) -> bool:
+        return self._task is not None and not self._task.done() and not self.errored
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        """Build the engine (if needed) without blocking the loop, then start the loop task."""
+        loop = asyncio.get_running_loop()
+        if self.engine is None:
+            from jaxserve.engine import LLMEngine
+            try:
+                self.engine = await loop.run_in_executor(
+                    self._executor, lambda: LLMEngine(self.engine_args, warmup=self.warmup))
+            except BaseException as e:
+                self.errored, self.error = True, e
+                raise
+        self.stats = self.engine.stats()
+        self._wake = asyncio.Event()
+        self._task = loop.create_task(self._run(), name="jaxserve-engine-loop")
+
+    async def shutdown(self, graceful: bool = True, timeout: float | None = 30.0) -> None:
+        """Stop accepting requests; with graceful, let in-flight ones finish (up to timeout
+        seconds), then abort the rest, stop the loop and free the engine."""
+        self._accepting = False
+        if graceful and self.is_running:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self._streams and (deadline is None or time.monotonic() < deadline):
+                await asyncio.sleep(0.05)
+        if self._streams:
+            for rid in list(self._streams):
+                self.abort(rid)
+            for _ in range(100):
+                if not self._streams or not self.is_running:
+                    break
+                await asyncio.sleep(0.02)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for stream in list(self._streams.values()):
+            stream.queue.put_nowait(EngineDeadError("the server is shutting down"))
+        self._streams.clear()
+        if self.engine is not None:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, self.engine.shutdown)
+        self._executor.shutdown(wait=False)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def num_waiting(self) -> int:
+        return (self.stats.num_waiting if self.stats else 0) + len(self._adds)
+
+    async def add_request(self, request_id: str, prompt, params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
+        """Queue a request; returns its stream once the engine has accepted it. Raises
+        ValueError (the engine's validation), EngineOverloadedError or EngineDeadError."""
+        self._check_alive()
+        if self.max_waiting_requests is not None and \
+                self.num_waiting() >= self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"The server is overloaded: {self.num_waiting()} requests are waiting "
+                f"(--max-waiting-requests {self.max_waiting_requests}); retry later.")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        accepted = asyncio.get_running_loop().create_future()
+        self._adds.append(_Add(request_id, prompt, params, priority, time.time(), accepted))
+        self._wake.set()
+        try:
+            await accepted
+        except BaseException:
+            if accepted.done() and not accepted.cancelled() and accepted.exception() is None:
+                self.abort(request_id)      # accepted, then cancelled before we resumed
+            else:
+                self._streams.pop(request_id, None)   # rejected, or cancelled while queued
+            raise
+        return stream
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request (DELTA, CUMULATIVE or FINAL_ONLY as params.output_kind says).
+        Leaving the loop early or cancelling the consuming task aborts the request."""
+        stream = await self.add_request(request_id, prompt, params, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op when it has finished). Applied before the next step."""
+        if self._wake is None:
+            return
+        self._aborts.append(request_id)
+        self._wake.set()
+
+    def _check_alive(self) -> None:
+        if self.errored:
+            raise EngineDeadError(f"The engine is dead: {self.error!r}")
+        if not self._accepting or not self.is_running:
+            raise EngineDeadError("The server is not accepting requests (starting up or "
+                                  "shutting down).")
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _apply_pending(self) -> None:
+        adds, self._adds = self._adds, []
+        for add in adds:
+            if add.accepted.done():             # the caller gave up while it was queued
+                continue
+            try:
+                self.engine.add_request(add.request_id, add.prompt, add.params,
+                                        arrival_time=add.arrival_time, priority=add.priority)
+            except Exception as e:
+                self._streams.pop(add.request_id, None)
+                add.accepted.set_exception(e)
+                continue
+            self._arrivals[add.request_id] = add.arrival_time
+            add.accepted.set_result(None)
+        aborts, self._aborts = self._aborts, []
+        live = [rid for rid in dict.fromkeys(aborts) if rid in self._arrivals]
+        if live:
+            self.engine.abort_request(live)
+        for rid in aborts:
+            if rid not in self._arrivals:
+                self._streams.pop(rid, None)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            arrival = self._arrivals.get(out.request_id, time.time())
+            if out.finished:
+                self._arrivals.pop(out.request_id, None)
+                stream = self._streams.pop(out.request_id, None)
+            else:
+                stream = self._streams.get(out.request_id)
+            if self.on_output is not None:
+                try:
+                    self.on_output(out, arrival)
+                except Exception:
+                    logger.exception("metrics hook failed")
+            if stream is not None and not stream.finished:
+                stream.queue.put_nowait(out)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+        try:
+            while True:
+                self._apply_pending()
+                if not engine.has_unfinished_requests():
+                    self.stats = engine.stats()
+                    self._wake.clear()
+                    if not self._adds and not self._aborts:
+                        await self._wake.wait()
+                    continue
+                outputs = await loop.run_in_executor(self._executor, engine.step)
+                self.stats = engine.stats()
+                self._dispatch(outputs)
+                await asyncio.sleep(0)      # let handlers run between steps
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            logger.exception("engine loop failed; the server answers 503 from now on")
+            self.errored, self.error = True, e
+            dead = EngineDeadError(f"The engine is dead: {e!r}")
+            for add in self._adds:
+                if not add.accepted.done():
+                    add.accepted.set_exception(dead)
+            for stream in self._streams.values():
+                stream.queue.put_nowait(dead)
+            self._streams.clear()
+
+    # -- engine facts the server needs --------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def max_logprobs(self) -> int:
+        return self.engine_args.max_logprobs

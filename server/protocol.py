@@ -1,0 +1,243 @@
+"""OpenAI protocol models (pydantic v2) shared by the HTTP server and the offline batch runner.
+
+Request fields keep the order of the OpenAI API reference, followed by vLLM's extra sampling
+fields. Unknown fields are accepted (`extra="allow"`) and logged, as vLLM does. Each request
+builds its `SamplingParams` with `to_sampling_params(default_max_tokens, ...)`; range checks stay
+in `SamplingParams` so every entry point reports the same message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("jaxserve.server")
+
+
+class OpenAIError(Exception):
+    """A failure reported to the client as `{"error": {"message", "type", "param", "code"}}`."""
+
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+             500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+    def __init__(self, status: int, message: str, type: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or self.TYPES.get(status, "BadRequestError")
+        self.param = param
+
+    def to_dict(self) -> dict:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
+                                             param=self.param, code=self.status)).model_dump()
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are kept (vLLM accepts them) and logged once per request.
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_extra_fields(self):
+        if self.model_extra:
+            logger.warning("The following fields were present in the request but ignored: %s",
+                           sorted(self.model_extra))
+        return self
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: Optional[bool] = True
+    continuous_usage_stats: Optional[bool] = False
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """vLLM's extra sampling fields, accepted by both completion and chat requests."""
+
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    length_penalty: float = 1.0
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    add_special_tokens: Optional[bool] = None
+    priority: int = 0
+    request_id: Optional[str] = None
+
+    def _check_stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return self
+
+    def _sampling(self, *, max_tokens: int, logprobs: Optional[int], stream: bool,
+                  temperature: Optional[float], top_p: Optional[float], n: Optional[int],
+                  presence_penalty, frequency_penalty, seed, stop, logit_bias,
+                  prompt_logprobs: Optional[int]) -> SamplingParams:
+        return SamplingParams.from_optional(
+            n=n, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repetition_penalty=self.repetition_penalty, temperature=temperature, top_p=top_p,
+            top_k=self.top_k, min_p=self.min_p, seed=seed, stop=stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=logit_bias,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+
+
+class CompletionRequest(_SamplingFields):
+    # OpenAI fields, in the order of https://platform.openai.com/docs/api-reference/completions
+    model: Optional[str] = None
+    prompt: Union[list[int], list[list[int]], str, list[str]]
+    best_of: Optional[int] = None
+    echo: Optional[bool] = False
+    frequency_penalty: Optional[float] = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    logprobs: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    n: int = 1
+    presence_penalty: Optional[float] = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    suffix: Optional[str] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    user: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _validate(self):
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        return self._check_stream_options()
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """default_max_tokens: what is left of max_model_len after the prompt."""
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = self.logprobs   # echo shows the prompt's logprobs too
+        return self._sampling(max_tokens=max_tokens, logprobs=self.logprobs,
+                              stream=bool(self.stream), temperature=self.temperature,
+                              top_p=self.top_p, n=self.n, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, seed=self.seed,
+                              stop=self.stop, logit_bias=self.logit_bias,
+                              prompt_logprobs=prompt_logprobs)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    # OpenAI fields, in the order of https://platform.openai.com/docs/api-reference/chat/create
+    messages: list[dict[str, Any]]
+    model: Optional[str] = None
+    frequency_penalty: Optional[float] = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = 0
+    max_tokens: Optional[int] = None   # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: Optional[int] = None
+    n: Optional[int] = 1
+    presence_penalty: Optional[float] = 0.0
+    response_format: Optional[dict[str, Any]] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = "none"
+    parallel_tool_calls: Optional[bool] = False
+    user: Optional[str] = None
+    # vLLM's chat extras
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _validate(self):
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise ValueError("`top_logprobs` must be a positive value.")
+        return self._check_stream_options()
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        asked = self.requested_max_tokens()
+        max_tokens = default_max_tokens if asked is None else asked
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling(max_tokens=max_tokens, logprobs=logprobs, stream=bool(self.stream),
+                              temperature=self.temperature, top_p=self.top_p, n=self.n,
+                              presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, seed=self.seed,
+                              stop=self.stop, logit_bias=self.logit_bias,
+                              prompt_logprobs=self.prompt_logprobs)
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[dict[str, Any]]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of `prompt` or `messages` must be given")
+        return self
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: Optional[int] = 0
+    prompt_tokens_details: Optional[dict[str, int]] = None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    details = None if cached_tokens is None else {"cached_tokens": cached_tokens}
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=details).model_dump()
+
+
+def model_card(name: str, root: str, max_model_len: int) -> dict:
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "jaxserve",
+            "root": root, "parent": None, "max_model_len": max_model_len}
+
+
+Object = Literal["text_completion", "chat.completion", "chat.completion.chunk"]

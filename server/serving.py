@@ -1,0 +1,512 @@
+"""Endpoint logic of the OpenAI-compatible API, independent of HTTP.
+
+`OpenAIServing(engine: AsyncLLM, served_model_names)` has one coroutine per endpoint taking a
+validated request model. Non-streaming calls return the JSON body as a dict; streaming calls
+return an async iterator of SSE strings (`"data: {...}\\n\\n"`, ending with `"data: [DONE]\\n\\n"`)
+after the request has been accepted, so every validation failure is raised before the first
+byte as an `OpenAIError` (400, 404, 503). The aiohttp routes (api_server.py) and the offline batch
+runner both call these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator, Optional
+
+from jaxserve.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      OpenAIError, TokenizeRequest, model_card, usage)
+
+logger = logging.getLogger("jaxserve.server")
+
+__all__ = ["OpenAIServing", "OpenAIError", "sse", "SSE_DONE"]
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Prompt:
+    """One prompt after tokenization: its text (for echo) and token ids."""
+
+    def __init__(self, text: Optional[str], token_ids: list[int]):
+        self.text = text
+        self.token_ids = token_ids
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str] | None = None,
+                 response_role: str = "assistant", model_root: str | None = None):
+        self.engine = engine
+        self.served_model_names = list(served_model_names or [])
+        self.response_role = response_role
+        self.model_root = model_root
+
+    # -- shared checks ------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0] if self.served_model_names else self.engine.model_name
+
+    def check_model(self, name: Optional[str]) -> str:
+        names = self.served_model_names or [self.engine.model_name]
+        if name is None or name in names:
+            return name or names[0]
+        raise OpenAIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
+
+    def _check_prompt(self, token_ids: list[int], max_tokens: Optional[int]) -> int:
+        """Validate one prompt; returns the default max_tokens (room left in the context)."""
+        n, limit = len(token_ids), self.engine.max_model_len
+        if n == 0:
+            raise OpenAIError(400, "The decoder prompt cannot be empty", param="prompt")
+        vocab = self.engine.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise OpenAIError(400, f"Token id {bad} is out of vocabulary (prompt_token_ids must "
+                                   f"be in [0, {vocab}))", param="prompt")
+        if max_tokens is None and n >= limit:
+            raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. "
+                                   f"However, your request has {n} input tokens. Please reduce "
+                                   "the length of the input messages.", param="messages")
+        if max_tokens is not None and n + max_tokens > limit:
+            raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. "
+                                   f"However, you requested {n + max_tokens} tokens ({n} in the "
+                                   f"messages, {max_tokens} in the completion). Please reduce "
+                                   "the length of the messages or completion.",
+                              param="max_tokens")
+        return limit - n
+
+    def _check_logprobs(self, num: Optional[int], param: str) -> None:
+        top = self.engine.max_logprobs
+        if num is not None and not 0 <= num <= top:
+            raise OpenAIError(400, f"`{param}` must be in [0, {top}], got {num} (the server's "
+                                   f"--max-logprobs is {top})", param=param)
+
+    @staticmethod
+    def _params(build, default_max_tokens: int) -> SamplingParams:
+        try:
+            return build(default_max_tokens)
+        except ValueError as e:
+            raise OpenAIError(400, str(e)) from None
+
+    async def _add(self, request_id: str, prompt: _Prompt, params: SamplingParams,
+                   priority: int) -> RequestStream:
+        try:
+            return await self.engine.add_request(
+                request_id, {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
+                params, priority)
+        except ValueError as e:
+            raise OpenAIError(400, str(e)) from None
+        except (EngineOverloadedError, EngineDeadError) as e:
+            raise OpenAIError(503, str(e)) from None
+
+    async def _add_all(self, base_id: str, prompts: list[_Prompt], params: list[SamplingParams],
+                       priority: int) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                streams.append(await self._add(rid, prompt, sp, priority))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return streams
+
+    # -- /v1/completions ----------------------------------------------------------------------
+    def _completion_prompts(self, request: CompletionRequest) -> list[_Prompt]:
+        p = request.prompt
+        tok = self.engine.tokenizer
+        add_special = True if request.add_special_tokens is None else request.add_special_tokens
+        if isinstance(p, str):
+            raw = [p]
+        elif not p:
+            raw = [[]]
+        elif isinstance(p[0], int):
+            raw = [list(p)]
+        else:
+            raw = list(p)
+        prompts = []
+        for item in raw:
+            if isinstance(item, str):
+                prompts.append(_Prompt(item, tok.encode(item, add_special_tokens=add_special)
+                                       if item else []))
+            else:
+                prompts.append(_Prompt(None, list(item)))
+        if request.truncate_prompt_tokens is not None:
+            k = request.truncate_prompt_tokens
+            for pr in prompts:
+                if k > 0 and len(pr.token_ids) > k:
+                    pr.token_ids, pr.text = pr.token_ids[-k:], None
+        return prompts
+
+    async def create_completion(self, request: CompletionRequest,
+                                request_id: str | None = None) -> dict | AsyncIterator[str]:
+        model = self.check_model(request.model)
+        self._check_logprobs(request.logprobs, "logprobs")
+        self._check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        if request.best_of is not None and request.best_of != request.n:
+            raise OpenAIError(400, "best_of different from n is not supported", param="best_of")
+        prompts = self._completion_prompts(request)
+        params = []
+        for pr in prompts:
+            room = self._check_prompt(pr.token_ids, request.max_tokens)
+            params.append(self._params(request.to_sampling_params, room))
+        for pr in prompts:
+            if pr.text is None and request.echo:
+                pr.text = self.engine.tokenizer.decode(pr.token_ids, skip_special_tokens=False)
+        base_id = request_id or request.request_id or random_id("cmpl")
+        streams = await self._add_all(base_id, prompts, params, request.priority)
+        created = int(time.time())
+        if request.stream:
+            return self._completion_stream(request, model, base_id, created, prompts, streams)
+        finals = await _collect_all(streams)
+        return self._completion_response(request, model, base_id, created, prompts, finals)
+
+    def _completion_response(self, request, model, rid, created, prompts, finals) -> dict:
+        tok = self.engine.tokenizer
+        choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+        n = request.n
+        for i, (pr, out) in enumerate(zip(prompts, finals)):
+            prompt_tokens += len(out.prompt_token_ids)
+            cached += out.num_cached_tokens
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                text, lp = c.text, None
+                if request.echo:
+                    text = (pr.text or "") + c.text
+                if request.logprobs is not None:
+                    ids, steps = list(c.token_ids), list(c.logprobs or [])
+                    if request.echo:
+                        ids = list(out.prompt_token_ids) + ids
+                        steps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) \
+                            + steps
+                    lp = completion_logprobs(tok, ids, steps, 0)
+                choice = {"index": i * n + c.index, "text": text, "logprobs": lp,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if request.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                choices.append(choice)
+        choices.sort(key=lambda ch: ch["index"])
+        return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": choices,
+                "usage": usage(prompt_tokens, completion_tokens, cached)}
+
+    async def _completion_stream(self, request, model, rid, created, prompts,
+                                 streams) -> AsyncIterator[str]:
+        tok = self.engine.tokenizer
+        n = request.n
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts.continuous_usage_stats)
+        echoed, finished, offsets, out_tokens = set(), set(), {}, {}
+        prompt_tokens, cached = {}, {}
+        prompt_lps: dict[int, list] = {}
+        try:
+            async for i, out in _merge(streams):
+                prompt_tokens[i] = len(out.prompt_token_ids)
+                cached[i] = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    prompt_lps[i] = out.prompt_logprobs
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    if idx in finished:
+                        continue
+                    text, ids, steps = c.text, list(c.token_ids), list(c.logprobs or [])
+                    if request.echo and idx not in echoed:
+                        echoed.add(idx)
+                        text = (prompts[i].text or "") + text
+                        pids = list(out.prompt_token_ids)
+                        ids = pids + ids
+                        steps = list(prompt_lps.get(i) or [None] * len(pids)) + steps
+                    out_tokens[idx] = out_tokens.get(idx, 0) + len(c.token_ids)
+                    if not text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    lp = None
+                    if request.logprobs is not None:
+                        lp = completion_logprobs(tok, ids, steps, offsets.get(idx, 0))
+                    offsets[idx] = offsets.get(idx, 0) + len(text)
+                    if c.finish_reason is not None:
+                        finished.add(idx)
+                    chunk = {"id": rid, "object": "text_completion", "created": created,
+                             "model": model,
+                             "choices": [{"index": idx, "text": text, "logprobs": lp,
+                                          "finish_reason": c.finish_reason,
+                                          "stop_reason": c.stop_reason}]}
+                    if continuous:
+                        chunk["usage"] = usage(sum(prompt_tokens.values()),
+                                               sum(out_tokens.values()))
+                    yield sse(chunk)
+            if include_usage:
+                yield sse({"id": rid, "object": "text_completion", "created": created,
+                           "model": model, "choices": [],
+                           "usage": usage(sum(prompt_tokens.values()), sum(out_tokens.values()),
+                                          sum(cached.values()))})
+        except (EngineDeadError, OpenAIError) as e:
+            err = e if isinstance(e, OpenAIError) else OpenAIError(503, str(e))
+            yield sse(err.to_dict())
+        yield SSE_DONE
+
+    # -- /v1/chat/completions -----------------------------------------------------------------
+    def _chat_prompt(self, request: ChatCompletionRequest) -> _Prompt:
+        messages = [_flatten_content(m) for m in request.messages]
+        try:
+            ids = self.engine.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=request.add_generation_prompt, tokenize=True,
+                tools=request.tools, chat_template=request.chat_template,
+                continue_final_message=request.continue_final_message,
+                **(request.chat_template_kwargs or {}))
+        except (ValueError, TypeError, KeyError) as e:
+            raise OpenAIError(400, f"could not apply the chat template: {e}",
+                              param="messages") from None
+        except Exception as e:      # jinja2 errors (raise_exception in templates)
+            raise OpenAIError(400, f"could not apply the chat template: {e}",
+                              param="messages") from None
+        return _Prompt(None, ids)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest,
+                                     request_id: str | None = None) -> dict | AsyncIterator[str]:
+        model = self.check_model(request.model)
+        if request.logprobs:
+            self._check_logprobs(request.top_logprobs, "top_logprobs")
+        self._check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        if not request.messages:
+            raise OpenAIError(400, "messages must contain at least one message",
+                              param="messages")
+        prompt = self._chat_prompt(request)
+        room = self._check_prompt(prompt.token_ids, request.requested_max_tokens())
+        params = self._params(request.to_sampling_params, room)
+        base_id = request_id or request.request_id or random_id("chatcmpl")
+        streams = await self._add_all(base_id, [prompt], [params], request.priority)
+        created = int(time.time())
+        if request.stream:
+            return self._chat_stream(request, model, base_id, created, streams)
+        (out,) = await _collect_all(streams)
+        return self._chat_response(request, model, base_id, created, out)
+
+    def _echo_prefix(self, request: ChatCompletionRequest) -> str:
+        if request.echo and request.messages and \
+                request.messages[-1].get("role") == self.response_role:
+            return _flatten_content(request.messages[-1]).get("content") or ""
+        return ""
+
+    def _chat_response(self, request, model, rid, created, out: RequestOutput) -> dict:
+        tok = self.engine.tokenizer
+        prefix = self._echo_prefix(request)
+        choices, completion_tokens = [], 0
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            lp = chat_logprobs(tok, c.token_ids, c.logprobs or [], request.top_logprobs or 0) \
+                if request.logprobs else None
+            choices.append({"index": c.index,
+                            "message": {"role": self.response_role, "content": prefix + c.text,
+                                        "tool_calls": []},
+                            "logprobs": lp, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason})
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": choices,
+                "usage": usage(len(out.prompt_token_ids), completion_tokens,
+                               out.num_cached_tokens)}
+        if request.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+        return body
+
+    async def _chat_stream(self, request, model, rid, created, streams) -> AsyncIterator[str]:
+        tok = self.engine.tokenizer
+        n = request.n or 1
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts.continuous_usage_stats)
+        prefix = self._echo_prefix(request)
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        finished, out_tokens = set(), {}
+        prompt_tokens, cached = 0, 0
+        try:
+            for i in range(n):
+                first = {**base, "choices": [{"index": i,
+                                              "delta": {"role": self.response_role,
+                                                        "content": prefix},
+                                              "logprobs": None, "finish_reason": None}]}
+                if continuous:
+                    first["usage"] = usage(0, 0)
+                yield sse(first)
+            async for _, out in _merge(streams):
+                prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
+                for c in out.outputs:
+                    if c.index in finished:
+                        continue
+                    out_tokens[c.index] = out_tokens.get(c.index, 0) + len(c.token_ids)
+                    if not c.text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    lp = chat_logprobs(tok, c.token_ids, c.logprobs or [],
+                                       request.top_logprobs or 0) if request.logprobs else None
+                    if c.finish_reason is not None:
+                        finished.add(c.index)
+                    delta = {"content": c.text} if (c.text or c.finish_reason is None) else {}
+                    chunk = {**base, "choices": [{"index": c.index, "delta": delta,
+                                                  "logprobs": lp,
+                                                  "finish_reason": c.finish_reason,
+                                                  "stop_reason": c.stop_reason}]}
+                    if continuous:
+                        chunk["usage"] = usage(prompt_tokens, sum(out_tokens.values()))
+                    yield sse(chunk)
+            if include_usage:
+                yield sse({**base, "choices": [],
+                           "usage": usage(prompt_tokens, sum(out_tokens.values()), cached)})
+        except (EngineDeadError, OpenAIError) as e:
+            err = e if isinstance(e, OpenAIError) else OpenAIError(503, str(e))
+            yield sse(err.to_dict())
+        yield SSE_DONE
+
+    # -- models, tokenize ---------------------------------------------------------------------
+    def show_models(self) -> dict:
+        names = self.served_model_names or [self.engine.model_name]
+        root = self.model_root or names[0]
+        return {"object": "list",
+                "data": [model_card(name, root, self.engine.max_model_len) for name in names]}
+
+    def tokenize(self, request: TokenizeRequest) -> dict:
+        self.check_model(request.model)
+        tok = self.engine.tokenizer
+        if request.messages is not None:
+            try:
+                ids = tok.apply_chat_template([_flatten_content(m) for m in request.messages],
+                                              add_generation_prompt=request.add_generation_prompt,
+                                              tokenize=True)
+            except Exception as e:
+                raise OpenAIError(400, f"could not apply the chat template: {e}",
+                                  param="messages") from None
+        else:
+            ids = tok.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids,
+                "token_strs": tok.convert_ids_to_tokens(ids) if request.return_token_strs
+                else None}
+
+    def detokenize(self, request: DetokenizeRequest) -> dict:
+        self.check_model(request.model)
+        vocab = self.engine.vocab_size
+        bad = next((t for t in request.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise OpenAIError(400, f"Token id {bad} is out of vocabulary", param="tokens")
+        return {"prompt": self.engine.tokenizer.decode(request.tokens)}
+
+
+# -- helpers ----------------------------------------------------------------------------------
+async def _collect_all(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The final output of each stream (FINAL_ONLY requests yield exactly one)."""
+    async def last(stream: RequestStream) -> RequestOutput:
+        final = None
+        async for out in stream:
+            final = out
+        return final
+
+    try:
+        return list(await asyncio.gather(*(last(s) for s in streams)))
+    except EngineDeadError as e:
+        raise OpenAIError(503, str(e)) from None
+    finally:
+        for s in streams:
+            s.close()
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as (stream index, output); closes them all on exit."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
+        return
+    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()
+        for s in streams:
+            s.close()
+
+
+def _flatten_content(message: dict) -> dict:
+    """OpenAI content parts ([{"type": "text", "text": ...}]) -> one string."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text", "") for p in content if isinstance(p, dict)
+                 and p.get("type") == "text"]
+        message = {**message, "content": "\n".join(texts)}
+    return message
+
+
+def _lp(value: float) -> float:
+    return max(value, -9999.0)
+
+
+def completion_logprobs(tok, token_ids: list[int], steps: list, initial_offset: int) -> dict:
+    """OpenAI completions logprobs: {tokens, token_logprobs, top_logprobs, text_offset}.
+    steps[i] is the {token id: Logprob} dict of token i, or None (the first prompt token)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = initial_offset
+    for tid, step in zip(token_ids, steps):
+        if step is None or tid not in step:
+            text = tok.decode_token(tid)
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            entry = step[tid]
+            text = entry.decoded_token if entry.decoded_token is not None \
+                else tok.decode_token(tid)
+            token_lps.append(_lp(entry.logprob))
+            tops.append({(e.decoded_token if e.decoded_token is not None
+                          else tok.decode_token(t)): _lp(e.logprob) for t, e in step.items()})
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tok, token_ids: list[int], steps: list, top: int) -> dict:
+    """OpenAI chat logprobs: {content: [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    def item(t: int, e) -> dict:
+        text = e.decoded_token if e.decoded_token is not None else tok.decode_token(t)
+        return {"token": text, "logprob": _lp(e.logprob), "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for tid, step in zip(token_ids, steps):
+        if step is None or tid not in step:
+            continue
+        ranked = sorted(((t, e) for t, e in step.items() if e.rank is not None),
+                        key=lambda te: te[1].rank)
+        content.append({**item(tid, step[tid]),
+                        "top_logprobs": [item(t, e) for t, e in ranked[:top]]})
+    return {"content": content}
+
+
+def prompt_logprobs_json(prompt_logprobs) -> Optional[list]:
+    if prompt_logprobs is None:
+        return None
+    return [None if step is None else
+            {str(t): {"logprob": _lp(e.logprob), "rank": e.rank,
+                      "decoded_token": e.decoded_token} for t, e in step.items()}
+            for step in prompt_logprobs]
