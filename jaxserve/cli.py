@@ -1,0 +1,289 @@
+"""`jaxserve` command line: `serve`, `generate` and any registered subcommand (`run-batch`).
+
+Engine flags are built from `EngineArgs` with vLLM's names and help groups, so every subcommand
+that builds an engine shares them:
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)                       # --max-model-len, --dtype, ... (grouped)
+    args = parser.parse_args()
+    engine_args = engine_args_from(args)          # an EngineArgs; only flags given override
+
+Another module adds a subcommand with `register_subcommand(name, help, add_arguments, run)`
+(see `_PLUGIN_MODULES`); `run(namespace) -> int` is the exit code.
+`--config config.yaml` takes flag names as keys (dashes or underscores); the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import logging
+import sys
+from typing import Any, Callable, Optional
+
+from jaxserve.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineArgs
+
+logger = logging.getLogger("jaxserve")
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _bytes(text: str) -> int:
+    """An int, optionally with a suffix as vLLM reads them: k/m/g = 10^3.., K/M/G = 2^10.."""
+    s = str(text).strip()
+    decimal = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+    binary = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if s and s[-1] in decimal:
+        return int(float(s[:-1]) * decimal[s[-1]])
+    if s and s[-1] in binary:
+        return int(float(s[:-1]) * binary[s[-1]])
+    return int(s)
+
+
+# (EngineArgs field, group, argparse kwargs). Every EngineArgs field except `model` appears once.
+_ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
+    ("tokenizer", "ModelConfig", dict(help="Tokenizer path (default: the model's).")),
+    ("served_model_name", "ModelConfig",
+     dict(nargs="+", help="Model name(s) used in the API; the first is reported back.")),
+    ("dtype", "ModelConfig", dict(choices=DTYPES, help="Weights and activations dtype.")),
+    ("max_model_len", "ModelConfig", dict(type=_bytes, help="Context length (prompt + output); "
+                                          "default: the model's.")),
+    ("quantization", "ModelConfig", dict(choices=["fp8"], help="Weight quantization.")),
+    ("seed", "ModelConfig", dict(type=int, help="Random seed of the engine.")),
+    ("max_logprobs", "ModelConfig", dict(type=int, help="Largest logprobs / top_logprobs a "
+                                         "request may ask for.")),
+    ("block_size", "CacheConfig", dict(type=int, help="Tokens per KV block.")),
+    ("gpu_memory_utilization", "CacheConfig", dict(type=float, help="Fraction of device memory "
+                                                   "for weights, activations and KV cache.")),
+    ("kv_cache_dtype", "CacheConfig", dict(choices=KV_CACHE_DTYPES, help="KV cache dtype.")),
+    ("kv_cache_memory_bytes", "CacheConfig", dict(type=_bytes, help="KV cache size in bytes "
+                                                  "(overrides --gpu-memory-utilization).")),
+    ("num_gpu_blocks_override", "CacheConfig", dict(type=int, help="Number of KV blocks.")),
+    ("enable_prefix_caching", "CacheConfig", dict(action=argparse.BooleanOptionalAction,
+                                                  help="Reuse KV blocks of shared prefixes.")),
+    ("max_num_seqs", "SchedulerConfig", dict(type=int, help="Most sequences in one step.")),
+    ("max_num_batched_tokens", "SchedulerConfig", dict(type=_bytes, help="Token budget of one "
+                                                       "step.")),
+    ("scheduling_policy", "SchedulerConfig", dict(choices=["fcfs", "priority"],
+                                                  help="Waiting-queue order.")),
+    ("enable_chunked_prefill", "SchedulerConfig", dict(action=argparse.BooleanOptionalAction,
+                                                       help="Split long prompts over steps.")),
+    ("tensor_parallel_size", "ParallelConfig", dict(type=int, help="Tensor-parallel devices.")),
+    ("enable_expert_parallel", "ParallelConfig", dict(action=argparse.BooleanOptionalAction,
+                                                      help="Expert parallelism for MoE layers.")),
+    ("speculative_config", "SpeculativeConfig", dict(type=_json_dict, help="JSON, e.g. "
+                                                     "'{\"method\": \"ngram\", "
+                                                     "\"num_speculative_tokens\": 4}'.")),
+    ("attention_backend", "CompilationConfig", dict(choices=ATTENTION_BACKENDS,
+                                                    help="Attention implementation.")),
+    ("compilation_cache_dir", "CompilationConfig", dict(help="Persistent XLA compilation cache "
+                                                        "('' disables; default "
+                                                        "~/.cache/jaxserve/xla).")),
+    ("disable_log_stats", "ObservabilityConfig", dict(action=argparse.BooleanOptionalAction,
+                                                      help="Do not log engine statistics.")),
+]
+_SHORT = {"tensor_parallel_size": ["-tp"]}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
+    """Add every EngineArgs flag (vLLM names, grouped as vLLM's --help). All default to None so
+    that `engine_args_from` can tell given flags from defaults (and --config can fill in)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    if model_positional:
+        parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                            help="HF directory or .gguf file (default: the embedded "
+                                 "SmolLM2-135M-Instruct).")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for name, group, kwargs in _ENGINE_FLAGS:
+        if group not in groups:
+            groups[group] = parser.add_argument_group(group)
+        g = groups[group]
+        if group == "ModelConfig" and name == "tokenizer":
+            g.add_argument("--model", dest="model", default=None,
+                           help="Same as the positional MODEL.")
+        kwargs = dict(kwargs)
+        help_text = kwargs.pop("help", "")
+        flag = "--" + name.replace("_", "-")
+        g.add_argument(*_SHORT.get(name, []), flag, dest=name, default=None,
+                       help=f"{help_text} (default: {defaults[name]})", **kwargs)
+
+
+def engine_args_from(ns: argparse.Namespace | dict, **overrides) -> EngineArgs:
+    """EngineArgs from parsed flags: only values that were given (not None) override."""
+    values = vars(ns) if isinstance(ns, argparse.Namespace) else dict(ns)
+    kwargs = {}
+    model = values.get("model") or values.get("model_tag")
+    if model:
+        kwargs["model"] = model
+    for name, _, _ in _ENGINE_FLAGS:
+        if values.get(name) is not None:
+            kwargs[name] = values[name]
+    names = kwargs.get("served_model_name")
+    if isinstance(names, (list, tuple)):
+        kwargs["served_model_name"] = names[0] if names else None
+    kwargs.update(overrides)
+    return EngineArgs(**kwargs)
+
+
+def apply_config_file(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Fill flags not given on the command line from --config (YAML: flag name -> value)."""
+    path = getattr(ns, "config", None)
+    if not path:
+        return
+    import yaml
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of flag names to values")
+    known = {a.dest: a for a in parser._actions}
+    for key, value in data.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest == "model":
+            dest = "model_tag" if "model_tag" in known else "model"
+        if dest not in known:
+            parser.error(f"--config {path}: unknown flag {key!r}")
+        if getattr(ns, dest, None) is None:
+            action = known[dest]
+            if isinstance(value, str) and action.type is not None:
+                value = action.type(value)
+            if action.nargs == "+" and not isinstance(value, list):
+                value = [value]
+            setattr(ns, dest, value)
+
+
+# -- subcommand registry ------------------------------------------------------------------------
+@dataclasses.dataclass
+class Subcommand:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {}
+# Modules that register subcommands when imported (missing ones are skipped).
+_PLUGIN_MODULES = ("jaxserve.batch",)
+
+
+def register_subcommand(name: str, help: str, add_arguments: Callable, run: Callable) -> None:
+    SUBCOMMANDS[name] = Subcommand(name, help, add_arguments, run)
+
+
+# -- serve ------------------------------------------------------------------------------------
+_FRONTEND_DEFAULTS = {"host": "127.0.0.1", "port": 8000}
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    fe = p.add_argument_group("Frontend")
+    fe.add_argument("--host", default=None, help="Address to listen on (default: 127.0.0.1).")
+    fe.add_argument("--port", type=int, default=None, help="Port (default: 8000).")
+    fe.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on "
+                                                    "/v1 routes.")
+    fe.add_argument("--max-waiting-requests", type=int, default=None,
+                    help="Answer 503 when more requests than this are waiting (default: no "
+                         "limit).")
+    fe.add_argument("--response-role", default=None, help="Role of chat responses (default: "
+                                                          "assistant).")
+    fe.add_argument("--config", default=None, help="YAML file of flag values; the command line "
+                                                   "wins.")
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from jaxserve.server.api_server import ServerArgs, serve
+    engine_args = engine_args_from(ns)
+    server_args = ServerArgs(host=ns.host or _FRONTEND_DEFAULTS["host"],
+                             port=ns.port if ns.port is not None else _FRONTEND_DEFAULTS["port"],
+                             api_key=ns.api_key, served_model_name=ns.served_model_name,
+                             max_waiting_requests=ns.max_waiting_requests,
+                             response_role=ns.response_role or "assistant")
+    logger.info("jaxserve serve: %s", {k: v for k, v in dataclasses.asdict(engine_args).items()
+                                       if v != getattr(EngineArgs, k, v)})
+    return asyncio.run(serve(engine_args, server_args))
+
+
+# -- generate (quick offline check) -----------------------------------------------------------
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="The prompt text.")
+    p.add_argument("--chat", action="store_true", help="Wrap the prompt in the chat template.")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--config", default=None, help="YAML file of flag values.")
+    add_engine_args(p, model_positional=False)
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+    args = engine_args_from(ns)
+    llm = LLM(**dataclasses.asdict(args))
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature,
+                            top_p=ns.top_p, top_k=ns.top_k)
+    if ns.chat:
+        out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
+    else:
+        out = llm.generate(ns.prompt, params, use_tqdm=False)
+    print(out[0].outputs[0].text)
+    llm.shutdown()
+    return 0
+
+
+register_subcommand("serve", "Start the OpenAI-compatible HTTP server.", _serve_arguments, _serve)
+register_subcommand("generate", "Generate a completion for one prompt (offline).",
+                    _generate_arguments, _generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    for module in _PLUGIN_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+    parser = argparse.ArgumentParser(prog="jaxserve", description="jaxserve: LLM serving in JAX")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for cmd in SUBCOMMANDS.values():
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+        p.set_defaults(_subparser=p)
+    return parser
+
+
+def _version() -> str:
+    from jaxserve import __version__
+    return f"jaxserve {__version__}"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if not ns.command:
+        parser.print_help()
+        return 2
+    apply_config_file(ns, ns._subparser)
+    try:
+        return int(SUBCOMMANDS[ns.command].run(ns) or 0)
+    except ValueError as e:     # EngineArgs validation: a usage error, not a crash
+        ns._subparser.error(str(e))
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

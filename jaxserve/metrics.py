@@ -1,0 +1,119 @@
+"""Prometheus metrics with vLLM's names under the `jaxserve:` prefix, label `model_name`.
+
+Each server owns its own `CollectorRegistry` (tests run several servers in one process). Gauges
+and engine-wide counters are read from the engine loop's last `EngineStats` snapshot when
+/metrics is scraped; per-request histograms and `request_success_total` are fed by
+`ServerMetrics.observe(output, arrival_time)`, the `AsyncLLM` output hook.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxserve.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineCollector:
+    """Gauges and counters from the latest EngineStats (None before the engine exists)."""
+
+    def __init__(self, model_name: str, get_stats: Callable):
+        self.model_name = model_name
+        self.get_stats = get_stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.get_stats()
+        label = [self.model_name]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(f"jaxserve:{name}", doc, labels=["model_name"])
+            g.add_metric(label, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(f"jaxserve:{name}", doc, labels=["model_name"])
+            c.add_metric(label, value)
+            return c
+
+        get = (lambda f: getattr(s, f)) if s is not None else (lambda f: 0)
+        yield gauge("num_requests_running", "Number of requests in model execution batches.",
+                    get("num_running"))
+        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.",
+                    get("num_waiting"))
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    get("kv_cache_usage"))
+        yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
+                      get("num_preemptions_total"))
+        yield counter("prompt_tokens", "Number of prefill tokens processed.",
+                      get("prompt_tokens_total"))
+        yield counter("generation_tokens", "Number of generation tokens processed.",
+                      get("generation_tokens_total"))
+        yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                      "queried tokens.", get("prefix_cache_queries"))
+        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                      "tokens.", get("prefix_cache_hits"))
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, get_stats: Callable):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(model_name, get_stats))
+        r, labels = self.registry, ["model_name"]
+        self.request_success = Counter(
+            "jaxserve:request_success", "Count of successfully processed requests.",
+            labels + ["finished_reason"], registry=r)
+        self.ttft = Histogram("jaxserve:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("jaxserve:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", labels,
+                             buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("jaxserve:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.queue_time = Histogram("jaxserve:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.",
+                                    labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self._counted: dict[str, set[int]] = {}     # request id -> choice indices counted
+
+    def observe(self, out: RequestOutput, arrival_time: float) -> None:
+        """Feed one RequestOutput (any output kind); histograms are observed when it finishes."""
+        counted = self._counted.setdefault(out.request_id, set())
+        for c in out.outputs:
+            if c.finish_reason is not None and c.index not in counted:
+                counted.add(c.index)
+                self.request_success.labels(self.model_name, c.finish_reason).inc()
+        if not out.finished:
+            return
+        self._counted.pop(out.request_id, None)
+        m = out.metrics
+        if m is None:
+            return
+        if m.time_in_queue is not None:
+            self.queue_time.observe(max(0.0, m.time_in_queue))
+        if m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - arrival_time))
+            num_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+            if m.last_token_time is not None and num_tokens > 1:
+                gap = (m.last_token_time - m.first_token_time) / (num_tokens - 1)
+                for _ in range(num_tokens - 1):
+                    self.itl.observe(max(0.0, gap))
+        end = m.finished_time or m.last_token_time
+        if end is not None:
+            self.e2e.observe(max(0.0, end - arrival_time))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,255 @@
+"""The aiohttp application: routes, auth, error mapping, SSE, start-up and graceful shutdown.
+
+The HTTP listener starts first and answers /health with 503 while the engine loads (in the engine
+worker thread), then 200. Endpoint logic lives in serving.py; this file only moves bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import time
+from typing import Optional
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+import jaxserve
+from jaxserve.async_engine import AsyncLLM
+from jaxserve.config import EngineArgs
+from jaxserve.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      OpenAIError, TokenizeRequest)
+from jaxserve.server.serving import OpenAIServing
+
+logger = logging.getLogger("jaxserve.server")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerArgs:
+    """Frontend flags (vLLM's names)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None
+    served_model_name: Optional[list[str]] = None
+    max_waiting_requests: Optional[int] = None
+    response_role: str = "assistant"
+    shutdown_timeout: float = 30.0
+
+
+def _error_response(err: OpenAIError) -> web.Response:
+    return web.json_response(err.to_dict(), status=err.status)
+
+
+def _validation_message(e: ValidationError) -> tuple[str, Optional[str]]:
+    first = e.errors()[0]
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "__root__")
+    msg = first.get("msg", str(e))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    return (f"{msg} (field: {loc})" if loc else msg), (loc or None)
+
+
+class Server:
+    """One server: an AsyncLLM, its OpenAIServing, metrics and the aiohttp app."""
+
+    def __init__(self, engine_args: EngineArgs, server_args: ServerArgs = ServerArgs(), *,
+                 warmup: bool = True):
+        names = server_args.served_model_name
+        if names:
+            engine_args = engine_args.replace(served_model_name=names[0])
+        self.engine_args = engine_args
+        self.args = server_args
+        self.llm = AsyncLLM(engine_args, warmup=warmup,
+                            max_waiting_requests=server_args.max_waiting_requests,
+                            on_output=self._on_output)
+        self.serving: Optional[OpenAIServing] = None
+        self.metrics: Optional[ServerMetrics] = None
+        self.app = self._build_app()
+        self.runner: Optional[web.AppRunner] = None
+        self.stopping = False
+
+    def _on_output(self, out, arrival):
+        if self.metrics is not None:
+            self.metrics.observe(out, arrival)
+
+    # -- app ----------------------------------------------------------------------------------
+    def _build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=64 << 20)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        try:
+            if self.args.api_key and request.path.startswith("/v1"):
+                if request.headers.get("Authorization", "") != f"Bearer {self.args.api_key}":
+                    raise OpenAIError(401, "Unauthorized: a valid API key is required "
+                                           "(Authorization: Bearer <key>)", "AuthenticationError")
+            return await handler(request)
+        except OpenAIError as e:
+            return _error_response(e)
+        except web.HTTPException as e:
+            status = e.status if e.status != 405 else 405
+            return web.json_response(OpenAIError(status, e.reason or str(e),
+                                                 "NotFoundError" if status == 404 else
+                                                 "BadRequestError").to_dict(), status=status)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:
+            logger.exception("internal error on %s", request.path)
+            return _error_response(OpenAIError(500, f"Internal server error: {e!r}",
+                                               "InternalServerError"))
+
+    def _require_ready(self) -> OpenAIServing:
+        if self.llm.errored:
+            raise OpenAIError(503, f"The engine is dead: {self.llm.error!r}")
+        if self.stopping or self.serving is None or not self.llm.is_ready:
+            raise OpenAIError(503, "The server is not ready (loading the model or shutting "
+                                   "down).")
+        return self.serving
+
+    async def _body(self, request: web.Request, model: type[BaseModel]):
+        ctype = request.content_type
+        if ctype != "application/json":
+            raise OpenAIError(400, f"Unsupported Content-Type {ctype!r}; send application/json",
+                              param="Content-Type")
+        raw = await request.read()
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise OpenAIError(400, f"Invalid JSON body: {e}") from None
+        if not isinstance(data, dict):
+            raise OpenAIError(400, "The request body must be a JSON object")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            msg, param = _validation_message(e)
+            raise OpenAIError(400, msg, param=param) from None
+
+    # -- handlers -----------------------------------------------------------------------------
+    async def health(self, request):
+        if self.llm.is_ready and not self.stopping:
+            return web.Response(status=200)
+        return web.Response(status=503)
+
+    async def version(self, request):
+        return web.json_response({"version": jaxserve.__version__})
+
+    async def prometheus(self, request):
+        body = self.metrics.render() if self.metrics is not None else b""
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def models(self, request):
+        return web.json_response(self._require_ready().show_models())
+
+    async def tokenize(self, request):
+        serving = self._require_ready()
+        return web.json_response(serving.tokenize(await self._body(request, TokenizeRequest)))
+
+    async def detokenize(self, request):
+        serving = self._require_ready()
+        return web.json_response(serving.detokenize(await self._body(request, DetokenizeRequest)))
+
+    async def completions(self, request):
+        serving = self._require_ready()
+        body = await self._body(request, CompletionRequest)
+        return await self._respond(request, await serving.create_completion(
+            body, request.headers.get("X-Request-Id")))
+
+    async def chat_completions(self, request):
+        serving = self._require_ready()
+        body = await self._body(request, ChatCompletionRequest)
+        return await self._respond(request, await serving.create_chat_completion(
+            body, request.headers.get("X-Request-Id")))
+
+    async def _respond(self, request: web.Request, result):
+        if isinstance(result, dict):
+            return web.json_response(result)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        try:
+            await resp.prepare(request)
+            async for chunk in result:
+                await resp.write(chunk.encode())
+            await resp.write_eof()
+        except (ConnectionResetError, ConnectionError, asyncio.CancelledError):
+            logger.debug("client went away mid-stream; request aborted")
+            raise
+        finally:
+            await result.aclose()           # aborts unfinished requests (frees KV blocks)
+        return resp
+
+    # -- lifetime -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Listen first (so /health answers 503 while loading), then load the engine."""
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.args.host, self.args.port)
+        await site.start()
+        logger.info("HTTP listener on http://%s:%d (/health is 503 until the model is ready)",
+                    self.args.host, self.args.port)
+        t0 = time.perf_counter()
+        await self.llm.start()
+        engine = self.llm.engine
+        names = self.args.served_model_name or [engine.model_name]
+        self.metrics = ServerMetrics(names[0], lambda: self.llm.stats)
+        self.serving = OpenAIServing(self.llm, names, self.args.response_role,
+                                     model_root=engine.model_path)
+        cfg = engine.model_config
+        blocks, bs = engine.cache_config.num_blocks, engine.cache_config.block_size
+        logger.info("loaded %s (%s, %d layers, %s) from %s", names[0], cfg.architecture,
+                    cfg.num_layers, engine.runner.cache.k.dtype, engine.model_path)
+        logger.info("KV pool: %d blocks x %d tokens = %d tokens; max concurrency at "
+                    "max_model_len %d: %.2fx", blocks, bs, blocks * bs, engine.max_model_len,
+                    blocks * bs / engine.max_model_len)
+        logger.info("compiled programs (tokens, logit rows): %s; warm-up %.1f s",
+                    sorted(engine.runner.compiled_programs), engine.warmup_seconds)
+        logger.info("ready in %.1f s: serving %s on http://%s:%d", time.perf_counter() - t0,
+                    ", ".join(names), self.args.host, self.args.port)
+
+    async def stop(self, graceful: bool = True) -> None:
+        """Stop accepting, let in-flight requests finish (or abort them), close the listener."""
+        self.stopping = True
+        await self.llm.shutdown(graceful=graceful, timeout=self.args.shutdown_timeout)
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+async def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
+    """Run until SIGINT/SIGTERM; returns the exit code (0 after a graceful shutdown)."""
+    server = Server(engine_args, server_args)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    start = asyncio.ensure_future(server.start())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([start, stopper], return_when=asyncio.FIRST_COMPLETED)
+    if start.done() and start.exception() is not None:
+        logger.error("start-up failed: %s", start.exception())
+        stopper.cancel()
+        await server.stop(graceful=False)
+        return 1
+    await stopper
+    logger.info("shutting down: no new requests; finishing in-flight ones")
+    if not start.done():
+        start.cancel()
+        try:
+            await start
+        except BaseException:
+            pass
+    await server.stop(graceful=True)
+    logger.info("shutdown complete")
+    return 0
