@@ -266,86 +266,82 @@ def _take(source: Iterator, n: int) -> list:
 
 
 # -- the engine side: routes over the server's code -------------------------------------------------
-def engine_routes(llm, served_model_names: list[str]) -> dict[str, Route]:
-    """`/v1/completions` and `/v1/chat/completions` answered by the server's serving functions
-    on an AsyncLLM, with the server's validation and response JSON."""
-    from jaxserve.server import protocol, serving
+def engine_routes(serving) -> dict[str, Route]:
+    """`/v1/completions` and `/v1/chat/completions` answered by the server's `OpenAIServing`:
+    the same body validation, model check (404), prompt checks and response JSON as HTTP."""
+    from pydantic import ValidationError
 
-    names = list(dict.fromkeys(served_model_names))
+    from jaxserve.server.api_server import _validation_message
+    from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 
     def route(model_cls, endpoint):
         async def answer(body: dict) -> dict:
-            body = dict(body)
-            model = body.get("model")
-            if model is None:
-                body["model"] = names[0]
-            elif model not in names:
-                raise protocol.OpenAIError(404, f"The model `{model}` does not exist.",
-                                           "NotFoundError", "model")
             if body.get("stream"):
-                raise protocol.OpenAIError(400, "stream is not supported in batch jobs",
-                                           param="stream")
-            request = model_cls.model_validate(body)
-            return await endpoint(llm, request)
+                raise OpenAIError(400, "stream is not supported in batch jobs", param="stream")
+            try:
+                request = model_cls.model_validate(body)
+            except ValidationError as e:
+                msg, param = _validation_message(e)
+                raise OpenAIError(400, msg, param=param) from None
+            return await endpoint(request)
         return answer
 
-    return {"/v1/completions": route(protocol.CompletionRequest, serving.create_completion),
-            "/v1/chat/completions": route(protocol.ChatCompletionRequest,
+    return {"/v1/completions": route(CompletionRequest, serving.create_completion),
+            "/v1/chat/completions": route(ChatCompletionRequest,
                                           serving.create_chat_completion)}
 
 
 # -- CLI -----------------------------------------------------------------------------------------
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Registers `run-batch` on the `jaxserve` CLI (called by cli.py's subcommand registry)."""
-    from jaxserve import cli
-    p = subparsers.add_parser(
-        "run-batch", help="run an OpenAI Batch JSONL file through the engine offline",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from jaxserve.cli import add_engine_args
+    p.description = __doc__
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("-i", "--input-file", required=True, help="input JSONL ('-' for stdin)")
     p.add_argument("-o", "--output-file", required=True, help="output JSONL ('-' for stdout)")
     p.add_argument("--resume", action="store_true",
-                   help="keep the output file and skip the custom_ids it already answers")
+                   help="keep the output file and skip the lines it already answers")
     p.add_argument("--ordered", action="store_true",
                    help="write results in input order (default: completion order)")
     p.add_argument("--max-concurrency", type=int, default=None,
-                   help="lines read but not yet written (default: 2 x max_num_seqs)")
+                   help="most lines read but not yet written (default: 2 x max_num_seqs)")
     p.add_argument("--disable-progress-bar", action="store_true")
-    cli.add_engine_args(p)
-    p.set_defaults(func=main)
-    return p
+    p.add_argument("--config", default=None, help="YAML file of flag values.")
+    add_engine_args(p)
 
 
-def main(args: argparse.Namespace) -> int:
-    from jaxserve import cli
-    if args.resume and args.output_file == "-":
+def run(ns: argparse.Namespace) -> int:
+    from jaxserve.cli import engine_args_from
+    if ns.resume and ns.output_file == "-":
         print("run-batch: --resume needs an output file, not stdout", file=sys.stderr)
         return 2
-    engine_args = cli.engine_args_from(args)
-    return asyncio.run(_main(args, engine_args))
+    if ns.max_concurrency is not None and ns.max_concurrency < 1:
+        print("run-batch: --max-concurrency must be >= 1", file=sys.stderr)
+        return 2
+    return asyncio.run(_run(ns, engine_args_from(ns)))
 
 
-async def _main(args, engine_args) -> int:
+async def _run(ns, engine_args) -> int:
     from jaxserve.async_engine import AsyncLLM
+    from jaxserve.server.serving import OpenAIServing
 
-    resume = batch_io.repair_and_scan(args.output_file) if args.resume else ResumeState()
+    resume = batch_io.repair_and_scan(ns.output_file) if ns.resume else ResumeState()
     if resume.truncated_bytes:
-        print(f"run-batch: truncated a torn last line ({resume.truncated_bytes} bytes)",
-              file=sys.stderr)
+        print(f"run-batch: truncated a torn last line ({resume.truncated_bytes} bytes) of "
+              f"{ns.output_file}", file=sys.stderr)
     llm = AsyncLLM(engine_args)
     await llm.start()
-    names = [llm.model_name] + [n for n in _aliases(engine_args) if n != llm.model_name]
-    limit = args.max_concurrency or 2 * engine_args.max_num_seqs
-    total = batch_io.count_lines(args.input_file)
+    serving = OpenAIServing(llm, ns.served_model_name)
+    limit = ns.max_concurrency or 2 * engine_args.max_num_seqs
     progress = None
-    if not args.disable_progress_bar:
+    if not ns.disable_progress_bar:
         from tqdm.auto import tqdm
-        progress = tqdm(total=total, desc="run-batch", unit="req", file=sys.stderr,
-                        dynamic_ncols=True, smoothing=0.1)
-    writer = JsonlWriter.open(args.output_file, append=args.resume)
+        progress = tqdm(total=batch_io.count_lines(ns.input_file), desc="run-batch", unit="req",
+                        file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+    writer = JsonlWriter.open(ns.output_file, append=ns.resume)
     try:
-        with batch_io.open_input(args.input_file) as lines:
-            runner = BatchRunner(engine_routes(llm, names), writer, max_in_flight=limit,
-                                 ordered=args.ordered, resume=resume, progress=progress)
+        with batch_io.open_input(ns.input_file) as lines:
+            runner = BatchRunner(engine_routes(serving), writer, max_in_flight=limit,
+                                 ordered=ns.ordered, resume=resume, progress=progress)
             stats = await runner.run(lines)
     finally:
         writer.close()
@@ -356,8 +352,10 @@ async def _main(args, engine_args) -> int:
     return stats.exit_code
 
 
-def _aliases(engine_args) -> list[str]:
-    name = engine_args.served_model_name
-    if not name:
-        return []
-    return list(name) if isinstance(name, (list, tuple)) else [name]
+def _register() -> None:
+    from jaxserve.cli import register_subcommand
+    register_subcommand("run-batch", "Run an OpenAI Batch JSONL file through the engine "
+                        "offline.", add_arguments, run)
+
+
+_register()
