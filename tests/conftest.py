@@ -1,0 +1,74 @@
+"""Shared fixtures. Everything runs by default (no --runslow); `gpu`-marked tests are skipped when
+JAX sees no GPU.
+
+`llm` is ONE small engine on the default model (SmolLM2-135M, f32) shared by the whole session:
+loading it costs ~20 s and every new step shape costs a compile, so tests share it. Tests that
+need another scheduler setting (no prefix caching, a tiny KV pool, a small token budget) swap the
+engine's scheduler with `engine_variant(...)` instead of loading a second model; the runner (and
+its compiled programs) stays the same, and the swapped scheduler only ever hands out block ids
+below the runner's pool size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+
+# Sized for the e2e tests: 64 concurrent requests of up to ~250 tokens fit without preemption.
+SHARED_LLM_KWARGS = dict(max_model_len=512, max_num_batched_tokens=128, max_num_seqs=64,
+                         num_gpu_blocks_override=1024, seed=0)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    import jax
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs a GPU (jax.default_backend() is not 'gpu')")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def llm():
+    from jaxserve import LLM
+    engine = LLM(warmup=False, **SHARED_LLM_KWARGS)
+    yield engine
+    engine.shutdown()
+
+
+@contextlib.contextmanager
+def engine_variant(llm, *, enable_prefix_caching: bool | None = None,
+                   num_blocks: int | None = None, max_num_batched_tokens: int | None = None):
+    """Run the shared engine with a fresh scheduler (empty prefix cache, zeroed counters) built
+    from changed configs; the original scheduler is restored afterwards. Yields the scheduler."""
+    from jaxserve.scheduler import Scheduler
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    cache_cfg, sched_cfg = engine.cache_config, engine.scheduler_config
+    if enable_prefix_caching is not None:
+        cache_cfg = dataclasses.replace(cache_cfg, enable_prefix_caching=enable_prefix_caching)
+    if num_blocks is not None:
+        assert num_blocks <= engine.cache_config.num_blocks
+        cache_cfg = dataclasses.replace(cache_cfg, num_blocks=num_blocks)
+    if max_num_batched_tokens is not None:
+        assert max_num_batched_tokens <= sched_cfg.max_num_batched_tokens   # within the buckets
+        sched_cfg = dataclasses.replace(sched_cfg, max_num_batched_tokens=max_num_batched_tokens)
+    original = engine.scheduler
+    engine.scheduler = Scheduler(sched_cfg, cache_cfg)
+    try:
+        yield engine.scheduler
+    finally:
+        engine.scheduler = original
+        # The variant wrote K/V into blocks the original scheduler may still hold as cached-free
+        # prefix blocks; forget those hashes so no later hit reads overwritten K/V.
+        assert original.kv_cache_manager.reset_prefix_cache()
+
+
+@pytest.fixture
+def variant():
+    return engine_variant
