@@ -1,0 +1,251 @@
+"""jaxserve.sampler on synthetic logits: greedy, filters, the sampled distribution, per-row seeds,
+penalties and logit_bias (vLLM's formulas), min_tokens masking, logprobs from the raw logits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.request import Request
+from jaxserve.runner import _penalty_tensors
+from jaxserve.sampler import SamplerFlags, SamplingTensors, sample, score
+from jaxserve.sampling_params import SamplingParams
+
+V = 32
+NO_EXTRAS = SamplerFlags(False, False, 0)
+FILTERS = SamplerFlags(False, True, 0)
+
+
+def tensors(R, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None):
+    full = lambda v, dt: np.full(R, v, dt)   # noqa: E731
+    return SamplingTensors(full(temperature, np.float32), full(top_k, np.int32),
+                           full(top_p, np.float32), full(min_p, np.float32),
+                           np.arange(R, dtype=np.uint32) if seeds is None
+                           else np.asarray(seeds, np.uint32),
+                           full(0, np.int32) if positions is None
+                           else np.asarray(positions, np.int32))
+
+
+def random_logits(R, seed=0, scale=3.0):
+    return np.random.default_rng(seed).normal(0, scale, (R, V)).astype(np.float32)
+
+
+def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def log_softmax(x):
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def ids_of(out):
+    return np.asarray(out.token_ids)
+
+
+def test_greedy_is_argmax():
+    logits = random_logits(16)
+    out = sample(logits, tensors(16), NO_EXTRAS)
+    np.testing.assert_array_equal(ids_of(out), logits.argmax(-1))
+
+
+def test_top_k_1_equals_greedy():
+    logits = random_logits(64, seed=1)
+    out = sample(logits, tensors(64, temperature=1.0, top_k=1), FILTERS)
+    np.testing.assert_array_equal(ids_of(out), logits.argmax(-1))
+
+
+def test_tiny_top_p_equals_greedy():
+    logits = random_logits(64, seed=2)
+    out = sample(logits, tensors(64, temperature=1.5, top_p=1e-6), FILTERS)
+    np.testing.assert_array_equal(ids_of(out), logits.argmax(-1))
+
+
+def test_min_p_keeps_only_tokens_above_threshold():
+    R = 2000
+    row = np.log(np.array([0.4, 0.3, 0.15, 0.1, 0.05] + [0.0] * (V - 5)) + 1e-12)
+    logits = np.tile(row.astype(np.float32), (R, 1))
+    ids = ids_of(sample(logits, tensors(R, temperature=1.0, min_p=0.3), FILTERS))
+    # min_p = 0.3 of the top probability 0.4 -> keep p >= 0.12: tokens 0, 1, 2.
+    assert set(np.unique(ids)) == {0, 1, 2}
+    freq = np.bincount(ids, minlength=3)[:3] / R
+    np.testing.assert_allclose(freq, np.array([0.4, 0.3, 0.15]) / 0.85, atol=0.04)
+
+
+def test_top_k_keeps_the_k_most_likely():
+    R = 1000
+    logits = np.tile(random_logits(1, seed=3), (R, 1))
+    ids = ids_of(sample(logits, tensors(R, temperature=2.0, top_k=3), FILTERS))
+    assert set(np.unique(ids)) <= set(np.argsort(-logits[0])[:3].tolist())
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    R = 2000
+    probs = np.array([0.5, 0.25, 0.15, 0.1] + [0.0] * (V - 4))
+    logits = np.tile(np.log(probs + 1e-12).astype(np.float32), (R, 1))
+    ids = ids_of(sample(logits, tensors(R, temperature=1.0, top_p=0.7), FILTERS))
+    assert set(np.unique(ids)) == {0, 1}          # 0.5 < 0.7 <= 0.75
+    assert np.mean(ids == 0) == pytest.approx(2 / 3, abs=0.04)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_sampling_matches_softmax(temperature):
+    R = 20000
+    row = np.random.default_rng(4).normal(0, 1.0, V).astype(np.float32)
+    logits = np.tile(row, (R, 1))
+    ids = ids_of(sample(logits, tensors(R, temperature=temperature), NO_EXTRAS))
+    expected = softmax(row.astype(np.float64) / temperature)
+    freq = np.bincount(ids, minlength=V) / R
+    sigma = np.sqrt(expected * (1 - expected) / R)
+    assert np.all(np.abs(freq - expected) <= 5 * sigma + 1e-3)
+    # And the total-variation distance is small.
+    assert 0.5 * np.abs(freq - expected).sum() < 0.03
+
+
+def test_same_seed_and_position_give_same_token_in_any_row():
+    R = 8
+    row = np.zeros(V, np.float32)                 # uniform: the noise alone decides
+    logits = np.tile(row, (R, 1))
+    seeds = np.array([11, 12, 13, 14, 15, 16, 17, 99], np.uint32)
+    a = ids_of(sample(logits, tensors(R, 1.0, seeds=seeds, positions=np.arange(R)), NO_EXTRAS))
+    # Seed 99 at position 7 moved to row 0 of another batch with different neighbours.
+    seeds2 = np.array([99, 1, 2, 3], np.uint32)
+    b = ids_of(sample(logits[:4], tensors(4, 1.0, seeds=seeds2, positions=[7, 0, 0, 0]),
+                      NO_EXTRAS))
+    assert b[0] == a[7]
+    # Deterministic, and the position matters.
+    c = ids_of(sample(logits, tensors(R, 1.0, seeds=seeds, positions=np.arange(R)), NO_EXTRAS))
+    np.testing.assert_array_equal(a, c)
+    many = ids_of(sample(np.zeros((64, V), np.float32),
+                         tensors(64, 1.0, seeds=[99] * 64, positions=np.arange(64)), NO_EXTRAS))
+    assert len(set(many.tolist())) > 10
+
+
+def test_greedy_rows_ignore_seed_and_neighbours():
+    logits = random_logits(4, seed=5)
+    t = tensors(4, temperature=0.0)
+    t = dataclasses.replace(t, temperature=np.array([0.0, 1.0, 0.0, 1.0], np.float32))
+    out = ids_of(sample(logits, t, FILTERS))
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+# -- penalties, logit_bias, min_tokens ---------------------------------------------------------
+def vllm_penalties(logits, prompt_ids, output_ids, presence, frequency, repetition):
+    """vLLM v1's apply_penalties for one row (repetition over prompt + output tokens, frequency
+    and presence over output tokens only)."""
+    logits = logits.astype(np.float64).copy()
+    counts = np.bincount(np.asarray(output_ids, np.int64), minlength=V).astype(np.float64)
+    seen = counts > 0
+    seen[np.asarray(prompt_ids, np.int64)] = True
+    logits = np.where(seen, np.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return logits - frequency * counts - presence * (counts > 0)
+
+
+def make_request(prompt, output, **params):
+    sp = SamplingParams(**params)
+    sp.update_from_tokenizer({V - 1})             # EOS = last id
+    req = Request("r", prompt, sp, sample_seed=0)
+    for t in output:
+        req.append_output_token(t)
+    return req
+
+
+@pytest.mark.parametrize("params", [
+    dict(presence_penalty=1.2), dict(frequency_penalty=0.7), dict(repetition_penalty=1.8),
+    dict(repetition_penalty=0.6), dict(presence_penalty=-0.5, frequency_penalty=0.3,
+                                       repetition_penalty=1.3)])
+def test_penalties_match_vllm_formulas(params):
+    rng = np.random.default_rng(6)
+    reqs, expected = [], []
+    R = 16
+    logits = random_logits(R, seed=7, scale=2.0)
+    for r in range(R):
+        prompt = rng.integers(0, V, rng.integers(1, 6)).tolist()
+        output = rng.integers(0, V, rng.integers(0, 10)).tolist()
+        reqs.append(make_request(prompt, output, temperature=0.0, **params))
+        expected.append(vllm_penalties(logits[r], prompt, output,
+                                       params.get("presence_penalty", 0.0),
+                                       params.get("frequency_penalty", 0.0),
+                                       params.get("repetition_penalty", 1.0)))
+    t = _penalty_tensors(tensors(R), reqs, list(range(R)), R)
+    out = sample(logits, t, SamplerFlags(True, False, 0))
+    np.testing.assert_array_equal(ids_of(out), np.argmax(np.stack(expected), -1))
+    # Logprobs stay those of the raw logits (vLLM's default logprobs mode).
+    np.testing.assert_allclose(np.asarray(out.logprob),
+                               log_softmax(logits)[np.arange(R), ids_of(out)], atol=1e-5)
+
+
+def test_penalties_exact_values_through_private_stage():
+    from jaxserve.sampler import _apply_penalties
+    logits = random_logits(3, seed=8)
+    reqs = [make_request([1, 2, 3], [3, 3, 4], presence_penalty=0.5, frequency_penalty=0.25,
+                         repetition_penalty=1.5),
+            make_request([5], [], repetition_penalty=2.0),
+            make_request([0], [7, 7, 7, 7], frequency_penalty=-1.0)]
+    t = _penalty_tensors(tensors(3), reqs, [0, 1, 2], 3)
+    got = np.asarray(_apply_penalties(jnp.asarray(logits), t))
+    exp = [vllm_penalties(logits[0], [1, 2, 3], [3, 3, 4], 0.5, 0.25, 1.5),
+           vllm_penalties(logits[1], [5], [], 0.0, 0.0, 2.0),
+           vllm_penalties(logits[2], [0], [7, 7, 7, 7], 0.0, -1.0, 1.0)]
+    np.testing.assert_allclose(got, np.stack(exp), rtol=1e-5, atol=1e-5)
+
+
+def test_logit_bias_adds_to_logits_and_can_force_a_token():
+    logits = random_logits(2, seed=9)
+    weakest = int(np.argmin(logits[0]))
+    reqs = [make_request([1], [], temperature=0.0, logit_bias={weakest: 100}),
+            make_request([1], [], temperature=0.0, logit_bias={int(np.argmax(logits[1])): -100})]
+    t = _penalty_tensors(tensors(2), reqs, [0, 1], 2)
+    ids = ids_of(sample(logits, t, SamplerFlags(True, False, 0)))
+    assert ids[0] == weakest
+    assert ids[1] == int(np.argsort(-logits[1])[1])
+
+
+def test_min_tokens_masks_stop_and_eos_ids_until_reached():
+    logits = np.zeros((3, V), np.float32)
+    logits[:, 5] = 10.0          # the stop token is by far the most likely
+    logits[:, V - 1] = 9.0       # then EOS
+    logits[:, 8] = 1.0
+    params = dict(temperature=0.0, min_tokens=3, stop_token_ids=[5])
+    reqs = [make_request([1], [], **params), make_request([1], [8, 8], **params),
+            make_request([1], [8, 8, 8], **params)]            # reached: no mask
+    t = _penalty_tensors(tensors(3), reqs, [0, 1, 2], 3)
+    ids = ids_of(sample(logits, t, SamplerFlags(True, False, 0)))
+    assert ids[0] == 8 and ids[1] == 8 and ids[2] == 5
+    # ignore_eos: only the explicit stop ids are masked.
+    req = make_request([1], [], ignore_eos=True, **params)
+    t = _penalty_tensors(tensors(1), [req], [0], 1)
+    assert ids_of(sample(logits[:1], t, SamplerFlags(True, False, 0)))[0] == V - 1
+
+
+# -- logprobs ----------------------------------------------------------------------------------
+def test_logprobs_rank_and_top_k_come_from_raw_logits():
+    R, k = 8, 4
+    logits = random_logits(R, seed=10)
+    t = tensors(R, temperature=0.7)
+    out = sample(logits, t, SamplerFlags(False, False, k))
+    ref = log_softmax(logits)
+    ids = ids_of(out)
+    np.testing.assert_allclose(np.asarray(out.logprob), ref[np.arange(R), ids], atol=1e-5)
+    ranks = 1 + (ref > ref[np.arange(R), ids][:, None]).sum(-1)
+    np.testing.assert_array_equal(np.asarray(out.rank), ranks)
+    np.testing.assert_array_equal(np.asarray(out.top_ids), np.argsort(-ref, -1)[:, :k])
+    np.testing.assert_allclose(np.asarray(out.top_logprobs), -np.sort(-ref, -1)[:, :k], atol=1e-5)
+
+
+def test_score_gives_target_logprob_rank_and_top():
+    R, k = 5, 3
+    logits = random_logits(R, seed=11)
+    targets = np.array([0, 3, 7, 1, 2], np.int32)
+    chosen, rank, top_ids, top_vals = score(logits, targets, k)
+    ref = log_softmax(logits)
+    np.testing.assert_allclose(np.asarray(chosen), ref[np.arange(R), targets], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(rank),
+                                  1 + (ref > ref[np.arange(R), targets][:, None]).sum(-1))
+    np.testing.assert_array_equal(np.asarray(top_ids), np.argsort(-ref, -1)[:, :k])
+    assert np.asarray(score(logits, targets, 0)[2]).shape == (R, 0)
