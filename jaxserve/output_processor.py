@@ -104,16 +104,16 @@ class OutputProcessor:
                 if child.detok is not None:
                     child.text += child.detok.flush()
             parent.num_cached_tokens = max(parent.num_cached_tokens, req.num_cached_tokens)
-            touched[parent.request_id] = (parent, req)
+            touched.setdefault(parent.request_id, (parent, []))[1].append(req)
         for cid in aborted:
             if cid in self._child_of:
                 parent, child = self._child_of[cid]
                 if child.finish_reason is None:
                     child.finish_reason = "abort"
-                touched.setdefault(parent.request_id, (parent, None))
+                touched.setdefault(parent.request_id, (parent, []))
         outputs = []
-        for parent, req in touched.values():
-            out = self._make_output(parent, req)
+        for parent, reqs in touched.values():
+            out = self._make_output(parent, reqs)
             if out is not None:
                 outputs.append(out)
         return outputs, stopped
@@ -158,15 +158,17 @@ class OutputProcessor:
         return CompletionOutput(child.index, text_out, token_out, child.cumulative_logprob,
                                 lps, child.finish_reason, child.stop_reason)
 
-    def _make_output(self, parent: _Parent, req: Request | None) -> RequestOutput | None:
+    def _make_output(self, parent: _Parent, reqs: list[Request]) -> RequestOutput | None:
         finished = all(c.finish_reason is not None for c in parent.children)
         kind = parent.kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind == RequestOutputKind.DELTA
-        if delta and req is not None and req.request_id in self._child_of:
-            # Stream only the child that moved (vLLM's n > 1 delta behaviour).
-            children = [self._child_of[req.request_id][1]]
+        moved = [self._child_of[r.request_id][1] for r in reqs if r.request_id in self._child_of]
+        if delta and moved:
+            # Stream only the children that moved this step (vLLM's n > 1 delta behaviour);
+            # every one of them, so no child's delta or finish is dropped.
+            children = sorted(moved, key=lambda c: c.index)
         else:
             children = parent.children
         outs = [self._completion(c, delta) for c in children]
