@@ -1,0 +1,318 @@
+"""The real `jaxserve serve` (default model, CPU) against the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+try:                     # the openai client's HTTP library (httpx2 in openai >= 3)
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+import openai
+import pytest
+
+from server_fixtures import ServerProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess().start()
+    yield srv
+    code = srv.stop()
+    assert code == 0, srv.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def post(server, path, body=None, *, raw=None, headers=None):
+    headers = headers or {"Content-Type": "application/json"}
+    return httpx.post(server.base_url + path, content=raw if raw is not None else json.dumps(body),
+                      headers=headers, timeout=120)
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^jaxserve:{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"metric {name} missing"
+    return float(m.group(1))
+
+
+def assert_still_serves(client):
+    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+    assert out.choices[0].finish_reason == "length"
+
+
+# -- start-up ---------------------------------------------------------------------------------
+def test_health_is_503_until_the_model_is_ready(server):
+    assert server.health_seen[0] == 503
+    assert server.health_seen[-1] == 200
+    assert "KV pool" in server.log() and "compiled programs" in server.log()
+
+
+def test_models_version_and_tokenize_roundtrip(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(server.base_url + "/version").json()["version"]
+    tok = post(server, "/tokenize", {"prompt": "Hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
+    assert post(server, "/detokenize", {"tokens": tok["tokens"]}).json()["prompt"] == "Hello world"
+
+
+# -- completions ------------------------------------------------------------------------------
+def test_completion_stream_joins_to_the_non_streamed_text(server, client):
+    full = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                     max_tokens=8, temperature=0)
+    stream = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                       max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices
+                and c.choices[0].finish_reason]
+    assert text == full.choices[0].text
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+        full.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_usage_counts_match_tokenize(server, client):
+    prompt = "Count these tokens please"
+    count = post(server, "/tokenize", {"prompt": prompt}).json()["count"]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.prompt_tokens == count
+    assert out.usage.completion_tokens == 3
+    assert out.usage.total_tokens == count + 3
+    assert out.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_n3_gives_three_indexed_choices_streamed_and_not(client):
+    out = client.completions.create(model=MODEL, prompt="Once", max_tokens=4, n=3,
+                                    temperature=0.8, seed=1)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    finishes: dict[int, int] = {}
+    for chunk in client.completions.create(model=MODEL, prompt="Once", max_tokens=4, n=3,
+                                           temperature=0.8, seed=1, stream=True):
+        for c in chunk.choices:
+            if c.finish_reason:
+                finishes[c.index] = finishes.get(c.index, 0) + 1
+    assert finishes == {0: 1, 1: 1, 2: 1}
+
+
+def test_prompt_forms_list_of_strings_and_token_ids(server, client):
+    ids = post(server, "/tokenize", {"prompt": "Hello"}).json()["tokens"]
+    by_text = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    many = client.completions.create(model=MODEL, prompt=["Hello", "Bye"], max_tokens=2,
+                                     temperature=0)
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.choices[0].text == by_text.choices[0].text[:len(many.choices[0].text)]
+    lists = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=2,
+                                      temperature=0)
+    assert lists.choices[0].text == lists.choices[1].text
+
+
+def test_completion_logprobs_and_echo_have_openai_shapes(client):
+    out = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3,
+                                    temperature=0, logprobs=2, echo=True,
+                                    extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith("Hello there")
+    n_prompt = out.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == \
+        len(lp.text_offset) == n_prompt + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) for v in lp.token_logprobs[1:])
+    assert all(2 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert "".join(lp.tokens) == choice.text
+
+
+def test_stop_string_and_extra_sampling_fields(client):
+    out = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=8, temperature=0,
+                                    extra_body={"top_k": 5, "min_p": 0.1,
+                                                "repetition_penalty": 1.1, "min_tokens": 1,
+                                                "ignore_eos": True, "skip_special_tokens": True})
+    assert out.choices[0].finish_reason in ("length", "stop")
+    first = out.choices[0].text
+    if len(first) > 2:
+        stop = first[1:3]
+        cut = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=8,
+                                        temperature=0, stop=[stop],
+                                        extra_body={"top_k": 5, "min_p": 0.1,
+                                                    "repetition_penalty": 1.1, "min_tokens": 1,
+                                                    "ignore_eos": True})
+        assert stop not in cut.choices[0].text
+        assert cut.choices[0].finish_reason == "stop"
+
+
+# -- chat -------------------------------------------------------------------------------------
+def test_chat_stream_starts_with_assistant_role_and_matches(client):
+    messages = [{"role": "user", "content": "Say hi"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                          temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True,
+                                                                 "continuous_usage_stats": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices
+                and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.usage is not None for c in chunks)      # continuous_usage_stats
+
+
+def test_chat_logprobs_have_openai_shape(client):
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=3, temperature=0, logprobs=True,
+                                         top_logprobs=2, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 3
+    for item in content:
+        assert isinstance(item.token, str) and item.logprob <= 0
+        assert item.bytes == list(item.token.encode())
+        assert len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+    assert "".join(i.token for i in content) == out.choices[0].message.content
+
+
+def test_chat_n_and_max_completion_tokens(client):
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                         max_completion_tokens=3, n=2, temperature=1.0, seed=3,
+                                         extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.completion_tokens == 6
+
+
+# -- errors -----------------------------------------------------------------------------------
+LONG = "hello " * 400
+
+ERROR_CASES = [
+    ("context_length", "/v1/completions", {"model": MODEL, "prompt": LONG, "max_tokens": 300},
+     None, 400, "maximum context length is 512 tokens. However, you requested"),
+    ("empty_prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, None, 400,
+     "cannot be empty"),
+    ("out_of_vocab", "/v1/completions", {"model": MODEL, "prompt": [99999999]}, None, 400,
+     "out of vocabulary"),
+    ("bad_temperature", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1},
+     None, 400, "temperature"),
+    ("bad_top_p", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 2}, None, 400,
+     "top_p"),
+    ("greedy_n2", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2, "temperature": 0},
+     None, 400, "n must be 1"),
+    ("logprobs_over_20", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21},
+     None, 400, "logprobs"),
+    ("top_logprobs_over_20", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+      "top_logprobs": 21}, None, 400, "top_logprobs"),
+    ("stream_options_without_stream", "/v1/completions",
+     {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, None, 400,
+     "stream=True"),
+    ("invalid_json", "/v1/completions", None, b"{not json", 400, "Invalid JSON"),
+    ("wrong_content_type", "/v1/completions", None, b"prompt=x", 400, "Content-Type"),
+    ("pydantic_type", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"},
+     None, 400, "max_tokens"),
+    ("missing_prompt", "/v1/completions", {"model": MODEL}, None, 400, "prompt"),
+    ("unknown_model", "/v1/completions", {"model": "gpt-17", "prompt": "x"}, None, 404,
+     "does not exist"),
+    ("unknown_route", "/v1/nothing", {"model": MODEL}, None, 404, ""),
+]
+
+
+@pytest.mark.parametrize("name,path,body,raw,status,needle", ERROR_CASES,
+                         ids=[c[0] for c in ERROR_CASES])
+def test_errors_have_openai_shape_and_server_keeps_serving(server, name, path, body, raw,
+                                                           status, needle):
+    headers = {"Content-Type": "text/plain" if name == "wrong_content_type"
+               else "application/json"}
+    r = post(server, path, body, raw=raw, headers=headers)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status and needle in err["message"]
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_openai_client_raises_bad_request_then_serves(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=LONG, max_tokens=300)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert_still_serves(client)
+
+
+# -- load and disconnects ---------------------------------------------------------------------
+def test_200_concurrent_streams_with_a_quarter_disconnecting(server, client):
+    prompts = ["Hello", "The sky is", "One two", "Water is"]
+    expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=8,
+                                             temperature=0).choices[0].text for p in prompts}
+
+    async def one(aclient, i):
+        prompt = prompts[i % len(prompts)]
+        stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                                  temperature=0, stream=True)
+        text, finishes = "", 0
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finishes += chunk.choices[0].finish_reason is not None
+            if i % 4 == 3 and text:
+                await stream.close()          # client disconnects mid-stream
+                return None
+        return prompt, text, finishes
+
+    async def run_all():
+        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none",
+                                     max_retries=0, timeout=600,
+                                     http_client=httpx.AsyncClient(
+                                         limits=httpx.Limits(max_connections=300),
+                                         timeout=600))
+        try:
+            return await asyncio.gather(*(one(aclient, i) for i in range(200)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(run_all())
+    done = [r for r in results if r is not None]
+    assert len(done) == 150
+    for prompt, text, finishes in done:
+        assert text == expected[prompt] and finishes == 1
+    deadline = time.monotonic() + 60
+    while True:
+        text = httpx.get(server.base_url + "/metrics").text
+        values = [metric(text, n) for n in ("num_requests_running", "num_requests_waiting",
+                                            "kv_cache_usage_perc")]
+        if values == [0, 0, 0] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert values == [0, 0, 0]
+    assert_still_serves(client)
+
+
+def test_metrics_have_vllm_names_with_prefix(server):
+    text = httpx.get(server.base_url + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total"):
+        assert metric(text, name) >= 0
+    assert metric(text, "generation_tokens_total") > 0
+    assert re.search(r'^jaxserve:request_success_total\{.*finished_reason="length".*\} [1-9]',
+                     text, re.M)
+    assert re.search(r'^jaxserve:request_success_total\{.*finished_reason="abort".*\} [1-9]',
+                     text, re.M)
+    for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert re.search(rf"^jaxserve:{hist}_count\{{model_name=\"{MODEL}\"\}} [1-9]", text, re.M)
