@@ -123,7 +123,12 @@ def open_gguf(path: Path) -> tuple[ModelConfig, Callable[[str], np.ndarray]]:
         reader = GGUFReader(str(path))
     except Exception as e:  # gguf raises ValueError / struct.error / OSError on bad files
         raise ModelLoadError(f"cannot read {path}: corrupt or not a GGUF file ({e})") from None
-    cfg = gguf_config(reader)
+    try:
+        cfg = gguf_config(reader)
+    except ModelLoadError:
+        raise
+    except ValueError as e:   # ModelConfig's own range checks on the metadata
+        raise ModelLoadError(f"{path}: {e}") from None
     tensors = {t.name: t for t in reader.tensors}
     permuted = cfg.architecture == "LlamaForCausalLM"
 

@@ -95,7 +95,10 @@ def load_hf_config(path: Path) -> ModelConfig:
         hf = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from None
-    return ModelConfig.from_hf(hf)
+    try:
+        return ModelConfig.from_hf(hf)
+    except ValueError as e:   # unsupported architecture, missing or out-of-range field
+        raise ModelLoadError(f"{cfg_file}: {e}") from None
 
 
 def _safetensors_getter(path: Path) -> Callable[[str], np.ndarray]:
