@@ -59,6 +59,9 @@ class LLM:
                  ) -> list[RequestOutput]:
         """prompts: a str, a {"prompt_token_ids": [...]} dict, or a list of those.
         Returns one RequestOutput per prompt, in input order."""
+        if self.llm_engine.runner is None:
+            raise RuntimeError("this LLM has been shut down (shutdown() freed its model and KV "
+                               "cache); create a new LLM to generate again")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
