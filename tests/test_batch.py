@@ -156,3 +156,100 @@ def test_count_lines(tmp_path):
     p.write_text("a\nb\nc")
     assert batch_io.count_lines(str(p)) == 3
     assert batch_io.count_lines("-") is None
+
+
+# -- the real CLI on the default model ----------------------------------------------------------
+ENGINE_FLAGS = ["--max-model-len", "256", "--max-num-seqs", "16", "--max-num-batched-tokens",
+                "256", "--kv-cache-memory-bytes", "32M"]
+
+
+def cli(*args, stdin=None, **kw):
+    cmd = [sys.executable, "-c", "import sys; from jaxserve.cli import main; sys.exit(main())",
+           "run-batch", *ENGINE_FLAGS, *args]
+    return subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=REPO, **kw)
+
+
+def completion(cid, i, max_tokens=8, **extra):
+    return envelope(cid, prompt=f"Item {i}: a short line about the number {i}.",
+                    max_tokens=max_tokens, temperature=0, **extra)
+
+
+def read_out(path):
+    return [json.loads(x) for x in Path(path).read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_cli_lines_models_and_errors(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [completion(f"c{i}", i) for i in range(6)] + [
+        envelope("chat", url="/v1/chat/completions", max_tokens=8,
+                 messages=[{"role": "user", "content": "Hi"}]),
+        completion("named", 7, model="SmolLM2-135M-Instruct"),
+        completion("alias", 8, model="my-alias"),
+        completion("unknown", 9, model="gpt-4"),                 # 404
+        envelope("badtemp", prompt="x", temperature=-1),        # SamplingParams says 400
+        envelope("noprompt", max_tokens=3),                     # pydantic says 400
+        "this is not json",
+        completion("c0", 0)]                                     # duplicate
+    inp.write_text("\n".join(lines) + "\n")
+    p = cli("-i", str(inp), "-o", str(out), "--served-model-name", "SmolLM2-135M-Instruct",
+            "my-alias")
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 1, err.decode()[-3000:]
+    res = {o["custom_id"]: o for o in read_out(out) if o["custom_id"]}
+    status = {k: v["response"]["status_code"] for k, v in res.items()}
+    assert status == {**{f"c{i}": 200 for i in range(6)}, "chat": 200, "named": 200,
+                      "alias": 200, "unknown": 404, "badtemp": 400, "noprompt": 400} | \
+        {"c0": status["c0"]}
+    assert len(read_out(out)) == len(lines)
+    assert res["chat"]["response"]["body"]["object"] == "chat.completion"
+    assert res["alias"]["response"]["body"]["model"] == "my-alias"
+    assert res["c1"]["response"]["body"]["usage"]["completion_tokens"] > 0
+    assert res["unknown"]["response"]["body"]["error"]["type"] == "NotFoundError"
+    text = err.decode()
+    assert "run-batch: 14 lines (9 ok, 5 failed)" in text and "tok/s" in text
+
+
+@pytest.mark.slow
+def test_cli_sigkill_then_resume(tmp_path):
+    n = 48
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(completion(f"r{i}", i, max_tokens=24, ignore_eos=True)
+                             for i in range(n)) + "\n")
+    p = cli("-i", str(inp), "-o", str(out), "--max-concurrency", "8", "--max-num-seqs", "4")
+    deadline = time.time() + 500
+    while time.time() < deadline and p.poll() is None:
+        if out.exists() and len(out.read_text().splitlines()) >= 4:
+            break
+        time.sleep(0.2)
+    assert p.poll() is None, "the job finished before it could be killed"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    written = read_out(out)
+    assert 4 <= len(written) < n
+    with open(out, "a") as f:       # what a kill in the middle of a write leaves behind
+        f.write('{"id": "batch_req_torn", "custom_id": "r4')
+    p = cli("-i", str(inp), "-o", str(out), "--resume")
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err.decode()[-3000:]
+    assert "truncated a torn last line" in err.decode()
+    final = read_out(out)
+    assert final[:len(written)] == written
+    assert sorted(o["custom_id"] for o in final) == sorted(f"r{i}" for i in range(n))
+    assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in final)
+
+
+@pytest.mark.slow
+def test_cli_stdin_stdout_ordered(tmp_path):
+    # long and short requests alternate, so completion order would differ from input order
+    lines = [completion(f"o{i}", i, max_tokens=24 if i % 2 == 0 else 2, ignore_eos=True)
+             for i in range(12)]
+    p = cli("-i", "-", "-o", "-", "--ordered", "--max-num-seqs", "4", stdin=subprocess.PIPE)
+    stdout, err = p.communicate(("\n".join(lines) + "\n").encode(), timeout=600)
+    assert p.returncode == 0, err.decode()[-3000:]
+    out = [json.loads(x) for x in stdout.decode().splitlines()]
+    assert [o["custom_id"] for o in out] == [f"o{i}" for i in range(12)]
+    assert all(o["response"]["status_code"] == 200 for o in out)
+    assert [o["response"]["body"]["usage"]["completion_tokens"] for o in out] == \
+        [24 if i % 2 == 0 else 2 for i in range(12)]
