@@ -1,0 +1,75 @@
+"""The jaxserve CLI parser: vLLM flag names and groups, --config YAML, the subcommand registry."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve import cli
+from jaxserve.config import EngineArgs
+
+
+def parse(*argv):
+    parser = cli.build_parser()
+    ns = parser.parse_args(["serve", *argv])
+    cli.apply_config_file(ns, ns._subparser)
+    return ns
+
+
+def test_every_engine_arg_has_a_flag():
+    flagged = {name for name, _, _ in cli._ENGINE_FLAGS} | {"model"}
+    assert flagged == set(EngineArgs.field_names())
+
+
+def test_help_is_grouped_like_vllm():
+    out = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    for group in ("ModelConfig:", "CacheConfig:", "SchedulerConfig:", "ParallelConfig:",
+                  "Frontend:"):
+        assert group in out
+    for flag in ("--max-model-len", "--tensor-parallel-size", "--enable-prefix-caching",
+                 "--no-enable-prefix-caching", "--speculative-config", "--kv-cache-memory-bytes",
+                 "--num-gpu-blocks-override", "--compilation-cache-dir", "--max-waiting-requests",
+                 "--api-key", "--served-model-name", "--config", "--attention-backend"):
+        assert flag in out
+
+
+def test_only_given_flags_override_engine_defaults():
+    ns = parse("some/model.gguf", "--max-model-len", "1k", "--no-enable-prefix-caching",
+               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+               "-tp", "1", "--served-model-name", "a", "b")
+    args = cli.engine_args_from(ns)
+    assert args.model == "some/model.gguf" and args.max_model_len == 1000
+    assert args.enable_prefix_caching is False
+    assert args.speculative_config["num_speculative_tokens"] == 3
+    assert args.served_model_name == "a"
+    assert args.block_size == EngineArgs().block_size
+
+
+def test_config_yaml_fills_flags_and_the_command_line_wins(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("max-model-len: 256\nmax_num_seqs: 8\nport: 9001\nenable-prefix-caching: false\n")
+    ns = parse("--config", str(cfg), "--max-model-len", "128")
+    args = cli.engine_args_from(ns)
+    assert args.max_model_len == 128 and args.max_num_seqs == 8
+    assert args.enable_prefix_caching is False and ns.port == 9001
+
+
+def test_unknown_config_key_is_an_error(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("max-model-lenn: 256\n")
+    with pytest.raises(SystemExit):
+        parse("--config", str(cfg))
+
+
+def test_registered_subcommand_appears(monkeypatch):
+    monkeypatch.setattr(cli, "SUBCOMMANDS", dict(cli.SUBCOMMANDS))
+    cli.register_subcommand("run-batch", "Run a JSONL batch.",
+                            lambda p: (p.add_argument("-i"), cli.add_engine_args(p)),
+                            lambda ns: 0)
+    ns = cli.build_parser().parse_args(["run-batch", "-i", "in.jsonl", "--max-num-seqs", "4"])
+    assert ns.command == "run-batch" and cli.engine_args_from(ns).max_num_seqs == 4
+    assert cli.main(["run-batch", "-i", "x"]) == 0

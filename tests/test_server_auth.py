@@ -1,0 +1,49 @@
+"""A second real server: --api-key, --served-model-name (two names), --max-waiting-requests 0
+(every generation request is over the limit -> 503), and exit 0 on SIGTERM."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+try:
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
+from server_fixtures import ServerProcess
+
+KEY = "sk-test"
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--api-key", KEY, "--served-model-name", "m1", "m2",
+                        "--max-waiting-requests", "0").start()
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+    assert "shutdown complete" in srv.log()
+
+
+def test_missing_or_wrong_key_is_401_with_error_shape(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(server.base_url + "/v1/completions", json={"model": "m1", "prompt": "x"},
+                       headers=headers)
+        assert r.status_code == 401
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(server.base_url + "/health").status_code == 200   # not behind the key
+
+
+def test_served_model_names_are_listed_and_accepted(server):
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["m1", "m2"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt="x", max_tokens=2)
+
+
+def test_over_max_waiting_requests_is_503(server):
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model="m2", prompt="x", max_tokens=2)
+    assert info.value.status_code == 503
+    assert "overloaded" in info.value.body["message"]
