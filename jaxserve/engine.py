@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxserve import kv_cache as kvc
 from jaxserve.config import CacheConfig, EngineArgs
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
+from jaxserve.gguf_loader import read_gguf
 from jaxserve.loader import load_model, resolve_dtype
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.request import Request, RequestStatus
@@ -86,9 +87,14 @@ class LLMEngine:
         self.model_name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None
                                                      else args.model)
         enable_compilation_cache(args.compilation_cache_dir)
-        self.tokenizer = Tokenizer.from_model(args.tokenizer or model_path)
+        reader = read_gguf(model_path) if str(model_path).endswith(".gguf") else None
+        if args.tokenizer is None and reader is not None:
+            self.tokenizer = Tokenizer.from_gguf(reader)
+        else:
+            self.tokenizer = Tokenizer.from_model(args.tokenizer or model_path)
         dtype = resolve_dtype(args.dtype)
-        self.model_config, weights = load_model(model_path, dtype)
+        self.model_config, weights = load_model(model_path, dtype, gguf_reader=reader)
+        del reader
         cfg = self.model_config
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if args.max_model_len and args.max_model_len > cfg.max_position_embeddings:

@@ -116,13 +116,19 @@ def dequantize(tensor) -> np.ndarray:
     return gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
 
 
-def open_gguf(path: Path) -> tuple[ModelConfig, Callable[[str], np.ndarray]]:
+def read_gguf(path):
+    """Open (parse the header of) a GGUF file, with a clear error for a corrupt one."""
     from gguf import GGUFReader
 
     try:
-        reader = GGUFReader(str(path))
+        return GGUFReader(str(path))
     except Exception as e:  # gguf raises ValueError / struct.error / OSError on bad files
         raise ModelLoadError(f"cannot read {path}: corrupt or not a GGUF file ({e})") from None
+
+
+def open_gguf(path: Path, reader=None) -> tuple[ModelConfig, Callable[[str], np.ndarray]]:
+    """`reader`: an already open GGUFReader of `path` (the tokenizer shares it)."""
+    reader = reader if reader is not None else read_gguf(path)
     try:
         cfg = gguf_config(reader)
     except ModelLoadError:

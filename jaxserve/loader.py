@@ -138,8 +138,10 @@ def _safetensors_getter(path: Path) -> Callable[[str], np.ndarray]:
     return get
 
 
-def load_model(model: str | os.PathLike, dtype="auto") -> tuple[ModelConfig, Weights]:
-    """Load a Hugging Face directory or a .gguf file. `dtype` is a name or a jnp dtype."""
+def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None
+               ) -> tuple[ModelConfig, Weights]:
+    """Load a Hugging Face directory or a .gguf file. `dtype` is a name or a jnp dtype;
+    `gguf_reader` an already open reader of the file (parsing a GGUF header takes seconds)."""
     path = Path(model)
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist (jaxserve loads local "
@@ -149,7 +151,7 @@ def load_model(model: str | os.PathLike, dtype="auto") -> tuple[ModelConfig, Wei
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf file")
         from jaxserve import gguf_loader
-        cfg, get = gguf_loader.open_gguf(path)
+        cfg, get = gguf_loader.open_gguf(path, gguf_reader)
     else:
         cfg = load_hf_config(path)
         get = _safetensors_getter(path)

@@ -75,7 +75,7 @@ class ModelRunner:
             return model.compute_logits(weights, hidden[logit_rows]), cache
 
         self._step = jax.jit(step, donate_argnames=("cache",))
-        self.compiled_programs: set[tuple] = set()
+        self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}
 
     # -- shapes -------------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
@@ -125,17 +125,31 @@ class ModelRunner:
                 logit_rows[i] = offsets[i] + len(s.token_ids) - 1
         return (tokens, positions, meta, logit_rows), offsets
 
-    def run_model(self, tokens, positions, meta, logit_rows):
-        key = (len(tokens), len(logit_rows))
-        if key not in self.compiled_programs:
+    def _executable(self, num_tokens: int, num_rows: int):
+        """The compiled model program for one (tokens, logit rows) shape, compiled ahead of time
+        (no execution) on first use; JAX's persistent cache turns a repeat into a load."""
+        key = (num_tokens, num_rows)
+        exe = self._executables.get(key)
+        if exe is None:
             t0 = time.perf_counter()
-        logits, self.cache = self._step(self.weights, self.cache, tokens, positions, meta,
-                                        logit_rows)
-        if key not in self.compiled_programs:
-            logits.block_until_ready()
-            self.compiled_programs.add(key)
+            S, M = self._seq_bucket(num_tokens), self.max_blocks_per_seq
+            i32 = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+            meta = AttentionMetadata(i32((num_tokens,)), i32((S, M)), i32((S,)), i32((S + 1,)),
+                                     i32((1,)))
+            exe = self._step.lower(self.weights, self.cache, i32((num_tokens,)),
+                                   i32((num_tokens,)), meta, i32((num_rows,))).compile()
+            self._executables[key] = exe
             logger.info("compiled model program %d: %d tokens, %d logit rows (%.1f s)",
-                        len(self.compiled_programs), key[0], key[1], time.perf_counter() - t0)
+                        len(self._executables), num_tokens, num_rows, time.perf_counter() - t0)
+        return exe
+
+    @property
+    def compiled_programs(self) -> list[tuple[int, int]]:
+        return sorted(self._executables)
+
+    def run_model(self, tokens, positions, meta, logit_rows):
+        exe = self._executable(len(tokens), len(logit_rows))
+        logits, self.cache = exe(self.weights, self.cache, tokens, positions, meta, logit_rows)
         return logits
 
     def execute(self, scheduled, requests: dict) -> RunnerOutput:
@@ -225,23 +239,20 @@ class ModelRunner:
         return t, SamplerFlags(penalties, filters, num_lp)
 
     def warmup(self):
-        """Compile every token bucket once (greedy sampling) so serving never waits on XLA."""
+        """Compile every token bucket ahead of time (and the greedy sampler for each), so serving
+        never waits on XLA. Nothing big is executed: with a warm persistent cache this is loads."""
         t0 = time.perf_counter()
         for T in self.buckets:
             S = self._seq_bucket(T)
-            meta = AttentionMetadata(np.full(T, self.num_blocks * self.block_size, np.int32),
-                                     np.zeros((S, self.max_blocks_per_seq), np.int32),
-                                     np.zeros(S, np.int32), np.zeros(S + 1, np.int32),
-                                     np.zeros(1, np.int32))
-            logits = self.run_model(np.zeros(T, np.int32), np.zeros(T, np.int32), meta,
-                                    np.zeros(S, np.int32))
+            self._executable(T, S)
             z = np.zeros(S, np.float32)
             t = SamplingTensors(z, z.astype(np.int32), z + 1, z, z.astype(np.uint32),
                                 z.astype(np.int32))
+            logits = np.zeros((S, self.cfg.vocab_size), np.float32)
             jax.block_until_ready(sample(logits, t, SamplerFlags(False, False, 0)))
         elapsed = time.perf_counter() - t0
         logger.info("warm-up: %d model programs for token buckets %s in %.1f s",
-                    len(self.compiled_programs), self.buckets, elapsed)
+                    len(self._executables), self.buckets, elapsed)
         return elapsed
 
 
