@@ -59,6 +59,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from jaxserve.attention import token_layout
+
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2), jnp.dtype(jnp.int8))
@@ -68,21 +70,6 @@ COMPUTE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp
 # ----------------------------------------------------------------------------------------------
 # Reference (the kernel's oracle)
 # ----------------------------------------------------------------------------------------------
-def _token_layout(meta, num_tokens: int):
-    """Per token: its sequence, whether it is real, and its absolute position."""
-    cu = meta.cu_q_lens.astype(jnp.int32)                               # [S + 1]
-    num_seqs = meta.num_seqs.reshape(-1)[0]
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    # sequence s owns t iff cu[s] <= t < cu[s+1]; counting the ends <= t skips empty sequences
-    seq = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)  # [T]
-    S = meta.kv_lens.shape[0]
-    valid = (t < cu[-1]) & (seq < num_seqs)
-    seq = jnp.minimum(seq, S - 1)
-    q_len = cu[seq + 1] - cu[seq]
-    pos = meta.kv_lens[seq] - q_len + (t - cu[seq])                    # [T]
-    return seq, valid, pos
-
-
 def ref_ragged_paged_attention(q, k_cache, v_cache, meta, *, sm_scale, sliding_window=None,
                                soft_cap=None, k_scale=None, v_scale=None):
     """Plain jnp ragged paged attention: each token gathers its sequence's whole context.
@@ -93,7 +80,7 @@ def ref_ragged_paged_attention(q, k_cache, v_cache, meta, *, sm_scale, sliding_w
     N, B, K, _ = k_cache.shape
     G = H // K
     M = meta.block_tables.shape[1]
-    seq, valid, pos = _token_layout(meta, T)
+    seq, pos, valid = token_layout(meta, T)
     j = jnp.arange(M * B, dtype=jnp.int32)                              # context positions
     pages = meta.block_tables[seq][:, j // B]                          # [T, M*B]
     offs = jnp.broadcast_to(j % B, pages.shape)
@@ -272,7 +259,7 @@ def _ragged_impl(q, k_cache, v_cache, meta, k_scale, v_scale, *, sm_scale, slidi
     )(*operands)
 
     # scatter back: token t -> (tile, row) of its sequence
-    seq, valid, _ = _token_layout(meta, T)
+    seq, _, valid = token_layout(meta, T)
     local = jnp.arange(T, dtype=jnp.int32) - cu[seq]
     tile = jnp.clip(tile_base[seq] + local // bq, 0, nt - 1)
     out = out_tiles.reshape(K, nt, bq, gp, D)[:, tile, local % bq]     # [K, T, Gp, D]
