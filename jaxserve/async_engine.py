@@ -21,7 +21,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable
 
 from jaxserve.config import EngineArgs
 from jaxserve.outputs import RequestOutput

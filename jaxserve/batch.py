@@ -269,21 +269,14 @@ def _take(source: Iterator, n: int) -> list:
 def engine_routes(serving) -> dict[str, Route]:
     """`/v1/completions` and `/v1/chat/completions` answered by the server's `OpenAIServing`:
     the same body validation, model check (404), prompt checks and response JSON as HTTP."""
-    from pydantic import ValidationError
-
-    from jaxserve.server.api_server import _validation_message
-    from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+    from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError,
+                                          validate_request)
 
     def route(model_cls, endpoint):
         async def answer(body: dict) -> dict:
             if body.get("stream"):
                 raise OpenAIError(400, "stream is not supported in batch jobs", param="stream")
-            try:
-                request = model_cls.model_validate(body)
-            except ValidationError as e:
-                msg, param = _validation_message(e)
-                raise OpenAIError(400, msg, param=param) from None
-            return await endpoint(request)
+            return await endpoint(validate_request(model_cls, body))
         return answer
 
     return {"/v1/completions": route(CompletionRequest, serving.create_completion),

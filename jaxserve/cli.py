@@ -286,4 +286,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the imported module so subcommands registered on import (run-batch) are seen.
+    from jaxserve import cli as _cli
+    sys.exit(_cli.main())

@@ -11,13 +11,11 @@ import logging
 import os
 import random
 import time
-from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from jaxserve import kv_cache as kvc
-from jaxserve.config import CacheConfig, EngineArgs
+from jaxserve.config import EngineArgs
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
 from jaxserve.gguf_loader import read_gguf
 from jaxserve.loader import load_model, resolve_dtype

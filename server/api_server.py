@@ -15,13 +15,14 @@ import time
 from typing import Optional
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 import jaxserve
 from jaxserve.async_engine import AsyncLLM
 from jaxserve.config import EngineArgs
 from jaxserve.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      validate_request,
                                       OpenAIError, TokenizeRequest)
 from jaxserve.server.serving import OpenAIServing
 
@@ -43,15 +44,6 @@ class ServerArgs:
 
 def _error_response(err: OpenAIError) -> web.Response:
     return web.json_response(err.to_dict(), status=err.status)
-
-
-def _validation_message(e: ValidationError) -> tuple[str, Optional[str]]:
-    first = e.errors()[0]
-    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "__root__")
-    msg = first.get("msg", str(e))
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    return (f"{msg} (field: {loc})" if loc else msg), (loc or None)
 
 
 class Server:
@@ -132,11 +124,7 @@ class Server:
             raise OpenAIError(400, f"Invalid JSON body: {e}") from None
         if not isinstance(data, dict):
             raise OpenAIError(400, "The request body must be a JSON object")
-        try:
-            return model.model_validate(data)
-        except ValidationError as e:
-            msg, param = _validation_message(e)
-            raise OpenAIError(400, msg, param=param) from None
+        return validate_request(model, data)
 
     # -- handlers -----------------------------------------------------------------------------
     async def health(self, request):

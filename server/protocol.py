@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -36,6 +36,21 @@ class OpenAIError(Exception):
     def to_dict(self) -> dict:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
                                              param=self.param, code=self.status)).model_dump()
+
+
+def validate_request(model_cls: type[BaseModel], data: dict) -> BaseModel:
+    """Validate a request body; a pydantic failure becomes a 400 OpenAIError naming the field.
+    Shared by the HTTP server and run-batch so both reject the same bodies the same way."""
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "__root__")
+        msg = first.get("msg", str(e))
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        raise OpenAIError(400, f"{msg} (field: {loc})" if loc else msg,
+                          param=loc or None) from None
 
 
 class ErrorInfo(BaseModel):
