@@ -221,22 +221,24 @@ class ModelRunner:
         min_p = np.zeros(R, np.float32)
         seeds = np.zeros(R, np.uint32)
         out_pos = np.zeros(R, np.int32)
-        penalties = filters = False
+        penalties = filters = random = want_lp = False
         num_lp = 0
         for r, req in zip(rows, reqs):
             sp = req.sampling_params
-            temp[r] = sp.temperature
+            temp[r] = 0.0 if sp.is_greedy else sp.temperature
             top_k[r], top_p[r], min_p[r] = sp.top_k, sp.top_p, sp.min_p
             seeds[r] = req.sample_seed
             out_pos[r] = req.num_output_tokens
             penalties |= _needs_penalties(req)
             filters |= sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0
+            random |= not sp.is_greedy
             if sp.logprobs is not None:
-                num_lp = self.max_logprobs
+                want_lp = True
+                num_lp = self.max_logprobs if sp.logprobs else num_lp
         t = SamplingTensors(temp, top_k, top_p, min_p, seeds, out_pos)
         if penalties:
             t = _penalty_tensors(t, reqs, rows, R)
-        return t, SamplerFlags(penalties, filters, num_lp)
+        return t, SamplerFlags(penalties, filters and random, num_lp, random, want_lp)
 
     def warmup(self):
         """Compile every token bucket ahead of time (and the greedy sampler for each), so serving
@@ -249,7 +251,7 @@ class ModelRunner:
             t = SamplingTensors(z, z.astype(np.int32), z + 1, z, z.astype(np.uint32),
                                 z.astype(np.int32))
             logits = np.zeros((S, self.cfg.vocab_size), np.float32)
-            jax.block_until_ready(sample(logits, t, SamplerFlags(False, False, 0)))
+            jax.block_until_ready(sample(logits, t, SamplerFlags(False, False, 0, False, False)))
         elapsed = time.perf_counter() - t0
         logger.info("warm-up: %d model programs for token buckets %s in %.1f s",
                     len(self._executables), self.buckets, elapsed)

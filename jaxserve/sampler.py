@@ -27,6 +27,8 @@ class SamplerFlags(NamedTuple):
     penalties: bool      # any row with repetition/frequency/presence penalty, logit_bias or min_tokens
     filters: bool        # any row with top_k, top_p or min_p
     num_logprobs: int    # top logprobs to return per row (0: none)
+    random: bool = True  # any row that samples (temperature > 0); all-greedy skips the noise
+    logprobs: bool = True  # any row that wants logprobs (else no log_softmax / rank is computed)
 
 
 @jax.tree_util.register_dataclass
@@ -104,17 +106,22 @@ def _gumbel(seed, position, vocab):
 def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> SamplerOutput:
     """logits [R, V] f32 -> sampled ids and logprobs for every row."""
     R, V = logits.shape
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1) if flags.logprobs else None
     if flags.penalties:
         logits = _apply_penalties(logits, t)
-    greedy_ids = jnp.argmax(logits, axis=-1)
-    greedy = t.temperature <= 0
-    scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
-    if flags.filters:
-        scaled = _apply_filters(scaled, t)
-    noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(t.seeds, t.positions, V)
-    random_ids = jnp.argmax(scaled + noise, axis=-1)
-    ids = jnp.where(greedy, greedy_ids, random_ids).astype(jnp.int32)
+    ids = jnp.argmax(logits, axis=-1)
+    if flags.random:   # Gumbel noise for every row is ~3M random numbers a step: skip if greedy
+        greedy = t.temperature <= 0
+        scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
+        if flags.filters:
+            scaled = _apply_filters(scaled, t)
+        noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(t.seeds, t.positions, V)
+        ids = jnp.where(greedy, ids, jnp.argmax(scaled + noise, axis=-1))
+    ids = ids.astype(jnp.int32)
+    if not flags.logprobs:
+        zeros = jnp.zeros((R, 0), jnp.float32)
+        return SamplerOutput(ids, jnp.zeros(R, jnp.float32), jnp.zeros(R, jnp.int32),
+                             zeros.astype(jnp.int32), zeros)
     chosen = jnp.take_along_axis(raw_logprobs, ids[:, None], axis=-1)[:, 0]
     rank = 1 + jnp.sum(raw_logprobs > chosen[:, None], axis=-1).astype(jnp.int32)
     k = flags.num_logprobs
