@@ -9,7 +9,6 @@ already in the cache when attention runs (see docs/internals.md).
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -79,8 +78,13 @@ def _row_layout(meta: AttentionMetadata, num_tokens: int, tile: int):
 
 def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, sm_scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None,
-                               k_scale=None, v_scale=None):
+                               k_scale=None, v_scale=None, return_pages: bool = False):
     """q [T, H, D]; k_pages, v_pages [R, B, K, D]; scales [R, B, K] or None -> [T, H, D].
+
+    `return_pages=True` also returns (k_pages, v_pages, k_scale, v_scale) as threaded through the
+    loop. Inside the model's layer loop the caller must continue with those: if the loop only
+    closed over the pages, the pages would stay live after it and XLA would copy the whole cache
+    into the loop's state on every layer (measured: most of a CPU decode step).
 
     An online-softmax loop over chunks of each row's context, run for as many chunks as the
     longest sequence needs (a dynamic trip count, so no context-length bucket is compiled).
@@ -108,7 +112,7 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
         return x.reshape(R, chunk, K, D)
 
     def body(j, carry):
-        m, l, acc = carry                                 # [R,q,K,G], [R,q,K,G], [R,q,K,G,D]
+        (m, l, acc), (k_pages, v_pages, k_scale, v_scale) = carry   # [R,q,K,G] x2, [R,q,K,G,D]
         ids = jax.lax.dynamic_slice_in_dim(row_tables, j * blocks_per_chunk, blocks_per_chunk, 1)
         k = gather(k_pages, k_scale, ids)
         v = gather(v_pages, v_scale, ids)
@@ -126,14 +130,16 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
         alpha = jnp.exp(m - m_new)
         l = l * alpha + p.sum(-1)
         acc = acc * alpha[..., None] + jnp.einsum("rqkgc,rckd->rqkgd", p, v)
-        return m_new, l, acc
+        return (m_new, l, acc), (k_pages, v_pages, k_scale, v_scale)
 
     num_chunks = (jnp.max(meta.kv_lens) + chunk - 1) // chunk
     init = (jnp.full((R, tile, K, G), _MASKED, jnp.float32),
             jnp.zeros((R, tile, K, G), jnp.float32), jnp.zeros((R, tile, K, G, D), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    (_, l, acc), pages = jax.lax.fori_loop(0, num_chunks, body,
+                                           (init, (k_pages, v_pages, k_scale, v_scale)))
     out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
-    return out[tok_row, tok_col].reshape(T, H, D).astype(q.dtype)
+    out = out[tok_row, tok_col].reshape(T, H, D).astype(q.dtype)
+    return (out, pages) if return_pages else out
 
 
 def resolve_backend(name: str) -> str:
@@ -154,13 +160,20 @@ def _kernel(backend: str):
 
 def paged_attention(q, cache: kvc.KVCache, layer, meta: AttentionMetadata, *, backend: str,
                     sm_scale: float, sliding_window: int | None = None,
-                    soft_cap: float | None = None):
-    """One layer's attention: q [T, H, D] against layer `layer` of the stacked cache."""
+                    soft_cap: float | None = None) -> tuple[jax.Array, kvc.KVCache]:
+    """One layer's attention: q [T, H, D] against layer `layer` of the stacked cache.
+    Returns the output and the cache to carry on with (see `return_pages`)."""
     n = cache.num_blocks
     meta = dataclasses.replace(meta, block_tables=meta.block_tables + layer * n)
     scales = {}
     if cache.quantized:
         scales = dict(k_scale=kvc.layer_view(cache.k_scale), v_scale=kvc.layer_view(cache.v_scale))
-    fn = partial(_kernel(backend), sm_scale=sm_scale, sliding_window=sliding_window,
-                 soft_cap=soft_cap, **scales)
-    return fn(q, kvc.layer_view(cache.k), kvc.layer_view(cache.v), meta)
+    args = (q, kvc.layer_view(cache.k), kvc.layer_view(cache.v), meta)
+    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **scales)
+    if backend != "reference":
+        return _kernel(backend)(*args, **opts), cache
+    out, (k, v, ks, vs) = ragged_paged_attention_ref(*args, **opts, return_pages=True)
+    shape, scale_shape = cache.k.shape, cache.k.shape[:-1]
+    return out, kvc.KVCache(k.reshape(shape), v.reshape(shape),
+                            None if ks is None else ks.reshape(scale_shape),
+                            None if vs is None else vs.reshape(scale_shape))

@@ -96,7 +96,7 @@ def _layer(cfg: ModelConfig, backend: str, kv_quantize, carry, xs):
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     cache = kvc.write(cache, layer, k, v, meta.slot_mapping, kv_quantize)
-    o = attention.paged_attention(q, cache, layer, meta, backend=backend, sm_scale=D ** -0.5,
+    o, cache = attention.paged_attention(q, cache, layer, meta, backend=backend, sm_scale=D ** -0.5,
                                   sliding_window=cfg.sliding_window)
     x = x + linear(o.reshape(T, H * D), w.wo)
 
