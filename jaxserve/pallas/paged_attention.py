@@ -210,6 +210,13 @@ def _plan_tiles(meta, num_tokens: int, bq: int):
     return tile_seq, qstart.astype(jnp.int32), nq, tile_base, q_lens, nt
 
 
+def scale_operands(k_scale, v_scale) -> list:
+    """fp8/int8 scales [N, B, K] as the kernels read them: f32 rows per slot, [N * B, K]."""
+    N, B, K = k_scale.shape
+    return [k_scale.reshape(N * B, K).astype(jnp.float32),
+            v_scale.reshape(N * B, K).astype(jnp.float32)]
+
+
 def _ragged_impl(q, k_cache, v_cache, meta, k_scale, v_scale, *, sm_scale, sliding_window,
                  soft_cap, rows, kv_tokens, interpret):
     T, H, D = q.shape
@@ -240,8 +247,7 @@ def _ragged_impl(q, k_cache, v_cache, meta, k_scale, v_scale, *, sm_scale, slidi
     in_specs = [whole] * 6 + [pl.BlockSpec((None, None, R, D), lambda h, i: (h, i, 0, 0)),
                               whole, whole]
     if quantized:
-        operands += [k_scale.reshape(N * B, K).astype(jnp.float32),
-                     v_scale.reshape(N * B, K).astype(jnp.float32)]
+        operands += scale_operands(k_scale, v_scale)
         in_specs += [whole, whole]
     kernel = functools.partial(
         _ragged_kernel, sm_scale=float(sm_scale), block_size=B, kv_block=C, gp=gp,

@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxserve.pallas.paged_attention import (DEFAULT_BLOCK_SIZES, _is_concrete,
+from jaxserve.pallas.paged_attention import (DEFAULT_BLOCK_SIZES, _is_concrete, scale_operands,
                                              default_interpret, kv_loop, triton_params,
                                              validate_inputs, validate_metadata)
 
@@ -101,8 +101,7 @@ def _decode_impl(q, k_cache, v_cache, meta, k_scale, v_scale, *, sm_scale, slidi
     in_specs = [whole] * 3 + [pl.BlockSpec((None, None, R, D), lambda h, s, j: (h, s, 0, 0)),
                               whole, whole]
     if quantized:
-        operands += [k_scale.reshape(N * B, K).astype(jnp.float32),
-                     v_scale.reshape(N * B, K).astype(jnp.float32)]
+        operands += scale_operands(k_scale, v_scale)
         in_specs += [whole, whole]
     kernel = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), block_size=B, kv_block=C,
