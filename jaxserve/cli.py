@@ -89,8 +89,6 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("compilation_cache_dir", "CompilationConfig", dict(help="Persistent XLA compilation cache "
                                                         "('' disables; default "
                                                         "~/.cache/jaxserve/xla).")),
-    ("disable_log_stats", "ObservabilityConfig", dict(action=argparse.BooleanOptionalAction,
-                                                      help="Do not log engine statistics.")),
 ]
 _SHORT = {"tensor_parallel_size": ["-tp"]}
 

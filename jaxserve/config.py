@@ -238,7 +238,6 @@ class EngineArgs:
     seed: int = 0
     compilation_cache_dir: str | None = None   # None: ~/.cache/jaxserve/xla; "" disables
     max_logprobs: int = 20
-    disable_log_stats: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

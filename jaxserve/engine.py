@@ -15,6 +15,7 @@ import time
 import jax
 
 from jaxserve import kv_cache as kvc
+from jaxserve.attention import resolve_backend
 from jaxserve.config import EngineArgs
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
 from jaxserve.gguf_loader import read_gguf
@@ -111,7 +112,7 @@ class LLMEngine:
                     blocks * per_block / 2**30, self.max_model_len, tokens / self.max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.runner = ModelRunner(cfg, weights, self.cache_config, self.scheduler_config,
-                                  dtype=dtype, backend=_backend(args.attention_backend),
+                                  dtype=dtype, backend=resolve_backend(args.attention_backend),
                                   max_logprobs=args.max_logprobs, kv_quantize=kv_quantize,
                                   kv_dtype=kv_dtype)
         self.processor = OutputProcessor(self.tokenizer)
@@ -212,7 +213,8 @@ class LLMEngine:
             self.generation_tokens_total += new
             if new and req.num_output_tokens == new:      # its prefill just finished
                 self.prompt_tokens_total += req.num_prompt_tokens
-        extra = [r for r in prompt_rows if r is not None and r not in updated]
+        seen = {r.request_id for r in updated}
+        extra = [r for r in prompt_rows if r is not None and r.request_id not in seen]
         outputs, stopped = self.processor.process(updated + extra, result.logprobs,
                                                   result.prompt_logprobs)
         if stopped:
@@ -247,11 +249,6 @@ def _check_supported(args: EngineArgs) -> None:
         raise ValueError(f"quantization={args.quantization!r} is not supported yet")
     if args.speculative_config:
         raise ValueError("speculative_config is not supported yet")
-
-
-def _backend(name: str) -> str:
-    from jaxserve.attention import resolve_backend
-    return resolve_backend(name)
 
 
 def _kv_quantization(kv_cache_dtype: str, model_dtype):

@@ -17,7 +17,7 @@ from jaxserve.loader import ModelLoadError
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
-_PLAIN_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+_PLAIN_TYPES = ("F32", "F16", "F64")   # read as they are, cast to f32
 # Quantized types the gguf package can dequantize and we accept.
 _QUANT_TYPES = ("BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                 "Q6_K", "IQ4_NL", "IQ4_XS")
@@ -112,7 +112,7 @@ def dequantize(tensor) -> np.ndarray:
     if kind not in _QUANT_TYPES:
         raise ModelLoadError(f"tensor {tensor.name} uses the GGUF quantization type {kind}, which "
                              f"jaxserve cannot dequantize; supported: "
-                             f"{', '.join(list(_PLAIN_TYPES) + list(_QUANT_TYPES))}")
+                             f"{', '.join(_PLAIN_TYPES + _QUANT_TYPES)}")
     return gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
 
 
