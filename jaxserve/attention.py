@@ -16,7 +16,12 @@ import jax.numpy as jnp
 from jaxserve import kv_cache as kvc
 
 _MASKED = -1e30
-_TILE = 8   # query tokens per row in prefill-heavy steps (8 beat 16 and 4 on CPU)
+# CPU tuning of the reference path (measured on the default model, 2 cores; benchmarks/RESULTS.md):
+_SHORT = 16          # chunks shorter than this are attended token by token (decodes)
+_TOKEN_ROWS = 16     # single-token rows attended together in one loop step
+_TILE = 64           # query tokens per row for longer chunks (prefill)
+_TILE_ROWS = 2       # such rows attended together
+_KV_CHUNK = 128      # KV positions per inner loop step
 
 
 @jax.tree_util.register_dataclass
@@ -40,41 +45,116 @@ def token_layout(meta: AttentionMetadata, num_tokens: int):
     return seq, pos, t < cu[-1]
 
 
-def _kv_chunk_tokens(num_tokens: int, block_size: int, kv_heads: int, head_dim: int) -> int:
-    """KV positions per loop step. Small chunks keep one step's gathered K/V in cache (~4 MiB):
-    on CPU that is 5x faster than big chunks for decode batches, and no slower for prefill."""
-    budget = (4 << 20) // max(1, num_tokens * kv_heads * head_dim * 4)
-    chunk = 512
-    while chunk > max(block_size, 32) and chunk > budget:
-        chunk //= 2
-    return max(chunk, block_size)
+@dataclasses.dataclass
+class _Rows:
+    """Query rows: `tile` consecutive tokens of one sequence each, real rows first.
+    tok [R, tile] (T marks an empty slot), pos [R, tile], seq [R], ctx [R] (KV positions the row
+    reads: its last position + 1), num [] (real rows)."""
+    tok: jax.Array
+    pos: jax.Array
+    seq: jax.Array
+    ctx: jax.Array
+    num: jax.Array
+
+    def padded(self, multiple: int, num_tokens: int) -> "_Rows":
+        pad = (-self.seq.shape[0]) % multiple
+        if not pad:
+            return self
+        def p(x, fill):
+            return jnp.concatenate([x, jnp.full((pad,) + x.shape[1:], fill, x.dtype)])
+        return _Rows(p(self.tok, num_tokens), p(self.pos, 0), p(self.seq, 0), p(self.ctx, 0),
+                     self.num)
 
 
-def _row_layout(meta: AttentionMetadata, num_tokens: int, tile: int):
-    """Groups the query tokens into rows of up to `tile` consecutive tokens of one sequence, so a
-    sequence's context is gathered once per row instead of once per token.
+def _token_rows(meta: AttentionMetadata, num_tokens: int) -> _Rows:
+    """One row per token of the sequences whose chunk is shorter than `_SHORT`, longest context
+    first, so each batch of rows loops over about as many KV chunks as it needs."""
+    seq, pos, valid = token_layout(meta, num_tokens)
+    q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]
+    mine = valid & (q_lens[seq] < _SHORT)
+    order = jnp.argsort(jnp.where(mine, -pos, jnp.iinfo(jnp.int32).max)).astype(jnp.int32)
+    mine, pos = mine[order], pos[order]
+    return _Rows(jnp.where(mine, order, num_tokens)[:, None], pos[:, None], seq[order],
+                 jnp.where(mine, pos + 1, 0), jnp.sum(mine).astype(jnp.int32))
 
-    Returns per row: its sequence [R], its token indices [R, tile], their positions [R, tile],
-    which are real [R, tile]; and per token its (row, column) to scatter results back.
-    """
-    seq_t, pos_t, valid_t = token_layout(meta, num_tokens)
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    if tile == 1:
-        return seq_t, t[:, None], pos_t[:, None], valid_t[:, None], (t, jnp.zeros_like(t))
+
+def _tile_rows(meta: AttentionMetadata, num_tokens: int, tile: int) -> _Rows:
+    """Rows of `tile` consecutive tokens over the sequences whose chunk has >= `_SHORT` tokens."""
     cu, kv_lens = meta.cu_q_lens, meta.kv_lens
     S = kv_lens.shape[0]
     q_lens = cu[1:] - cu[:-1]
-    row_cu = jnp.concatenate([jnp.zeros(1, jnp.int32),
-                              jnp.cumsum((q_lens + tile - 1) // tile).astype(jnp.int32)])
-    num_rows = num_tokens // tile + S                 # >= sum(ceil(q_len / tile)) always
+    per_seq = jnp.where(q_lens >= _SHORT, (q_lens + tile - 1) // tile, 0)
+    row_cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(per_seq).astype(jnp.int32)])
+    # sum(ceil(q / tile)) <= T / tile + (number of such sequences) <= T / tile + T / _SHORT
+    num_rows = min(num_tokens, num_tokens // tile + max(1, num_tokens // _SHORT))
     r = jnp.arange(num_rows, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(row_cu[1:], r, side="right"), 0, S - 1).astype(jnp.int32)
     tok = (cu[seq] + (r - row_cu[seq]) * tile)[:, None] + jnp.arange(tile, dtype=jnp.int32)
-    valid = (tok < cu[seq + 1][:, None]) & (r < row_cu[-1])[:, None]
+    real = (tok < cu[seq + 1][:, None]) & (r < row_cu[-1])[:, None]
     pos = (kv_lens[seq] - q_lens[seq] - cu[seq])[:, None] + tok
-    local = t - cu[seq_t]
-    return seq, jnp.clip(tok, 0, num_tokens - 1), pos, valid, (row_cu[seq_t] + local // tile,
-                                                                 local % tile)
+    return _Rows(jnp.where(real, tok, num_tokens), pos, seq,
+                 jnp.where(real, pos + 1, 0).max(-1), row_cu[-1])
+
+
+def _attend_rows(qf, out, pages, tables, rows: _Rows, *, rows_per_step: int, chunk: int,
+                 sliding_window, soft_cap):
+    """Attention of `rows` of queries qf [T, K, G, D] (scaled, f32), written into out [T, K, G,
+    D]. A loop over batches of `rows_per_step` rows (as many as there are real rows), each an
+    online-softmax loop over `chunk` KV positions at a time (as many as its longest row needs):
+    both trip counts are dynamic, so the work follows the batch, not the padded shapes.
+    Returns (out, pages): the pages are threaded through both loops (see `return_pages`)."""
+    T, K, G, D = qf.shape
+    B = pages[0].shape[1]
+    W = rows_per_step
+    rows = rows.padded(W, T)
+    tile = rows.tok.shape[1]
+    blocks = chunk // B
+    heads = jnp.arange(K, dtype=jnp.int32)[:, None, None]
+
+    def gather(x, scale, ids):
+        # [K, W, C, D]: the kv head leads, so neither dot below transposes the gathered K/V
+        g = x[ids[None], :, heads].astype(jnp.float32)          # [K, W, C/B, B, D]
+        if scale is not None:
+            g = g * scale[ids[None], :, heads][..., None]
+        return g.reshape(K, W, chunk, D)
+
+    def row_batch(b, carry):
+        out, pages = carry
+        tok, pos, seq, ctx = (jax.lax.dynamic_slice_in_dim(x, b * W, W, 0)
+                              for x in (rows.tok, rows.pos, rows.seq, rows.ctx))
+        table = tables[seq]                                       # [W, M]
+        real = tok < T
+        q = qf[jnp.minimum(tok, T - 1)].transpose(2, 0, 1, 3, 4)  # [K, W, tile, G, D]
+
+        def kv_chunk(j, carry):
+            (m, l, acc), (kp, vp, ks, vs) = carry
+            ids = jax.lax.dynamic_slice_in_dim(table, j * blocks, blocks, 1)
+            s = jnp.einsum("kwqgd,kwcd->kwqgc", q, gather(kp, ks, ids))
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            kpos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            mask = (kpos <= pos[..., None]) & real[..., None]     # [W, tile, C]
+            if sliding_window is not None:
+                mask &= kpos > pos[..., None] - sliding_window
+            mask = mask[None, :, :, None, :]
+            s = jnp.where(mask, s, _MASKED)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + jnp.einsum("kwqgc,kwcd->kwqgd", p,
+                                                      gather(vp, vs, ids))
+            return (m_new, l, acc), (kp, vp, ks, vs)
+
+        init = (jnp.full((K, W, tile, G), _MASKED, jnp.float32),
+                jnp.zeros((K, W, tile, G), jnp.float32),
+                jnp.zeros((K, W, tile, G, D), jnp.float32))
+        (_, l, acc), pages = jax.lax.fori_loop(0, (jnp.max(ctx) + chunk - 1) // chunk, kv_chunk,
+                                               (init, pages))
+        o = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
+        return out.at[tok].set(o.transpose(1, 2, 0, 3, 4), mode="drop"), pages
+
+    return jax.lax.fori_loop(0, (rows.num + W - 1) // W, row_batch, (out, pages))
 
 
 def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, sm_scale: float,
@@ -83,63 +163,28 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
     """q [T, H, D]; k_pages, v_pages [R, B, K, D]; scales [R, B, K] or None -> [T, H, D].
 
     `return_pages=True` also returns (k_pages, v_pages, k_scale, v_scale) as threaded through the
-    loop. Inside the model's layer loop the caller must continue with those: if the loop only
+    loops. Inside the model's layer loop the caller must continue with those: if a loop only
     closed over the pages, the pages would stay live after it and XLA would copy the whole cache
     into the loop's state on every layer (measured: most of a CPU decode step).
 
-    An online-softmax loop over chunks of each row's context, run for as many chunks as the
-    longest sequence needs (a dynamic trip count, so no context-length bucket is compiled).
-    Decode-heavy steps use one row per token; prefill-heavy steps (many more tokens than
-    sequences) use rows of 8 tokens of one sequence, gathering each context once per row.
+    Two groups of query rows, each an online-softmax loop over chunks of KV gathered from the
+    pages: tokens of short chunks (decodes) one per row, sorted by context length; longer chunks
+    (prefill) in rows of `_TILE` tokens, so a context is gathered once per tile, not per token.
     """
     T, H, D = q.shape
     B, K = k_pages.shape[1], k_pages.shape[2]
-    G = H // K
-    S = meta.kv_lens.shape[0]
-    tile = _TILE if T >= 4 * S else 1
-    seq, tok, pos, valid, (tok_row, tok_col) = _row_layout(meta, T, tile)
-    R = seq.shape[0]
-    chunk = _kv_chunk_tokens(R, B, K, D)
-    blocks_per_chunk = chunk // B
+    chunk = B * max(1, _KV_CHUNK // B)
     tables = meta.block_tables
-    pad = (-tables.shape[1]) % blocks_per_chunk
-    row_tables = jnp.pad(tables, ((0, 0), (0, pad)))[seq]       # [R, Mp]
-    qr = (q.astype(jnp.float32) * sm_scale)[tok].reshape(R, tile, K, G, D)
-
-    def gather(pages, scale, ids):
-        x = pages[ids].astype(jnp.float32)                       # [R, C, B, K, D]
-        if scale is not None:
-            x = x * scale[ids][..., None]
-        return x.reshape(R, chunk, K, D)
-
-    def body(j, carry):
-        (m, l, acc), (k_pages, v_pages, k_scale, v_scale) = carry   # [R,q,K,G] x2, [R,q,K,G,D]
-        ids = jax.lax.dynamic_slice_in_dim(row_tables, j * blocks_per_chunk, blocks_per_chunk, 1)
-        k = gather(k_pages, k_scale, ids)
-        v = gather(v_pages, v_scale, ids)
-        s = jnp.einsum("rqkgd,rckd->rqkgc", qr, k)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        kpos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        mask = (kpos <= pos[..., None]) & valid[..., None]      # [R, q, C]
-        if sliding_window is not None:
-            mask &= kpos > pos[..., None] - sliding_window
-        mask = mask[:, :, None, None, :]
-        s = jnp.where(mask, s, _MASKED)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + jnp.einsum("rqkgc,rckd->rqkgd", p, v)
-        return (m_new, l, acc), (k_pages, v_pages, k_scale, v_scale)
-
-    num_chunks = (jnp.max(meta.kv_lens) + chunk - 1) // chunk
-    init = (jnp.full((R, tile, K, G), _MASKED, jnp.float32),
-            jnp.zeros((R, tile, K, G), jnp.float32), jnp.zeros((R, tile, K, G, D), jnp.float32))
-    (_, l, acc), pages = jax.lax.fori_loop(0, num_chunks, body,
-                                           (init, (k_pages, v_pages, k_scale, v_scale)))
-    out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
-    out = out[tok_row, tok_col].reshape(T, H, D).astype(q.dtype)
+    tables = jnp.pad(tables, ((0, 0), (0, (-tables.shape[1]) % (chunk // B))))
+    qf = (q.astype(jnp.float32) * sm_scale).reshape(T, K, H // K, D)
+    out = jnp.zeros_like(qf)
+    pages = (k_pages, v_pages, k_scale, v_scale)
+    opts = dict(chunk=chunk, sliding_window=sliding_window, soft_cap=soft_cap)
+    out, pages = _attend_rows(qf, out, pages, tables, _token_rows(meta, T),
+                              rows_per_step=_TOKEN_ROWS, **opts)
+    out, pages = _attend_rows(qf, out, pages, tables, _tile_rows(meta, T, min(_TILE, T)),
+                              rows_per_step=_TILE_ROWS, **opts)
+    out = out.reshape(T, H, D).astype(q.dtype)
     return (out, pages) if return_pages else out
 
 
