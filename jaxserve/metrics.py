@@ -106,11 +106,8 @@ class ServerMetrics:
             self.queue_time.observe(max(0.0, m.time_in_queue))
         if m.first_token_time is not None:
             self.ttft.observe(max(0.0, m.first_token_time - arrival_time))
-            num_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
-            if m.last_token_time is not None and num_tokens > 1:
-                gap = (m.last_token_time - m.first_token_time) / (num_tokens - 1)
-                for _ in range(num_tokens - 1):
-                    self.itl.observe(max(0.0, gap))
+        for gap in m.inter_token_latencies:
+            self.itl.observe(max(0.0, gap))
         end = m.finished_time or m.last_token_time
         if end is not None:
             self.e2e.observe(max(0.0, end - arrival_time))

@@ -7,7 +7,7 @@ Host side, no jax. `Logprob` entries map token id -> Logprob for the sampled tok
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 
@@ -61,6 +61,9 @@ class RequestMetrics:
     first_token_time: Optional[float] = None
     time_in_queue: Optional[float] = None
     finished_time: Optional[float] = None
+    # Not in vLLM's RequestMetrics: every gap between consecutive output tokens (seconds), so
+    # the inter-token latency histogram sees each gap, not a per-request mean.
+    inter_token_latencies: list[float] = field(default_factory=list, repr=False)
 
 
 class RequestOutput:

@@ -91,6 +91,7 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None
         self.finished_time: Optional[float] = None
+        self.token_gaps: list[float] = []      # seconds between consecutive output tokens
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +111,8 @@ class Request:
         now = time.time()
         if self.first_token_time is None:
             self.first_token_time = now
+        else:
+            self.token_gaps.append(now - self.last_token_time)
         self.last_token_time = now
 
     def is_finished(self) -> bool:
@@ -124,7 +127,8 @@ class Request:
         return RequestMetrics(arrival_time=self.arrival_time, last_token_time=self.last_token_time,
                               first_scheduled_time=self.first_scheduled_time,
                               first_token_time=self.first_token_time, time_in_queue=queued,
-                              finished_time=self.finished_time)
+                              finished_time=self.finished_time,
+                              inter_token_latencies=self.token_gaps)
 
     def __repr__(self) -> str:
         return (f"Request(id={self.request_id!r}, status={self.status.name}, "

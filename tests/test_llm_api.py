@@ -78,7 +78,10 @@ def test_output_values(llm):
     assert isinstance(out, RequestOutput) and out.finished
     assert isinstance(out.request_id, str) and out.prompt == "Hello there"
     assert out.prompt_logprobs is None and out.num_cached_tokens >= 0
-    assert out.metrics.first_token_time >= out.metrics.arrival_time
+    m = out.metrics
+    assert m.first_token_time >= m.arrival_time
+    assert len(m.inter_token_latencies) == 2 and min(m.inter_token_latencies) >= 0
+    assert sum(m.inter_token_latencies) == pytest.approx(m.last_token_time - m.first_token_time)
     c = out.outputs[0]
     assert isinstance(c, CompletionOutput) and c.index == 0
     assert len(c.token_ids) == 3 and c.text == llm.get_tokenizer().decode(c.token_ids)

@@ -316,3 +316,20 @@ def test_metrics_have_vllm_names_with_prefix(server):
     for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert re.search(rf"^jaxserve:{hist}_count\{{model_name=\"{MODEL}\"\}} [1-9]", text, re.M)
+
+
+def test_inter_token_latency_histogram_sees_every_gap():
+    """One observation per gap between output tokens (vLLM's histogram), not a per-request mean."""
+    from jaxserve.metrics import ServerMetrics
+    from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    m = ServerMetrics("m", lambda: None)
+    metrics = RequestMetrics(arrival_time=100.0, first_token_time=100.5, last_token_time=103.5,
+                             inter_token_latencies=[0.02, 0.03, 2.95])
+    out = RequestOutput("r", "p", [1], None, [CompletionOutput(0, "abcd", [5, 6, 7, 8], None,
+                        None, finish_reason="length")], finished=True, metrics=metrics)
+    m.observe(out, 100.0)
+    text = m.render().decode()
+    assert metric(text, "inter_token_latency_seconds_count") == 3
+    assert metric(text, "inter_token_latency_seconds_sum") == pytest.approx(3.0)
+    assert re.search(r'^jaxserve:inter_token_latency_seconds_bucket\{le="0.025",model_name="m"\} '
+                     r'1\.0$', text, re.M)
