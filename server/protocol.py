@@ -198,7 +198,26 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
         if self.top_logprobs is not None and self.top_logprobs < 0:
             raise ValueError("`top_logprobs` must be a positive value.")
+        self._check_unsupported_structure()
         return self._check_stream_options()
+
+    def _check_unsupported_structure(self):
+        """Structured output and tool calls need guided decoding, which jaxserve does not have
+        yet: say so instead of answering with unconstrained text. `tools` with tool_choice
+        "none" are fine: the chat template shows them to the model, the reply is plain text."""
+        fmt = (self.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise ValueError(f"response_format type {fmt!r} is not supported yet (jaxserve has no "
+                             "guided decoding); only 'text' is.")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ValueError("When using `tool_choice`, `tools` must be set.")
+        if choice == "auto":
+            raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and '
+                             "--tool-call-parser, which jaxserve does not support yet.")
+        if choice not in (None, "none"):
+            raise ValueError(f"tool_choice {choice!r} is not supported yet (it needs guided "
+                             'decoding); use "none".')
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None \

@@ -222,6 +222,16 @@ ERROR_CASES = [
     ("stream_options_without_stream", "/v1/completions",
      {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, None, 400,
      "stream=True"),
+    ("json_response_format", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_object"}}, None, 400, "not supported yet"),
+    ("tool_choice_auto", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto",
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, None, 400,
+     "--enable-auto-tool-choice"),
+    ("tool_choice_without_tools", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     None, 400, "`tools` must be set"),
     ("invalid_json", "/v1/completions", None, b"{not json", 400, "Invalid JSON"),
     ("wrong_content_type", "/v1/completions", None, b"prompt=x", 400, "Content-Type"),
     ("pydantic_type", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"},
@@ -333,3 +343,14 @@ def test_inter_token_latency_histogram_sees_every_gap():
     assert metric(text, "inter_token_latency_seconds_sum") == pytest.approx(3.0)
     assert re.search(r'^jaxserve:inter_token_latency_seconds_bucket\{le="0.025",model_name="m"\} '
                      r'1\.0$', text, re.M)
+
+
+def test_text_response_format_and_tools_with_tool_choice_none_are_served(client):
+    msgs = [{"role": "user", "content": "Say hi"}]
+    tools = [{"type": "function", "function": {"name": "get_time", "description": "Time now",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    for extra in (dict(response_format={"type": "text"}), dict(tools=tools),
+                  dict(tools=tools, tool_choice="none")):
+        out = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3,
+                                             temperature=0, **extra)
+        assert out.choices[0].finish_reason in ("length", "stop")
