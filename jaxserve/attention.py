@@ -149,8 +149,12 @@ def _attend_rows(qf, out, pages, tables, rows: _Rows, *, rows_per_step: int, chu
         init = (jnp.full((K, W, tile, G), _MASKED, jnp.float32),
                 jnp.zeros((K, W, tile, G), jnp.float32),
                 jnp.zeros((K, W, tile, G, D), jnp.float32))
-        (_, l, acc), pages = jax.lax.fori_loop(0, (jnp.max(ctx) + chunk - 1) // chunk, kv_chunk,
-                                               (init, pages))
+        first = 0
+        if sliding_window is not None:   # chunks wholly before every row's window are skipped
+            first = jnp.maximum(jnp.min(jnp.where(real, pos, ctx.max())) - sliding_window + 1,
+                                0) // chunk
+        (_, l, acc), pages = jax.lax.fori_loop(first, (jnp.max(ctx) + chunk - 1) // chunk,
+                                               kv_chunk, (init, pages))
         o = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
         return out.at[tok].set(o.transpose(1, 2, 0, 3, 4), mode="drop"), pages
 
