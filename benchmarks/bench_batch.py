@@ -68,7 +68,7 @@ def main() -> None:
     flags = []
     for k, v in engine.items():
         flags += ["--" + k.replace("_", "-"), str(v)]
-    cmd = [sys.executable, "-c", "import sys; from jaxserve.cli import main; sys.exit(main())",
+    cmd = [sys.executable, "-c", "import sys; from jaxserve.server.cli.main import main; sys.exit(main())",
            "run-batch", "-i", inp, "-o", out, "--disable-progress-bar", *flags]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)

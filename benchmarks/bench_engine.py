@@ -172,7 +172,7 @@ def replay_bare_steps(run_model, steps) -> float:
     """Seconds to run the recorded steps through the jitted model step and sampler only."""
     import jax
 
-    from jaxserve.sampler import sample
+    from jaxserve.sample.sampler import sample
     t0 = time.perf_counter()
     for model_args, sampler_args in steps:
         logits = run_model(*model_args)
@@ -283,7 +283,7 @@ def main():
     lo, hi = (16, 128) if args.quick else (16, 512)
     args.max_model_len = hi + max_new
 
-    from jaxserve.tokenizer import Tokenizer
+    from jaxserve.tokenizer.tokenizer import Tokenizer
     from jaxserve.default_model import default_model_path
     import jax
     tok = Tokenizer.from_model(str(default_model_path()))

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from server_fixtures import free_port  # noqa: E402
 
-PHASES = [("listener", "HTTP listener on"), ("loading weights", "jaxserve.loader: loading"),
+PHASES = [("listener", "HTTP listener on"), ("loading weights", "jaxserve.loader.loader: loading"),
           ("KV pool", "KV cache:"), ("warm-up done", "warm-up:"), ("ready", "ready in")]
 
 
@@ -50,7 +50,7 @@ def _stamp(line: str) -> float | None:
 
 def run_once(cache_dir: str, model: str | None, extra: list[str]) -> dict:
     port = free_port()
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", *([model] if model else []),
+    cmd = [sys.executable, "-m", "jaxserve.server.cli", "serve", *([model] if model else []),
            "--port", str(port), "--compilation-cache-dir", cache_dir, *extra]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     t0 = time.time()

@@ -12,7 +12,7 @@ import time
 from typing import Sequence
 
 from jaxserve.config import EngineArgs
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 

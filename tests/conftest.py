@@ -46,7 +46,7 @@ def engine_variant(llm, *, enable_prefix_caching: bool | None = None,
                    num_blocks: int | None = None, max_num_batched_tokens: int | None = None):
     """Run the shared engine with a fresh scheduler (empty prefix cache, zeroed counters) built
     from changed configs; the original scheduler is restored afterwards. Yields the scheduler."""
-    from jaxserve.scheduler import Scheduler
+    from jaxserve.core.scheduler import Scheduler
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests()
     cache_cfg, sched_cfg = engine.cache_config, engine.scheduler_config

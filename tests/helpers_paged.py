@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import kv_cache as kvc
+from jaxserve.attention import kv_cache as kvc
 from jaxserve.attention import AttentionMetadata
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama

@@ -39,7 +39,7 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path or f"/tmp/jaxserve-test-server-{self.port}.log")
-        self.args = [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1",
+        self.args = [sys.executable, "-m", "jaxserve.server.cli", "serve", "--host", "127.0.0.1",
                      "--port", str(self.port), *SMALL_ENGINE, *extra_args]
         self.health_seen: list[int] = []     # distinct /health statuses, in order
         self.proc: subprocess.Popen | None = None

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve import batch_io
-from jaxserve.batch import BatchRunner
-from jaxserve.batch_io import JsonlWriter
+from jaxserve.server.batch import jsonl as batch_io
+from jaxserve.server.batch.runner import BatchRunner
+from jaxserve.server.batch.jsonl import JsonlWriter
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -164,7 +164,7 @@ ENGINE_FLAGS = ["--max-model-len", "256", "--max-num-seqs", "16", "--max-num-bat
 
 
 def cli(*args, stdin=None, **kw):
-    cmd = [sys.executable, "-c", "import sys; from jaxserve.cli import main; sys.exit(main())",
+    cmd = [sys.executable, "-c", "import sys; from jaxserve.server.cli.main import main; sys.exit(main())",
            "run-batch", *ENGINE_FLAGS, *args]
     return subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             cwd=REPO, **kw)

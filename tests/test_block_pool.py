@@ -2,9 +2,9 @@
 
 import pytest
 
-from jaxserve.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from jaxserve.kv_cache_manager import KVCacheManager, hash_block_tokens
-from jaxserve.request import Request
+from jaxserve.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from jaxserve.core.kv_cache_manager import KVCacheManager, hash_block_tokens
+from jaxserve.core.request import Request
 from jaxserve.sampling_params import SamplingParams
 
 BS = 16

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxserve import cli
+from jaxserve.server.cli import main as cli
 from jaxserve.config import EngineArgs
 
 
@@ -24,7 +24,7 @@ def test_every_engine_arg_has_a_flag():
 
 
 def test_help_is_grouped_like_vllm():
-    out = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--help"],
+    out = subprocess.run([sys.executable, "-m", "jaxserve.server.cli", "serve", "--help"],
                          capture_output=True, text=True, check=True).stdout
     for group in ("ModelConfig:", "CacheConfig:", "SchedulerConfig:", "ParallelConfig:",
                   "Frontend:"):

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import engine_variant
 from jaxserve import SamplingParams
-from jaxserve import kv_cache as kvc
+from jaxserve.attention import kv_cache as kvc
 from jaxserve.attention import AttentionMetadata
 
 MAX_TOKENS = 24

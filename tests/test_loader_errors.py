@@ -13,7 +13,7 @@ import gguf
 from gguf import GGMLQuantizationType as QT
 
 from jaxserve import default_model
-from jaxserve.loader import ModelLoadError, load_model
+from jaxserve.loader.loader import ModelLoadError, load_model
 
 from helpers_paged import PagedRunner
 

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.default_model import default_model_path  # noqa: E402
-from jaxserve.loader import load_hf_config, load_model  # noqa: E402
+from jaxserve.loader.loader import load_hf_config, load_model  # noqa: E402
 
 from helpers_paged import PagedRunner  # noqa: E402
 
@@ -86,7 +86,7 @@ def hf_default(default_path):
 
 @pytest.fixture(scope="module")
 def prompts(default_path):
-    from jaxserve.tokenizer import Tokenizer
+    from jaxserve.tokenizer.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(default_path)
     ids = [tok.encode(t) for t in TEXT_PROMPTS]

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import kv_quant
+from jaxserve.attention import kv_quant
 from jaxserve.pallas.paged_attention import (BlockSizes, ragged_paged_attention,
                                              ref_ragged_paged_attention)
 from jaxserve.pallas.paged_attention_decode import (combine_splits,
@@ -389,7 +389,7 @@ MANY_ROWS = {
 def test_engine_reference_path_row_batches(name, monkeypatch):
     """The reference path's two row groups (single tokens sorted by context, tiles of a chunk),
     each looped over in batches of rows and chunks of KV, against the dense oracle."""
-    from jaxserve import attention
+    from jaxserve.attention import reference as attention
     for key, value in SMALL_ROWS.items():
         monkeypatch.setattr(attention, key, value)
     case = MANY_ROWS[name]

@@ -1,4 +1,4 @@
-"""jaxserve.sampler on synthetic logits: greedy, filters, the sampled distribution, per-row seeds,
+"""jaxserve.sample.sampler on synthetic logits: greedy, filters, the sampled distribution, per-row seeds,
 penalties and logit_bias (vLLM's formulas), min_tokens masking, logprobs from the raw logits."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.request import Request
-from jaxserve.runner import _penalty_tensors
-from jaxserve.sampler import SamplerFlags, SamplingTensors, sample, score
+from jaxserve.core.request import Request
+from jaxserve.worker.model_runner import _penalty_tensors
+from jaxserve.sample.sampler import SamplerFlags, SamplingTensors, sample, score
 from jaxserve.sampling_params import SamplingParams
 
 V = 32
@@ -181,7 +181,7 @@ def test_penalties_match_vllm_formulas(params):
 
 
 def test_penalties_exact_values_through_private_stage():
-    from jaxserve.sampler import _apply_penalties
+    from jaxserve.sample.sampler import _apply_penalties
     logits = random_logits(3, seed=8)
     reqs = [make_request([1, 2, 3], [3, 3, 4], presence_penalty=0.5, frequency_penalty=0.25,
                          repetition_penalty=1.5),

@@ -12,9 +12,9 @@ import zlib
 import pytest
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.request import Request, RequestStatus
+from jaxserve.core.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler
+from jaxserve.core.scheduler import Scheduler
 
 VOCAB = 50
 

@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from jaxserve.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError
+from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
 from jaxserve.config import EngineArgs
-from jaxserve.engine import EngineStats
+from jaxserve.engine.llm_engine import EngineStats
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
-from jaxserve.server.protocol import CompletionRequest, OpenAIError
-from jaxserve.server.serving import OpenAIServing
+from jaxserve.server.openai.protocol import CompletionRequest, OpenAIError
+from jaxserve.server.openai.serving import OpenAIServing
 
 
 class FakeTokenizer:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from jaxserve.tokenizer import (
+from jaxserve.tokenizer.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
     check_stop_strings,
@@ -352,7 +352,7 @@ def test_no_chat_template_is_a_clear_error(tmp_path):
 
 
 def test_unsupported_gguf_tokenizer_model_is_a_clear_error():
-    from jaxserve.gguf_tokenizer import GGUFTokenizerData, build_gguf_tokenizer
+    from jaxserve.tokenizer.gguf import GGUFTokenizerData, build_gguf_tokenizer
 
     data = GGUFTokenizerData(model="bert", pre=None, tokens=["[PAD]", "a"], token_types=[3, 1])
     with pytest.raises(ValueError, match="unsupported GGUF tokenizer model.*'bert'"):
@@ -361,7 +361,7 @@ def test_unsupported_gguf_tokenizer_model_is_a_clear_error():
 
 def test_gguf_sentencepiece_tokenizer_from_scores():
     """tokenizer.ggml.model == "llama": merges rebuilt from scores, byte fallback, BOS added."""
-    from jaxserve.gguf_tokenizer import GGUFTokenizerData, build_gguf_tokenizer
+    from jaxserve.tokenizer.gguf import GGUFTokenizerData, build_gguf_tokenizer
 
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["▁", "h", "i", "▁h", "▁hi"]
     types = [2, 3, 3] + [6] * 256 + [1] * 5
@@ -432,7 +432,7 @@ def test_gguf_pre_tokenizer_names_match_transformers(tmp_path, pre):
         pytest.skip("default SmolLM2 GGUF not installed")
     from transformers import AutoTokenizer
 
-    from jaxserve.gguf_tokenizer import read_gguf_tokenizer
+    from jaxserve.tokenizer.gguf import read_gguf_tokenizer
 
     src = read_gguf_tokenizer(GGUF)  # SmolLM2's vocabulary, relabelled with another pre-tokenizer
     path = _write_tokenizer_gguf(tmp_path / "t.gguf", "gpt2", pre, src.tokens, src.token_types, src.merges)
@@ -480,7 +480,7 @@ def test_tokenizer_module_imports_neither_jax_nor_torch():
     import subprocess
     import sys
 
-    code = "import sys, jaxserve.tokenizer; print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'torch'}))"
+    code = "import sys, jaxserve.tokenizer.tokenizer; print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'torch'}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.stdout.strip() == "[]"

@@ -15,9 +15,12 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxserve import attention, kv_cache as kvc
+from jaxserve import attention
+from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import ModelConfig
-from jaxserve.layers import apply_rope, linear, rms_norm, rope_cos_sin, rope_inv_freq
+from jaxserve.layers.linear import linear
+from jaxserve.layers.norm import rms_norm
+from jaxserve.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
 
 
 @jax.tree_util.register_dataclass

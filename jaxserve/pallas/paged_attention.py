@@ -26,7 +26,7 @@ Dequantisation is folded into the matmuls: `q.(k*s_k) = (q.k)*s_k` scales score 
 `p@(v*s_v) = (p*s_v)@v` scales probability columns, so fp8/int8 K/V are only widened (exactly)
 to the compute dtype and the [C, D] tiles are never multiplied.
 
-The cache write is NOT fused. jaxserve/kv_cache.py scatters the step's new K/V (and scales)
+The cache write is NOT fused. jaxserve/attention/kv_cache.py scatters the step's new K/V (and scales)
 with `slot_mapping` before attention, as the internals rule "every layer writes its new K/V
 before any attention reads it" requires. Reasons: (1) a prefill chunk must read its own new
 tokens, and inside one fused kernel the programs of other tiles/heads would race with the
@@ -59,7 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxserve.attention import token_layout
+from jaxserve.pallas.common import token_layout
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)

@@ -1,4 +1,4 @@
-"""Paged attention over a ragged batch, and the one switch between its backends.
+"""Paged attention over a ragged batch in plain jnp.
 
 `ragged_paged_attention_ref` is the plain-jnp path: the CPU default and the oracle the Pallas
 kernels are checked against. A batch mixes decode rows (one new token) and prefill chunks (many
@@ -13,7 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve import kv_cache as kvc
+from jaxserve.attention.metadata import AttentionMetadata
+from jaxserve.pallas.common import token_layout
 
 _MASKED = -1e30
 # CPU tuning of the reference path (measured on the default model, 2 cores; benchmarks/RESULTS.md):
@@ -22,27 +23,6 @@ _TOKEN_ROWS = 16     # single-token rows attended together in one loop step
 _TILE = 64           # query tokens per row for longer chunks (prefill)
 _TILE_ROWS = 2       # such rows attended together
 _KV_CHUNK = 128      # KV positions per inner loop step
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class AttentionMetadata:
-    slot_mapping: jax.Array   # [T] int32, slot of each new token's K/V; N * B for padding
-    block_tables: jax.Array   # [S, M] int32, block ids per sequence
-    kv_lens: jax.Array        # [S] int32, tokens in the cache after this step; 0 for padding
-    cu_q_lens: jax.Array      # [S + 1] int32, cumulative new-token counts
-    num_seqs: jax.Array       # [1] int32, real sequences
-
-
-def token_layout(meta: AttentionMetadata, num_tokens: int):
-    """Per token: its sequence [T], its absolute position [T], whether it is real [T]."""
-    cu = meta.cu_q_lens
-    S = meta.kv_lens.shape[0]
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, S - 1).astype(jnp.int32)
-    q_lens = cu[1:] - cu[:-1]
-    pos = meta.kv_lens[seq] - q_lens[seq] + (t - cu[seq])
-    return seq, pos, t < cu[-1]
 
 
 @dataclasses.dataclass
@@ -190,40 +170,3 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
                               rows_per_step=_TILE_ROWS, **opts)
     out = out.reshape(T, H, D).astype(q.dtype)
     return (out, pages) if return_pages else out
-
-
-def resolve_backend(name: str) -> str:
-    """"auto" -> the Pallas kernel on GPU, the jnp reference elsewhere."""
-    if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
-    if name not in ("reference", "pallas"):
-        raise ValueError(f"attention_backend must be 'auto', 'reference' or 'pallas', got {name!r}")
-    return name
-
-
-def _kernel(backend: str):
-    if backend == "reference":
-        return ragged_paged_attention_ref
-    from jaxserve.pallas import paged_attention
-    return paged_attention.ragged_paged_attention
-
-
-def paged_attention(q, cache: kvc.KVCache, layer, meta: AttentionMetadata, *, backend: str,
-                    sm_scale: float, sliding_window: int | None = None,
-                    soft_cap: float | None = None) -> tuple[jax.Array, kvc.KVCache]:
-    """One layer's attention: q [T, H, D] against layer `layer` of the stacked cache.
-    Returns the output and the cache to carry on with (see `return_pages`)."""
-    n = cache.num_blocks
-    meta = dataclasses.replace(meta, block_tables=meta.block_tables + layer * n)
-    scales = {}
-    if cache.quantized:
-        scales = dict(k_scale=kvc.layer_view(cache.k_scale), v_scale=kvc.layer_view(cache.v_scale))
-    args = (q, kvc.layer_view(cache.k), kvc.layer_view(cache.v), meta)
-    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **scales)
-    if backend != "reference":
-        return _kernel(backend)(*args, **opts), cache
-    out, (k, v, ks, vs) = ragged_paged_attention_ref(*args, **opts, return_pages=True)
-    shape, scale_shape = cache.k.shape, cache.k.shape[:-1]
-    return out, kvc.KVCache(k.reshape(shape), v.reshape(shape),
-                            None if ks is None else ks.reshape(scale_shape),
-                            None if vs is None else vs.reshape(scale_shape))

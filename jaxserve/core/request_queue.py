@@ -11,7 +11,7 @@ import itertools
 from collections import deque
 from typing import Iterator
 
-from jaxserve.request import Request
+from jaxserve.core.request import Request
 
 
 class WaitingQueue:

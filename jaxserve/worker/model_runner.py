@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import kv_cache as kvc
+from jaxserve.attention import kv_cache as kvc
 from jaxserve.attention import AttentionMetadata
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.models import get_model
-from jaxserve.sampler import SamplerFlags, SamplingTensors, sample, score
+from jaxserve.sample.sampler import SamplerFlags, SamplingTensors, sample, score
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from jaxserve.block_pool import BlockPool, KVCacheBlock
-from jaxserve.request import Request
+from jaxserve.core.block_pool import BlockPool, KVCacheBlock
+from jaxserve.core.request import Request
 
 _ROOT_HASH = 0x6A6178736572766500000000000000   # the parent of the first block ("jaxserve")
 

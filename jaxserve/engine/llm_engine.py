@@ -14,18 +14,18 @@ import time
 
 import jax
 
-from jaxserve import kv_cache as kvc
+from jaxserve.attention import kv_cache as kvc
 from jaxserve.attention import resolve_backend
 from jaxserve.config import EngineArgs
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
-from jaxserve.gguf_loader import read_gguf
-from jaxserve.loader import load_model, resolve_dtype
-from jaxserve.output_processor import OutputProcessor
-from jaxserve.request import Request, RequestStatus
-from jaxserve.runner import ModelRunner, RunnerOutput
+from jaxserve.loader.gguf import read_gguf
+from jaxserve.loader.loader import load_model, resolve_dtype
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.worker.model_runner import ModelRunner, RunnerOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("jaxserve")
 
@@ -257,6 +257,6 @@ def _kv_quantization(kv_cache_dtype: str, model_dtype):
         return None, model_dtype
     from functools import partial
 
-    from jaxserve import kv_quant
+    from jaxserve.attention import kv_quant
     storage = kv_quant.kv_storage_dtype(kv_cache_dtype, model_dtype)
     return partial(kv_quant.quantize_kv, storage_dtype=storage), storage

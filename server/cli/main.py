@@ -8,8 +8,8 @@ that builds an engine shares them:
     args = parser.parse_args()
     engine_args = engine_args_from(args)          # an EngineArgs; only flags given override
 
-Another module adds a subcommand with `register_subcommand(name, help, add_arguments, run)`
-(see `_PLUGIN_MODULES`); `run(namespace) -> int` is the exit code.
+Each subcommand is registered in this file with `register_subcommand(name, help, add_arguments,
+run)`; `run(namespace) -> int` is the exit code.
 `--config config.yaml` takes flag names as keys (dashes or underscores); the command line wins.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import logging
 import sys
@@ -169,8 +168,6 @@ class Subcommand:
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {}
-# Modules that register subcommands when imported (missing ones are skipped).
-_PLUGIN_MODULES = ("jaxserve.batch",)
 
 
 def register_subcommand(name: str, help: str, add_arguments: Callable, run: Callable) -> None:
@@ -200,7 +197,7 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
 def _serve(ns: argparse.Namespace) -> int:
     import asyncio
 
-    from jaxserve.server.api_server import ServerArgs, serve
+    from jaxserve.server.http.api_server import ServerArgs, serve
     engine_args = engine_args_from(ns)
     server_args = ServerArgs(host=ns.host or _FRONTEND_DEFAULTS["host"],
                              port=ns.port if ns.port is not None else _FRONTEND_DEFAULTS["port"],
@@ -245,13 +242,21 @@ register_subcommand("generate", "Generate a completion for one prompt (offline).
                     _generate_arguments, _generate)
 
 
+def _run_batch_arguments(p: argparse.ArgumentParser) -> None:
+    from jaxserve.server.batch import runner
+    runner.add_arguments(p)
+
+
+def _run_batch(ns: argparse.Namespace) -> int:
+    from jaxserve.server.batch import runner
+    return runner.run(ns)
+
+
+register_subcommand("run-batch", "Run an OpenAI Batch JSONL file through the engine offline.",
+                    _run_batch_arguments, _run_batch)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    for module in _PLUGIN_MODULES:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
     parser = argparse.ArgumentParser(prog="jaxserve", description="jaxserve: LLM serving in JAX")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
@@ -284,6 +289,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run through the imported module so subcommands registered on import (run-batch) are seen.
-    from jaxserve import cli as _cli
-    sys.exit(_cli.main())
+    sys.exit(main())

@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxserve.request import Request
+from jaxserve.core.request import Request
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
-from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer, check_stop_strings
+from jaxserve.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer, check_stop_strings
 
 
 @dataclasses.dataclass

@@ -125,7 +125,7 @@ class AsyncLLM:
         """Build the engine (if needed) without blocking the loop, then start the loop task."""
         loop = asyncio.get_running_loop()
         if self.engine is None:
-            from jaxserve.engine import LLMEngine
+            from jaxserve.engine.llm_engine import LLMEngine
             try:
                 self.engine = await loop.run_in_executor(
                     self._executor, lambda: LLMEngine(self.engine_args, warmup=self.warmup))

@@ -18,13 +18,13 @@ from aiohttp import web
 from pydantic import BaseModel
 
 import jaxserve
-from jaxserve.async_engine import AsyncLLM
+from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.config import EngineArgs
-from jaxserve.metrics import CONTENT_TYPE, ServerMetrics
-from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from jaxserve.server.http.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.server.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       validate_request,
                                       OpenAIError, TokenizeRequest)
-from jaxserve.server.serving import OpenAIServing
+from jaxserve.server.openai.serving import OpenAIServing
 
 logger = logging.getLogger("jaxserve.server")
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from jaxserve.request import Request, RequestStatus
-from jaxserve.request_queue import WaitingQueue
+from jaxserve.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.request_queue import WaitingQueue
 
 
 @dataclass

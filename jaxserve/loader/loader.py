@@ -150,7 +150,7 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf file")
-        from jaxserve import gguf_loader
+        from jaxserve.loader import gguf as gguf_loader
         cfg, get = gguf_loader.open_gguf(path, gguf_reader)
     else:
         cfg = load_hf_config(path)

@@ -1,8 +1,4 @@
-"""Building blocks shared by the model files: linear layers, RMSNorm, rotary embeddings.
-
-`linear` is the one place a weight meets an activation, so a quantized weight type (FP8 with
-scales) slots in by adding a branch here instead of touching every model.
-"""
+"""Rotary position embeddings: inverse frequencies (with linear / llama3 scaling), cos/sin, rotation."""
 
 from __future__ import annotations
 
@@ -11,22 +7,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-
-def linear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
-    """x [..., in] @ w [in, out] (+ b [out]). Accumulates in f32 for low-precision inputs."""
-    pref = jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else None
-    y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=pref).astype(x.dtype)
-    if b is not None:
-        y = y + b.astype(y.dtype)
-    return y
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in f32 (as transformers does), cast back to the input dtype."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:

@@ -22,7 +22,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as _BackendTokenizer
 
-from jaxserve.gguf_tokenizer import build_gguf_tokenizer, read_gguf_tokenizer, set_bos_eos_post_processor
+from jaxserve.tokenizer.gguf import build_gguf_tokenizer, read_gguf_tokenizer, set_bos_eos_post_processor
 
 # How many prompt tokens the detokenizer decodes as left context (vLLM: INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
 _INITIAL_DETOKENIZATION_OFFSET = 5

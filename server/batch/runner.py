@@ -4,7 +4,7 @@
 
 Input lines are `{"custom_id", "method": "POST", "url", "body"}` with url `/v1/completions` or
 `/v1/chat/completions`; bodies are validated and answered by the server's own code
-(`jaxserve.server.protocol` / `jaxserve.server.serving`), so a line gets exactly the JSON the
+(`jaxserve.server.openai.protocol` / `jaxserve.server.openai.serving`), so a line gets exactly the JSON the
 HTTP server would have returned. The output line format is in `batch_io.py`.
 
 Semantics:
@@ -36,8 +36,8 @@ import sys
 import time
 from typing import Awaitable, Callable, Iterable, Iterator
 
-from jaxserve import batch_io
-from jaxserve.batch_io import DUPLICATE_CODE, JsonlWriter, ResumeState, error_body, output_line
+from jaxserve.server.batch import jsonl as batch_io
+from jaxserve.server.batch.jsonl import DUPLICATE_CODE, JsonlWriter, ResumeState, error_body, output_line
 
 logger = logging.getLogger("jaxserve")
 
@@ -269,7 +269,7 @@ def _take(source: Iterator, n: int) -> list:
 def engine_routes(serving) -> dict[str, Route]:
     """`/v1/completions` and `/v1/chat/completions` answered by the server's `OpenAIServing`:
     the same body validation, model check (404), prompt checks and response JSON as HTTP."""
-    from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError,
+    from jaxserve.server.openai.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError,
                                           validate_request)
 
     def route(model_cls, endpoint):
@@ -286,7 +286,7 @@ def engine_routes(serving) -> dict[str, Route]:
 
 # -- CLI -----------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from jaxserve.cli import add_engine_args
+    from jaxserve.server.cli.main import add_engine_args
     p.description = __doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("-i", "--input-file", required=True, help="input JSONL ('-' for stdin)")
@@ -303,7 +303,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from jaxserve.cli import engine_args_from
+    from jaxserve.server.cli.main import engine_args_from
     if ns.resume and ns.output_file == "-":
         print("run-batch: --resume needs an output file, not stdout", file=sys.stderr)
         return 2
@@ -314,8 +314,8 @@ def run(ns: argparse.Namespace) -> int:
 
 
 async def _run(ns, engine_args) -> int:
-    from jaxserve.async_engine import AsyncLLM
-    from jaxserve.server.serving import OpenAIServing
+    from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.server.openai.serving import OpenAIServing
 
     resume = batch_io.repair_and_scan(ns.output_file) if ns.resume else ResumeState()
     if resume.truncated_bytes:
@@ -343,12 +343,3 @@ async def _run(ns, engine_args) -> int:
         await llm.shutdown(graceful=False)
     print(stats.summary(), file=sys.stderr)
     return stats.exit_code
-
-
-def _register() -> None:
-    from jaxserve.cli import register_subcommand
-    register_subcommand("run-batch", "Run an OpenAI Batch JSONL file through the engine "
-                        "offline.", add_arguments, run)
-
-
-_register()

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.loader import ModelLoadError
+from jaxserve.loader.loader import ModelLoadError
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 

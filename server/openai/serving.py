@@ -17,11 +17,11 @@ import time
 import uuid
 from typing import AsyncIterator, Optional
 
-from jaxserve.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
+from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
-from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from jaxserve.server.openai.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
+from jaxserve.server.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       OpenAIError, TokenizeRequest, model_card, usage)
 
 logger = logging.getLogger("jaxserve.server")

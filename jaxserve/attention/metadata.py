@@ -1,0 +1,17 @@
+"""What one step's attention needs to know about the batch, as device arrays."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionMetadata:
+    slot_mapping: jax.Array   # [T] int32, slot of each new token's K/V; N * B for padding
+    block_tables: jax.Array   # [S, M] int32, block ids per sequence
+    kv_lens: jax.Array        # [S] int32, tokens in the cache after this step; 0 for padding
+    cu_q_lens: jax.Array      # [S + 1] int32, cumulative new-token counts
+    num_seqs: jax.Array       # [1] int32, real sequences

@@ -1,0 +1,1 @@
+"""One step = schedule -> execute -> update: LLMEngine, AsyncLLM, output processing."""

@@ -1,0 +1,1 @@
+"""Building blocks the model files share: linear and its weight types, norms, rotary embeddings."""

@@ -1,0 +1,1 @@
+"""Checkpoint readers (Hugging Face safetensors, GGUF, dummy weights) -> model weights."""

@@ -1,0 +1,18 @@
+"""Helpers the kernels and the jnp reference path share. Kernels read the attention metadata by
+attribute (`slot_mapping`, `block_tables`, `kv_lens`, `cu_q_lens`, `num_seqs`), so nothing here
+imports the engine's attention package."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def token_layout(meta, num_tokens: int):
+    """Per token: its sequence [T], its absolute position [T], whether it is real [T]."""
+    cu = meta.cu_q_lens
+    S = meta.kv_lens.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, S - 1).astype(jnp.int32)
+    q_lens = cu[1:] - cu[:-1]
+    pos = meta.kv_lens[seq] - q_lens[seq] + (t - cu[seq])
+    return seq, pos, t < cu[-1]

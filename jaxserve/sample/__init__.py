@@ -1,0 +1,1 @@
+"""The on-device sampler (greedy, seeded random, filters, penalties, logprobs)."""

@@ -1,0 +1,1 @@
+"""The tokenizers wrapper, chat templates, incremental detokenizing, and the GGUF tokenizer rebuild."""

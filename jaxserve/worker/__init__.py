@@ -1,0 +1,1 @@
+"""The worker: persistent input batch, token buckets, KV cache sizing and the jitted step."""

@@ -1,0 +1,1 @@
+"""run-batch: OpenAI Batch JSONL reader/writer, resume, bounded runner."""

@@ -1,0 +1,1 @@
+"""The `jaxserve` console script."""

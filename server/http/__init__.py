@@ -1,0 +1,1 @@
+"""The aiohttp app (routes, SSE, auth) and Prometheus metrics rendering."""
