@@ -240,6 +240,32 @@ ERROR_CASES = [
     ("unknown_model", "/v1/completions", {"model": "gpt-17", "prompt": "x"}, None, 404,
      "does not exist"),
     ("unknown_route", "/v1/nothing", {"model": MODEL}, None, 404, ""),
+    # hostile input (issue 11): each a 400 naming the field, never a 500, a stall or a silent 200
+    ("lone_surrogate", "/v1/completions", None,
+     b'{"model": "%s", "prompt": "a\\ud800b"}' % MODEL.encode(), 400, "surrogate"),
+    ("lone_surrogate_tokenize", "/tokenize", None,
+     b'{"model": "%s", "prompt": "a\\ud800b"}' % MODEL.encode(), 400, "surrogate"),
+    ("deep_json", "/v1/completions", None,
+     b'{"prompt": "x", "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nested"),
+    ("deep_chat_messages", "/v1/chat/completions", None,
+     b'{"messages": [{"role": "user", "content": ' + b'{"a": ' * 100 + b"1" + b"}" * 100
+     + b"}]}", 400, "nested"),
+    ("huge_n", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 1000000,
+                                   "temperature": 1.0}, None, 400, "n must be at most"),
+    ("seed_over_64_bits", "/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**70},
+     None, 400, "seed"),
+    ("logit_bias_out_of_vocab", "/v1/completions",
+     {"model": MODEL, "prompt": "x", "logit_bias": {"99999999": 5}}, None, 400, "logit_bias"),
+    ("nan_temperature", "/v1/completions", None,
+     b'{"model": "%s", "prompt": "x", "temperature": NaN}' % MODEL.encode(), 400, "temperature"),
+    ("infinite_repetition_penalty", "/v1/completions", None,
+     b'{"model": "%s", "prompt": "x", "repetition_penalty": Infinity}' % MODEL.encode(), 400,
+     "repetition_penalty"),
+    ("nan_logit_bias", "/v1/completions", None,
+     b'{"model": "%s", "prompt": "x", "logit_bias": {"5": NaN}}' % MODEL.encode(), 400,
+     "logit_bias"),
+    ("body_over_limit", "/v1/completions", None,
+     b'{"prompt": "' + b"x" * (9 << 20) + b'"}', 413, ""),
 ]
 
 

@@ -269,13 +269,14 @@ def _take(source: Iterator, n: int) -> list:
 def engine_routes(serving) -> dict[str, Route]:
     """`/v1/completions` and `/v1/chat/completions` answered by the server's `OpenAIServing`:
     the same body validation, model check (404), prompt checks and response JSON as HTTP."""
-    from jaxserve.server.openai.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError,
-                                          validate_request)
+    from jaxserve.server.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                 OpenAIError, check_json_body, validate_request)
 
     def route(model_cls, endpoint):
         async def answer(body: dict) -> dict:
             if body.get("stream"):
                 raise OpenAIError(400, "stream is not supported in batch jobs", param="stream")
+            check_json_body(body)
             return await endpoint(validate_request(model_cls, body))
         return answer
 

@@ -190,6 +190,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                          "limit).")
     fe.add_argument("--response-role", default=None, help="Role of chat responses (default: "
                                                           "assistant).")
+    fe.add_argument("--max-request-body-bytes", type=int, default=None,
+                    help="Answer 413 to larger request bodies (default: 8 MiB).")
     fe.add_argument("--config", default=None, help="YAML file of flag values; the command line "
                                                    "wins.")
 
@@ -203,7 +205,9 @@ def _serve(ns: argparse.Namespace) -> int:
                              port=ns.port if ns.port is not None else _FRONTEND_DEFAULTS["port"],
                              api_key=ns.api_key, served_model_name=ns.served_model_name,
                              max_waiting_requests=ns.max_waiting_requests,
-                             response_role=ns.response_role or "assistant")
+                             response_role=ns.response_role or "assistant",
+                             **({} if ns.max_request_body_bytes is None else
+                                {"max_request_body_bytes": ns.max_request_body_bytes}))
     logger.info("jaxserve serve: %s", {k: v for k, v in dataclasses.asdict(engine_args).items()
                                        if v != getattr(EngineArgs, k, v)})
     return asyncio.run(serve(engine_args, server_args))

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import hmac
 import signal
 import time
 from typing import Optional
@@ -21,7 +22,7 @@ import jaxserve
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.config import EngineArgs
 from jaxserve.server.http.metrics import CONTENT_TYPE, ServerMetrics
-from jaxserve.server.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from jaxserve.server.openai.protocol import (check_json_body, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       validate_request,
                                       OpenAIError, TokenizeRequest)
 from jaxserve.server.openai.serving import OpenAIServing
@@ -40,6 +41,7 @@ class ServerArgs:
     max_waiting_requests: Optional[int] = None
     response_role: str = "assistant"
     shutdown_timeout: float = 30.0
+    max_request_body_bytes: int = 8 << 20
 
 
 def _error_response(err: OpenAIError) -> web.Response:
@@ -71,7 +73,10 @@ class Server:
 
     # -- app ----------------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=64 << 20)
+        # A larger body is a 413 before it is read, so one client cannot tie up the loop and
+        # the server's memory with a huge prompt.
+        app = web.Application(middlewares=[self._middleware],
+                              client_max_size=self.args.max_request_body_bytes)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.prometheus)
@@ -86,7 +91,8 @@ class Server:
     async def _middleware(self, request: web.Request, handler):
         try:
             if self.args.api_key and request.path.startswith("/v1"):
-                if request.headers.get("Authorization", "") != f"Bearer {self.args.api_key}":
+                given = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(given, f"Bearer {self.args.api_key}".encode()):
                     raise OpenAIError(401, "Unauthorized: a valid API key is required "
                                            "(Authorization: Bearer <key>)", "AuthenticationError")
             return await handler(request)
@@ -122,8 +128,11 @@ class Server:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise OpenAIError(400, f"Invalid JSON body: {e}") from None
+        except RecursionError:
+            raise OpenAIError(400, "Invalid JSON body: nested too deeply") from None
         if not isinstance(data, dict):
             raise OpenAIError(400, "The request body must be a JSON object")
+        check_json_body(data)
         return validate_request(model, data)
 
     # -- handlers -----------------------------------------------------------------------------

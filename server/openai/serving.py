@@ -94,12 +94,22 @@ class OpenAIServing:
             raise OpenAIError(400, f"`{param}` must be in [0, {top}], got {num} (the server's "
                                    f"--max-logprobs is {top})", param=param)
 
-    @staticmethod
-    def _params(build, default_max_tokens: int) -> SamplingParams:
+    def _params(self, build, default_max_tokens: int) -> SamplingParams:
+        """Build a request's SamplingParams; also check what needs the server's limits."""
         try:
-            return build(default_max_tokens)
+            params = build(default_max_tokens)
         except ValueError as e:
             raise OpenAIError(400, str(e)) from None
+        most = self.engine.engine_args.max_num_seqs
+        if params.n > most:   # n children are n requests; more than can run at once is refused
+            raise OpenAIError(400, f"n must be at most {most} (the server's --max-num-seqs), "
+                                   f"got {params.n}", param="n")
+        vocab = self.engine.vocab_size
+        bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
+        if bad is not None:
+            raise OpenAIError(400, f"logit_bias token id {bad} is out of vocabulary (token ids "
+                                   f"must be in [0, {vocab}))", param="logit_bias")
+        return params
 
     async def _add(self, request_id: str, prompt: _Prompt, params: SamplingParams,
                    priority: int) -> RequestStream:
