@@ -380,3 +380,17 @@ def test_text_response_format_and_tools_with_tool_choice_none_are_served(client)
         out = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3,
                                              temperature=0, **extra)
         assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_start_up_log_has_phases_and_readable_config_and_an_access_line_per_request(server,
+                                                                                    client):
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    log = server.log()
+    assert re.search(r"jaxserve serve \(default model\): .*max_num_seqs=\d+ .*port=\d+", log)
+    for phase in ("HTTP listener on", "loaded SmolLM2-135M-Instruct", "KV pool:",
+                  "compiled programs", "ready in"):
+        assert phase in log, phase
+    # method, path, status, prompt+completion tokens, latency
+    assert re.search(r'jaxserve\.access: \S+ "POST /v1/completions" 200 \d+\+3 tokens '
+                     r'\d+\.\d+ s', log), log[-2000:]
+    assert re.search(r'jaxserve\.access: \S+ "POST /v1/nothing" 404 - tokens', log)

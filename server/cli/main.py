@@ -192,8 +192,21 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                                                           "assistant).")
     fe.add_argument("--max-request-body-bytes", type=int, default=None,
                     help="Answer 413 to larger request bodies (default: 8 MiB).")
+    fe.add_argument("--disable-access-log", "--disable-uvicorn-access-log", action="store_true",
+                    help="No log line per request.")
+    fe.add_argument("--disable-log-stats", action="store_true",
+                    help="No periodic throughput / KV cache usage line while serving.")
     fe.add_argument("--config", default=None, help="YAML file of flag values; the command line "
                                                    "wins.")
+
+
+def describe_config(engine_args: EngineArgs, server_args) -> str:
+    """The effective configuration as `key=value` pairs (engine first, then the front end), so
+    the start-up log says what this server runs with, defaults included."""
+    pairs = [(k, v) for k, v in dataclasses.asdict(engine_args).items() if k != "model"]
+    pairs += [(k, "***" if k == "api_key" and v else v)
+              for k, v in dataclasses.asdict(server_args).items()]
+    return " ".join(f"{k}={v}" for k, v in pairs)
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -206,10 +219,12 @@ def _serve(ns: argparse.Namespace) -> int:
                              api_key=ns.api_key, served_model_name=ns.served_model_name,
                              max_waiting_requests=ns.max_waiting_requests,
                              response_role=ns.response_role or "assistant",
+                             access_log=not ns.disable_access_log,
+                             log_stats_interval=0.0 if ns.disable_log_stats else 10.0,
                              **({} if ns.max_request_body_bytes is None else
                                 {"max_request_body_bytes": ns.max_request_body_bytes}))
-    logger.info("jaxserve serve: %s", {k: v for k, v in dataclasses.asdict(engine_args).items()
-                                       if v != getattr(EngineArgs, k, v)})
+    logger.info("jaxserve serve %s: %s", engine_args.model or "(default model)",
+                describe_config(engine_args, server_args))
     return asyncio.run(serve(engine_args, server_args))
 
 

@@ -28,6 +28,8 @@ from jaxserve.server.openai.protocol import (check_json_body, ChatCompletionRequ
 from jaxserve.server.openai.serving import OpenAIServing
 
 logger = logging.getLogger("jaxserve.server")
+access_logger = logging.getLogger("jaxserve.access")
+stats_logger = logging.getLogger("jaxserve.stats")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,8 @@ class ServerArgs:
     response_role: str = "assistant"
     shutdown_timeout: float = 30.0
     max_request_body_bytes: int = 8 << 20
+    access_log: bool = True           # one line per request (--disable-access-log silences it)
+    log_stats_interval: float = 10.0  # seconds between stats lines while busy; 0: never
 
 
 def _error_response(err: OpenAIError) -> web.Response:
@@ -66,6 +70,7 @@ class Server:
         self.app = self._build_app()
         self.runner: Optional[web.AppRunner] = None
         self.stopping = False
+        self._stats_task: Optional[asyncio.Future] = None
 
     def _on_output(self, out, arrival):
         if self.metrics is not None:
@@ -89,6 +94,17 @@ class Server:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
+        t0 = time.perf_counter()
+        response = await self._answer(request, handler)
+        if self.args.access_log:
+            usage = request.get("usage")
+            tokens = (f"{usage['prompt_tokens']}+{usage.get('completion_tokens', 0)} tokens"
+                      if usage else "- tokens")
+            access_logger.info('%s "%s %s" %d %s %.3f s', request.remote, request.method,
+                               request.path, response.status, tokens, time.perf_counter() - t0)
+        return response
+
+    async def _answer(self, request: web.Request, handler):
         try:
             if self.args.api_key and request.path.startswith("/v1"):
                 given = request.headers.get("Authorization", "").encode()
@@ -173,6 +189,7 @@ class Server:
 
     async def _respond(self, request: web.Request, result):
         if isinstance(result, dict):
+            request["usage"] = result.get("usage")      # for the access log line
             return web.json_response(result)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
@@ -215,10 +232,37 @@ class Server:
                     sorted(engine.runner.compiled_programs), engine.warmup_seconds)
         logger.info("ready in %.1f s: serving %s on http://%s:%d", time.perf_counter() - t0,
                     ", ".join(names), self.args.host, self.args.port)
+        if self.args.log_stats_interval > 0:
+            self._stats_task = asyncio.ensure_future(self._log_stats())
+
+    async def _log_stats(self) -> None:
+        """vLLM's periodic stats line, written only while the engine has work or just had."""
+        last, last_t = self.llm.stats, time.perf_counter()
+        while True:
+            await asyncio.sleep(self.args.log_stats_interval)
+            now, now_t = self.llm.stats, time.perf_counter()
+            if now is None or last is None:
+                last, last_t = now, now_t
+                continue
+            prompt = now.prompt_tokens_total - last.prompt_tokens_total
+            gen = now.generation_tokens_total - last.generation_tokens_total
+            if prompt or gen or now.num_running or now.num_waiting:
+                dt = now_t - last_t
+                queries = now.prefix_cache_queries - last.prefix_cache_queries
+                hits = now.prefix_cache_hits - last.prefix_cache_hits
+                stats_logger.info(
+                    "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
+                    "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                    "Prefix cache hit rate: %.1f%%", prompt / dt, gen / dt, now.num_running,
+                    now.num_waiting, 100 * now.kv_cache_usage,
+                    100 * hits / queries if queries else 0.0)
+            last, last_t = now, now_t
 
     async def stop(self, graceful: bool = True) -> None:
         """Stop accepting, let in-flight requests finish (or abort them), close the listener."""
         self.stopping = True
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         await self.llm.shutdown(graceful=graceful, timeout=self.args.shutdown_timeout)
         if self.runner is not None:
             await self.runner.cleanup()
