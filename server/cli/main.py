@@ -230,7 +230,9 @@ def _serve(ns: argparse.Namespace) -> int:
 
 # -- generate (quick offline check) -----------------------------------------------------------
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", help="The prompt text.")
+    p.add_argument("model_and_prompt", nargs="+", metavar="[MODEL] PROMPT",
+                   help="An HF directory or .gguf file (default: the embedded "
+                        "SmolLM2-135M-Instruct), then the prompt text.")
     p.add_argument("--chat", action="store_true", help="Wrap the prompt in the chat template.")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -240,17 +242,26 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, model_positional=False)
 
 
+def generate_inputs(ns: argparse.Namespace) -> tuple[EngineArgs, str]:
+    """`generate [MODEL] PROMPT`: the model positionally, as `serve` and `run-batch` take it."""
+    words = ns.model_and_prompt
+    if len(words) > 2:
+        ns._subparser.error(f"expected [MODEL] PROMPT, got {len(words)} words: quote the prompt")
+    model = words[0] if len(words) == 2 else None
+    return engine_args_from(ns, **({"model": model} if model else {})), words[-1]
+
+
 def _generate(ns: argparse.Namespace) -> int:
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
-    args = engine_args_from(ns)
+    args, prompt = generate_inputs(ns)
     llm = LLM(**dataclasses.asdict(args))
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature,
                             top_p=ns.top_p, top_k=ns.top_k)
     if ns.chat:
-        out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
+        out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
     else:
-        out = llm.generate(ns.prompt, params, use_tqdm=False)
+        out = llm.generate(prompt, params, use_tqdm=False)
     print(out[0].outputs[0].text)
     llm.shutdown()
     return 0
