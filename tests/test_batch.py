@@ -238,6 +238,14 @@ def test_cli_sigkill_then_resume(tmp_path):
     assert final[:len(written)] == written
     assert sorted(o["custom_id"] for o in final) == sorted(f"r{i}" for i in range(n))
     assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in final)
+    # resuming a finished job says so and loads no model
+    before = out.read_bytes()
+    p = cli("-i", str(inp), "-o", str(out), "--resume")
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err.decode()[-3000:]
+    assert f"already answers every line of {inp} ({n} lines, 0 failed); nothing to do" \
+        in err.decode()
+    assert "loading" not in err.decode() and out.read_bytes() == before
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import os
 import logging
 import sys
 import time
@@ -172,6 +173,12 @@ class BatchRunner:
         return _Job(seq, cid, status=400,
                     response=error_body(message, "BadRequestError", param, code))
 
+    def count_unanswered(self, lines: Iterable[str]) -> int:
+        """Input lines that a run with this runner's `resume` state would still answer (nothing
+        is run or written)."""
+        return sum(self._parse(i, lineno, text) is not None
+                   for i, (lineno, text) in enumerate(batch_io.non_blank(lines)))
+
     # -- running ------------------------------------------------------------------------------
     async def run(self, lines: Iterable[str]) -> BatchStats:
         self._t0 = time.perf_counter()
@@ -265,6 +272,9 @@ def _take(source: Iterator, n: int) -> list:
     return list(itertools.islice(source, n))
 
 
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+
 # -- the engine side: routes over the server's code -------------------------------------------------
 def engine_routes(serving) -> dict[str, Route]:
     """`/v1/completions` and `/v1/chat/completions` answered by the server's `OpenAIServing`:
@@ -322,6 +332,15 @@ async def _run(ns, engine_args) -> int:
     if resume.truncated_bytes:
         print(f"run-batch: truncated a torn last line ({resume.truncated_bytes} bytes) of "
               f"{ns.output_file}", file=sys.stderr)
+    if ns.resume and resume.lines and os.path.isfile(ns.input_file):
+        with batch_io.open_input(ns.input_file) as lines:
+            left = BatchRunner(dict.fromkeys(ENDPOINTS), None, max_in_flight=1,
+                               resume=resume).count_unanswered(lines)
+        if not left:    # say so before loading a model for nothing
+            print(f"run-batch: {ns.output_file} already answers every line of {ns.input_file} "
+                  f"({resume.lines} lines, {resume.failed} failed); nothing to do",
+                  file=sys.stderr)
+            return 1 if resume.failed else 0
     llm = AsyncLLM(engine_args)
     await llm.start()
     serving = OpenAIServing(llm, ns.served_model_name)
