@@ -129,6 +129,33 @@ def test_reader_is_lazy_and_in_flight_is_bounded():
     assert len({o["custom_id"] for o in out}) == 300
 
 
+def test_engine_death_stops_the_job_and_resume_redoes_the_rest(tmp_path):
+    """A 5xx is not the line's fault: no error line is written for it or for anything still in
+    flight, the job stops with exit code 3, and --resume answers every remaining line."""
+    from jaxserve.server.openai.protocol import OpenAIError
+
+    class DyingEngine(FakeEngine):
+        def routes(self):
+            inner = super().routes()["/v1/completions"]
+
+            async def answer(body):
+                if body["n"] >= 10:
+                    raise OpenAIError(503, "The engine is dead: RuntimeError('device lost')")
+                return await inner(body)
+            return {"/v1/completions": answer}
+
+    out = tmp_path / "out.jsonl"
+    lines = [envelope(f"r{i}", n=i, delay=0.001 * (i % 3)) for i in range(200)]
+    stats, written, _ = run_fake(lines, out_path=str(out), fake=DyingEngine(), max_in_flight=8)
+    assert stats.exit_code == 3 and "503 on" in stats.stopped_by and "STOPPED" in stats.summary()
+    assert all(o["response"]["status_code"] == 200 for o in written)
+    assert {o["custom_id"] for o in written} <= {f"r{i}" for i in range(10)}
+    state = batch_io.repair_and_scan(str(out))
+    stats, final, _ = run_fake(lines, out_path=str(out), resume=state)
+    assert stats.exit_code == 0 and stats.skipped == len(written)
+    assert sorted(o["custom_id"] for o in final) == sorted(f"r{i}" for i in range(200))
+
+
 def test_resume_repairs_torn_line_and_skips_done(tmp_path):
     out = tmp_path / "out.jsonl"
     lines = (["{bad"] + [envelope(f"r{i}", n=i) for i in range(10)] + [envelope("r3", n=99)])
