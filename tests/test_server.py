@@ -264,6 +264,11 @@ ERROR_CASES = [
     ("nan_logit_bias", "/v1/completions", None,
      b'{"model": "%s", "prompt": "x", "logit_bias": {"5": NaN}}' % MODEL.encode(), 400,
      "logit_bias"),
+    ("image_part_for_a_text_model", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": [
+         {"type": "text", "text": "What is in this picture?"},
+         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     None, 400, "content part type 'image_url' is not supported"),
     ("body_over_limit", "/v1/completions", None,
      b'{"prompt": "' + b"x" * (9 << 20) + b'"}', 413, ""),
 ]
@@ -394,3 +399,11 @@ def test_start_up_log_has_phases_and_readable_config_and_an_access_line_per_requ
     assert re.search(r'jaxserve\.access: \S+ "POST /v1/completions" 200 \d+\+3 tokens '
                      r'\d+\.\d+ s', log), log[-2000:]
     assert re.search(r'jaxserve\.access: \S+ "POST /v1/nothing" 404 - tokens', log)
+
+
+def test_chat_honours_truncate_prompt_tokens_and_add_special_tokens(server):
+    messages = [{"role": "user", "content": "Tell me a long story about " + "dragons " * 30}]
+    full = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()
+    cut = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1,
+                                               "truncate_prompt_tokens": 20}).json()
+    assert full["usage"]["prompt_tokens"] > 40 and cut["usage"]["prompt_tokens"] == 20

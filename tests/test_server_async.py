@@ -220,3 +220,27 @@ def test_serving_streams_end_with_done_and_one_finish_reason():
         assert '"choices": []' in chunks[-2]
         await llm.shutdown()
     asyncio.run(main())
+
+
+def test_chat_prompt_passes_add_special_tokens_to_the_tokenizer():
+    """vLLM's chat default: the template writes the special tokens, encode adds none, unless the
+    request sets add_special_tokens."""
+    from jaxserve.server.openai.protocol import ChatCompletionRequest
+
+    class Recorder(FakeTokenizer):
+        calls = []
+
+        def apply_chat_template(self, messages, tokenize=False, **kw):
+            return "".join(m["content"] for m in messages)
+
+        def encode(self, text, add_special_tokens=True):
+            self.calls.append(add_special_tokens)
+            return super().encode(text)
+
+    engine = FakeEngine()
+    engine.tokenizer = Recorder()
+    serving = OpenAIServing(AsyncLLM(engine=engine))
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    serving._chat_prompt(ChatCompletionRequest(messages=msgs))
+    serving._chat_prompt(ChatCompletionRequest(messages=msgs, add_special_tokens=True))
+    assert Recorder.calls == [False, True]
