@@ -224,11 +224,17 @@ def test_cli_lines_models_and_errors(tmp_path):
             "my-alias")
     _, err = p.communicate(timeout=600)
     assert p.returncode == 1, err.decode()[-3000:]
-    res = {o["custom_id"]: o for o in read_out(out) if o["custom_id"]}
+    written = read_out(out)
+    res = {o["custom_id"]: o for o in written if o["custom_id"] and o["custom_id"] != "c0"}
     status = {k: v["response"]["status_code"] for k, v in res.items()}
-    assert status == {**{f"c{i}": 200 for i in range(6)}, "chat": 200, "named": 200,
-                      "alias": 200, "unknown": 404, "badtemp": 400, "noprompt": 400} | \
-        {"c0": status["c0"]}
+    assert status == {**{f"c{i}": 200 for i in range(1, 6)}, "chat": 200, "named": 200,
+                      "alias": 200, "unknown": 404, "badtemp": 400, "noprompt": 400}
+    # the first c0 is answered, the repeat is a 400 naming the duplicate id
+    c0 = [o for o in written if o["custom_id"] == "c0"]
+    assert sorted(o["response"]["status_code"] for o in c0) == [200, 400]
+    dup = next(o for o in c0 if o["response"]["status_code"] == 400)
+    assert "duplicate custom_id 'c0'" in dup["response"]["body"]["error"]["message"]
+    res["c1"] = next(o for o in written if o["custom_id"] == "c1")
     assert len(read_out(out)) == len(lines)
     assert res["chat"]["response"]["body"]["object"] == "chat.completion"
     assert res["alias"]["response"]["body"]["model"] == "my-alias"

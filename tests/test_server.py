@@ -139,21 +139,28 @@ def test_completion_logprobs_and_echo_have_openai_shapes(client):
 
 
 def test_stop_string_and_extra_sampling_fields(client):
-    out = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=8, temperature=0,
-                                    extra_body={"top_k": 5, "min_p": 0.1,
-                                                "repetition_penalty": 1.1, "min_tokens": 1,
-                                                "ignore_eos": True, "skip_special_tokens": True})
-    assert out.choices[0].finish_reason in ("length", "stop")
-    first = out.choices[0].text
-    if len(first) > 2:
-        stop = first[1:3]
-        cut = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=8,
-                                        temperature=0, stop=[stop],
-                                        extra_body={"top_k": 5, "min_p": 0.1,
-                                                    "repetition_penalty": 1.1, "min_tokens": 1,
-                                                    "ignore_eos": True})
-        assert stop not in cut.choices[0].text
-        assert cut.choices[0].finish_reason == "stop"
+    prompt = "1, 2, 3,"
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    first = greedy.choices[0].text
+    assert greedy.choices[0].finish_reason == "length" and len(first) > 2
+    # a stop string taken from the greedy text ends the same text just before it
+    stop = first[1:3]
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == first[:first.index(stop)]
+    # vLLM's extra fields act while sampling: top_k=1 and min_p=1 each leave only the greedy
+    # token, so a hot seeded sample gives the greedy text
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        hot = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.5,
+                                        seed=3, extra_body={"ignore_eos": True, **extra})
+        assert hot.choices[0].text == first, extra
+    # repetition_penalty and min_tokens are accepted and change what greedy decoding does
+    pen = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body={"repetition_penalty": 1.5, "min_tokens": 8,
+                                                "skip_special_tokens": True})
+    assert pen.usage.completion_tokens == 8 and pen.choices[0].text != first
 
 
 # -- chat -------------------------------------------------------------------------------------
