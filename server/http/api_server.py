@@ -25,6 +25,7 @@ from jaxserve.server.http.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.openai.protocol import (check_json_body, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       validate_request,
                                       OpenAIError, TokenizeRequest)
+from jaxserve.server.http.openapi import openapi_document
 from jaxserve.server.openai.serving import OpenAIServing
 
 logger = logging.getLogger("jaxserve.server")
@@ -85,6 +86,7 @@ class Server:
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -156,6 +158,9 @@ class Server:
         if self.llm.is_ready and not self.stopping:
             return web.Response(status=200)
         return web.Response(status=503)
+
+    async def openapi(self, request):
+        return web.json_response(openapi_document(jaxserve.__version__))
 
     async def version(self, request):
         return web.json_response({"version": jaxserve.__version__})
