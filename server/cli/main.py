@@ -196,6 +196,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                     help="No log line per request.")
     fe.add_argument("--disable-log-stats", action="store_true",
                     help="No periodic throughput / KV cache usage line while serving.")
+    fe.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                    help="Browser origins allowed by CORS ('*' for any; default: none, CORS off).")
     fe.add_argument("--config", default=None, help="YAML file of flag values; the command line "
                                                    "wins.")
 
@@ -220,6 +222,7 @@ def _serve(ns: argparse.Namespace) -> int:
                              max_waiting_requests=ns.max_waiting_requests,
                              response_role=ns.response_role or "assistant",
                              access_log=not ns.disable_access_log,
+                             allowed_origins=tuple(ns.allowed_origins or ()),
                              log_stats_interval=0.0 if ns.disable_log_stats else 10.0,
                              **({} if ns.max_request_body_bytes is None else
                                 {"max_request_body_bytes": ns.max_request_body_bytes}))

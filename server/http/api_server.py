@@ -46,6 +46,7 @@ class ServerArgs:
     shutdown_timeout: float = 30.0
     max_request_body_bytes: int = 8 << 20
     access_log: bool = True           # one line per request (--disable-access-log silences it)
+    allowed_origins: tuple[str, ...] = ()   # CORS: off unless origins are named ("*" for any)
     log_stats_interval: float = 10.0  # seconds between stats lines while busy; 0: never
 
 
@@ -107,6 +108,28 @@ class Server:
         return response
 
     async def _answer(self, request: web.Request, handler):
+        origin = request.headers.get("Origin")
+        allowed = origin is not None and ("*" in self.args.allowed_origins
+                                          or origin in self.args.allowed_origins)
+        if request.method == "OPTIONS" and allowed:        # CORS preflight
+            return web.Response(status=204, headers=self._cors_headers(origin, preflight=True))
+        if allowed:
+            request["cors"] = self._cors_headers(origin)   # streams send headers early
+        response = await self._handle(request, handler)
+        if allowed and not response.prepared:
+            response.headers.update(request["cors"])
+        return response
+
+    @staticmethod
+    def _cors_headers(origin: str, preflight: bool = False) -> dict[str, str]:
+        headers = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+        if preflight:
+            headers.update({"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                            "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                            "Access-Control-Max-Age": "600"})
+        return headers
+
+    async def _handle(self, request: web.Request, handler):
         try:
             if self.args.api_key and request.path.startswith("/v1"):
                 given = request.headers.get("Authorization", "").encode()
@@ -197,7 +220,7 @@ class Server:
             request["usage"] = result.get("usage")      # for the access log line
             return web.json_response(result)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+                                           "Cache-Control": "no-cache", **request.get("cors", {})})
         try:
             await resp.prepare(request)
             async for chunk in result:
