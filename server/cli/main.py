@@ -22,7 +22,7 @@ import logging
 import sys
 from typing import Any, Callable, Optional
 
-from jaxserve.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineArgs
+from jaxserve.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineArgs
 
 logger = logging.getLogger("jaxserve")
 
@@ -58,7 +58,11 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("max_model_len", "ModelConfig", dict(type=_bytes, help="Context length (prompt + output); "
                                           "default: the model's.")),
     ("quantization", "ModelConfig", dict(choices=["fp8"], help="Weight quantization.")),
-    ("seed", "ModelConfig", dict(type=int, help="Random seed of the engine.")),
+    ("seed", "ModelConfig", dict(type=int, help="Random seed of the engine (and of dummy "
+                                 "weights).")),
+    ("load_format", "LoadConfig", dict(choices=LOAD_FORMATS, help="'dummy': seeded random "
+                                       "weights of the shapes in MODEL/config.json, no "
+                                       "checkpoint files (benchmarks).")),
     ("max_logprobs", "ModelConfig", dict(type=int, help="Largest logprobs / top_logprobs a "
                                          "request may ask for.")),
     ("block_size", "CacheConfig", dict(type=int, help="Tokens per KV block.")),
