@@ -279,6 +279,38 @@ register_subcommand("generate", "Generate a completion for one prompt (offline).
                     _generate_arguments, _generate)
 
 
+# -- export-model -------------------------------------------------------------------------------
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", metavar="DIR", help="Where to write the Hugging Face files.")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                   help="HF directory or .gguf file (default: the embedded "
+                        "SmolLM2-135M-Instruct).")
+    p.add_argument("--no-weights", action="store_true",
+                   help="Write config, generation config and tokenizer files only.")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="dtype of model.safetensors (default: float32, exact for GGUF).")
+
+
+def _export(ns: argparse.Namespace) -> int:
+    from jaxserve.default_model import default_model_path
+    from jaxserve.loader.export import export_model
+    from jaxserve.loader.gguf import read_gguf
+    from jaxserve.loader.loader import load_model
+    from jaxserve.tokenizer.tokenizer import Tokenizer
+    path = ns.model_tag or str(default_model_path())
+    reader = read_gguf(path) if path.endswith(".gguf") else None
+    tokenizer = Tokenizer.from_gguf(reader) if reader is not None else Tokenizer.from_model(path)
+    cfg, weights = load_model(path, "float32", gguf_reader=reader)
+    files = export_model(ns.directory, cfg, tokenizer, None if ns.no_weights else weights,
+                         dtype=ns.dtype)
+    print(f"wrote {', '.join(files)} to {ns.directory}")
+    return 0
+
+
+register_subcommand("export-model", "Write a model (default: the embedded one) as a Hugging Face "
+                    "directory for other tools.", _export_arguments, _export)
+
+
 def _run_batch_arguments(p: argparse.ArgumentParser) -> None:
     from jaxserve.server.batch import runner
     runner.add_arguments(p)
