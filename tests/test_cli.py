@@ -90,3 +90,12 @@ def test_version_flag_prints_the_version(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"jaxserve {__version__}"
+
+
+def test_a_hub_name_is_refused_with_what_to_do(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "HuggingFaceTB/SmolLM2-135M-Instruct", "Hello"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "is not a local path" in err and "does not download models" in err
+    assert "huggingface-cli download HuggingFaceTB/SmolLM2-135M-Instruct" in err

@@ -130,8 +130,7 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
     weights of its shapes."""
     path = Path(model)
     if not path.exists():
-        raise ModelLoadError(f"model path {str(path)!r} does not exist (jaxserve loads local "
-                             "Hugging Face directories and .gguf files; it has no model hub)")
+        raise ModelLoadError(_not_a_local_path(str(model)))
     jdtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
     if load_format == "dummy":
         from jaxserve.loader.dummy import dummy_weights
@@ -151,6 +150,17 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
     logger.info("loading %s (%s, %d layers, hidden %d) as %s", path, cfg.architecture,
                 cfg.num_layers, cfg.hidden_size, jnp.dtype(jdtype).name)
     return cfg, assemble(cfg, get, jdtype, mesh)
+
+
+def _not_a_local_path(name: str) -> str:
+    parts = name.split("/")
+    if len(parts) == 2 and all(parts) and not name.startswith((".", "~")):
+        return (f"{name!r} is not a local path. It looks like a Hugging Face Hub model name, and "
+                "jaxserve does not download models: download it first (for example "
+                f"`huggingface-cli download {name} --local-dir ./{parts[1]}`) and pass that "
+                "directory, or a .gguf file")
+    return (f"model path {name!r} does not exist (jaxserve loads local Hugging Face directories "
+            "and .gguf files; it downloads nothing)")
 
 
 def gguf_config_of(path: Path, reader=None) -> ModelConfig:
