@@ -162,3 +162,15 @@ def test_mesh_and_rules_place_weights_on_eight_devices(dummy_dir):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_carried_cpu_tokens_of_the_dummy_tiny_llama_are_current():
+    """The GPU suite compares against tests/data/tiny-llama/cpu_greedy.json: it must be what
+    the CPU computes today (regenerate with `python benchmarks/make_cpu_tokens.py`)."""
+    sys.path.insert(0, str(CONFIGS.parent))
+    import make_cpu_tokens as m
+    from jaxserve import LLM
+    want = json.loads((Path(m.TINY) / "cpu_greedy.json").read_text())
+    assert want["prompts"] == m.prompts()
+    with LLM(model=m.TINY, attention_backend="reference", **want["settings"]) as llm:
+        assert m.greedy(llm) == want["tokens"]
