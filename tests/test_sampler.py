@@ -271,3 +271,26 @@ def test_score_gives_target_logprob_rank_and_top():
                                   1 + (ref > ref[np.arange(R), targets][:, None]).sum(-1))
     np.testing.assert_array_equal(np.asarray(top_ids), np.argsort(-ref, -1)[:, :k])
     assert np.asarray(score(logits, targets, 0)[2]).shape == (R, 0)
+
+
+def test_rows_without_penalties_ignore_whatever_their_state_row_holds():
+    logits = random_logits(2, seed=12)
+    strong = [int(np.argmax(logits[0])), int(np.argmax(logits[1]))]
+    # Row 0 penalised (its favourite token is biased away); row 1 not, though slot 1's state row
+    # holds a stale bias against its favourite token from an earlier occupant.
+    t, state = penalty_inputs([make_request([1], [], temperature=0.0,
+                                            logit_bias={strong[0]: -100}),
+                               make_request([1], [], temperature=0.0,
+                                            logit_bias={strong[1]: -100})])
+    t = dataclasses.replace(t, penalised=np.array([True, False]))
+    ids = ids_of(sample(logits, t, state))
+    assert ids[0] != strong[0] and ids[1] == strong[1]
+
+
+def test_top_logprobs_are_always_k_wide_and_zero_when_no_row_asks():
+    logits = random_logits(4, seed=13)
+    asked = sample(logits, tensors(4, logprobs=True), k=5)
+    not_asked = sample(logits, tensors(4, logprobs=False), k=5)
+    assert np.asarray(asked.top_ids).shape == np.asarray(not_asked.top_ids).shape == (4, 5)
+    assert not np.asarray(not_asked.top_logprobs).any()
+    np.testing.assert_array_equal(ids_of(asked), ids_of(not_asked))
