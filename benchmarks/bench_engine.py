@@ -7,8 +7,8 @@
 Reports, in one run:
 - generated tokens/s of both engines (greedy, EOS ignored, every request gets exactly N tokens);
 - engine efficiency: end-to-end tokens/s over the tokens/s of the bare jitted step, i.e. the same
-  sequence of step shapes and arrays the engine ran, replayed through `runner.run_model` + the
-  sampler with nothing else (1.0 = the host adds no time). Each step is replayed right after the
+  sequence of step inputs the engine ran, replayed through `runner.run_model` (the one jitted
+  step: model and sampler) with nothing else (1.0 = the host adds no time). Each step is replayed right after the
   engine ran it (same arrays; it rewrites the same K/V), so load from other processes on a shared
   machine hits both sides alike; the replays are subtracted from the end-to-end time;
 - KV slot utilisation: tokens stored / slots allocated, sampled after every step;
@@ -26,6 +26,7 @@ import platform
 import sys
 import time
 
+import jax
 import numpy as np
 
 _TEXT = """\
@@ -74,37 +75,30 @@ def make_prompts(tokenizer, num: int, min_len: int, max_len: int) -> list[list[i
 
 # -- jaxserve --------------------------------------------------------------------------------
 class Recorder:
-    """Wraps the engine's parts (instance attributes only) to record each step's model inputs,
-    sampler inputs, KV utilisation and host/device time per phase."""
+    """Wraps the engine's parts (instance attributes only) to record each step's inputs (one
+    StepInputs pytree), KV utilisation and host/device time per phase."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.steps = []                     # (model args, sampler args or None)
+        self.steps = []                     # StepInputs of each step
         self.kv_samples = []                # (tokens stored, slots allocated)
         self.phase = collections.defaultdict(float)
         self.shapes = collections.Counter()
         runner, sched = engine.runner, engine.scheduler
-        self._orig = dict(run_model=runner.run_model, sampling_tensors=runner.sampling_tensors,
+        self._orig = dict(run_model=runner.run_model,
                           schedule=sched.schedule, update=sched.update_from_output,
                           process=engine.processor.process, execute=runner.execute,
                           prepare=runner.prepare, step=engine.step)
-        self._pending_model = None
         self.step_s = 0.0                   # wall time inside engine.step()
-        self.bare_s = 0.0                   # the same steps replayed: model call + sampler only
+        self.bare_s = 0.0                   # the same steps replayed: the jitted step only
 
-        def run_model(*args):
-            self._pending_model = args
-            self.shapes[(len(args[0]), len(args[3]))] += 1
+        def run_model(inputs):
+            self.shapes[(len(inputs.tokens), inputs.prompt_targets is not None)] += 1
             t0 = time.perf_counter()
-            out = self._orig["run_model"](*args)
-            out.block_until_ready()
+            out = self._orig["run_model"](inputs)
+            jax.block_until_ready(out)
             self.phase["model step (device)"] += time.perf_counter() - t0
             return out
-
-        def sampling_tensors(reqs, rows, num_rows):
-            tensors, flags = self._orig["sampling_tensors"](reqs, rows, num_rows)
-            self.steps[-1] = (self.steps[-1][0], (tensors, flags))
-            return tensors, flags
 
         def timed(name, fn):
             def wrapper(*a, **k):
@@ -119,7 +113,7 @@ class Recorder:
             t0 = time.perf_counter()
             out = self._orig["prepare"](*a, **k)
             self.phase["prepare inputs (host)"] += time.perf_counter() - t0
-            self.steps.append((out[0], None))
+            self.steps.append(out[0])
             return out
 
         def update(*a, **k):
@@ -136,14 +130,14 @@ class Recorder:
             self.step_s += time.perf_counter() - t0
             if len(self.steps) > n:
                 # Paired measurement, robust to load from other processes on a shared machine:
-                # re-run this step's model call and sampler with the same arrays right away. It
-                # writes the same K/V to the same slots, so the engine's state is unchanged.
+                # re-run this step's jitted step with the same inputs right away. It writes the
+                # same K/V to the same slots, so the engine's KV state is unchanged (the sampled
+                # tokens are counted twice in the penalty state, which greedy rows never read).
                 self.bare_s += replay_bare_steps(self._orig["run_model"], self.steps[n:])
             return out
 
         engine.step = step
         runner.run_model = run_model
-        runner.sampling_tensors = sampling_tensors
         runner.prepare = prepare
         runner.execute = timed("execute (total)", self._orig["execute"])
         sched.schedule = timed("schedule (host)", self._orig["schedule"])
@@ -160,7 +154,7 @@ class Recorder:
 
     def restore(self):
         runner, sched = self.engine.runner, self.engine.scheduler
-        for name in ("run_model", "sampling_tensors", "execute", "prepare"):
+        for name in ("run_model", "execute", "prepare"):
             delattr(runner, name)
         for name in ("schedule", "update_from_output"):
             delattr(sched, name)
@@ -169,17 +163,10 @@ class Recorder:
 
 
 def replay_bare_steps(run_model, steps) -> float:
-    """Seconds to run the recorded steps through the jitted model step and sampler only."""
-    import jax
-
-    from jaxserve.sample.sampler import sample
+    """Seconds to run the recorded steps through the jitted step (model and sampler) only."""
     t0 = time.perf_counter()
-    for model_args, sampler_args in steps:
-        logits = run_model(*model_args)
-        if sampler_args is None:
-            logits.block_until_ready()
-        else:
-            jax.block_until_ready(sample(logits, *sampler_args))
+    for inputs in steps:
+        jax.block_until_ready(run_model(inputs))
     return time.perf_counter() - t0
 
 
@@ -285,7 +272,6 @@ def main():
 
     from jaxserve.tokenizer.tokenizer import Tokenizer
     from jaxserve.default_model import default_model_path
-    import jax
     tok = Tokenizer.from_model(str(default_model_path()))
     prompts = make_prompts(tok, num, lo, hi)
     print(f"{num} prompts, {sum(map(len, prompts))} prompt tokens ({lo}-{hi}), "
@@ -315,14 +301,15 @@ def main():
             ("KV slot utilisation, mean over steps (min) (target >= 0.95)",
              f"{js['kv_util_mean']:.3f} ({js['kv_util_min']:.3f})"),
             ("engine steps / preemptions", f"{js['steps']} / {js['num_preemptions']}"),
-            ("compiled model programs (token buckets)", f"{js['programs']} {js['buckets']}"),
+            ("compiled step programs (token buckets x prompt-logprobs variant)", f"{js['programs']} {js['buckets']}"),
             ("warm-up s (start-up s incl. load)", f"{js['warmup_s']:.1f} ({js['startup_s']:.1f})")]
-    shapes = ", ".join(f"{t}x{r}: {c}" for (t, r), c in sorted(js["shapes"].items()))
+    shapes = ", ".join(f"{t}{' +prompt logprobs' if p else ''}: {c}"
+                       for (t, p), c in sorted(js["shapes"].items()))
     total = js["e2e_s"]
     phases = "; ".join(f"{k} {v:.2f} s ({100 * v / total:.0f}%)"
                        for k, v in sorted(js["phase"].items(), key=lambda kv: -kv[1]))
     table = ["| metric | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows]
-    text = "\n".join(table) + f"\n\nStep shapes run (tokens x logit rows: count): {shapes}.\n" \
+    text = "\n".join(table) + f"\n\nStep shapes run (token bucket: count): {shapes}.\n" \
         f"Where the {total:.1f} s went: {phases}.\n"
     print()
     print(text)

@@ -77,10 +77,12 @@ def engine_variant(llm, *, enable_prefix_caching: bool | None = None,
         assert max_num_batched_tokens <= sched_cfg.max_num_batched_tokens   # within the buckets
         sched_cfg = dataclasses.replace(sched_cfg, max_num_batched_tokens=max_num_batched_tokens)
     original = engine.scheduler
+    engine.step()   # hands the finished ids to the worker, which drops them from its batch
     engine.scheduler = Scheduler(sched_cfg, cache_cfg)
     try:
         yield engine.scheduler
     finally:
+        engine.step()
         engine.scheduler = original
         # The variant wrote K/V into blocks the original scheduler may still hold as cached-free
         # prefix blocks; forget those hashes so no later hit reads overwritten K/V.

@@ -136,7 +136,7 @@ def test_unknown_engine_argument_is_a_value_error():
 
 def test_num_gpu_blocks_override_sets_the_pool_size():
     from jaxserve.config import EngineArgs
-    from jaxserve.engine.llm_engine import num_kv_blocks
+    from jaxserve.worker.kv_sizing import num_kv_blocks
     args = EngineArgs(num_gpu_blocks_override=40)
     assert args.cache_config().num_blocks == 40
     assert num_kv_blocks(args, bytes_per_block=1 << 20, weight_bytes=0) == 40

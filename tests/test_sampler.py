@@ -5,28 +5,38 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.core.request import Request
-from jaxserve.worker.model_runner import _penalty_tensors
-from jaxserve.sample.sampler import SamplerFlags, SamplingTensors, sample, score
+from jaxserve.core.scheduler import NewRequestData
+from jaxserve.sample import penalties
+from jaxserve.sample.sampler import SamplingTensors, sample as _sample, score
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.worker.input_batch import InputBatch
 
 V = 32
-NO_EXTRAS = SamplerFlags(False, False, 0)
-FILTERS = SamplerFlags(False, True, 0)
+NO_PENALTIES = penalties.zeros(1, V)
 
 
-def tensors(R, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None):
+def sample(logits, t, state=NO_PENALTIES, k=0):
+    return _sample(logits, t, state, k=k)
+
+
+def tensors(R, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None,
+            logprobs=False):
     full = lambda v, dt: np.full(R, v, dt)   # noqa: E731
     return SamplingTensors(full(temperature, np.float32), full(top_k, np.int32),
                            full(top_p, np.float32), full(min_p, np.float32),
                            np.arange(R, dtype=np.uint32) if seeds is None
                            else np.asarray(seeds, np.uint32),
                            full(0, np.int32) if positions is None
-                           else np.asarray(positions, np.int32))
+                           else np.asarray(positions, np.int32),
+                           slots=full(R, np.int32), penalised=full(False, bool),
+                           min_tokens_active=full(False, bool), presence=full(0, np.float32),
+                           frequency=full(0, np.float32), repetition=full(1, np.float32),
+                           logprobs=full(logprobs, bool))
 
 
 def random_logits(R, seed=0, scale=3.0):
@@ -50,19 +60,19 @@ def ids_of(out):
 
 def test_greedy_is_argmax():
     logits = random_logits(16)
-    out = sample(logits, tensors(16), NO_EXTRAS)
+    out = sample(logits, tensors(16))
     np.testing.assert_array_equal(ids_of(out), logits.argmax(-1))
 
 
 def test_top_k_1_equals_greedy():
     logits = random_logits(64, seed=1)
-    out = sample(logits, tensors(64, temperature=1.0, top_k=1), FILTERS)
+    out = sample(logits, tensors(64, temperature=1.0, top_k=1))
     np.testing.assert_array_equal(ids_of(out), logits.argmax(-1))
 
 
 def test_tiny_top_p_equals_greedy():
     logits = random_logits(64, seed=2)
-    out = sample(logits, tensors(64, temperature=1.5, top_p=1e-6), FILTERS)
+    out = sample(logits, tensors(64, temperature=1.5, top_p=1e-6))
     np.testing.assert_array_equal(ids_of(out), logits.argmax(-1))
 
 
@@ -70,7 +80,7 @@ def test_min_p_keeps_only_tokens_above_threshold():
     R = 2000
     row = np.log(np.array([0.4, 0.3, 0.15, 0.1, 0.05] + [0.0] * (V - 5)) + 1e-12)
     logits = np.tile(row.astype(np.float32), (R, 1))
-    ids = ids_of(sample(logits, tensors(R, temperature=1.0, min_p=0.3), FILTERS))
+    ids = ids_of(sample(logits, tensors(R, temperature=1.0, min_p=0.3)))
     # min_p = 0.3 of the top probability 0.4 -> keep p >= 0.12: tokens 0, 1, 2.
     assert set(np.unique(ids)) == {0, 1, 2}
     freq = np.bincount(ids, minlength=3)[:3] / R
@@ -80,7 +90,7 @@ def test_min_p_keeps_only_tokens_above_threshold():
 def test_top_k_keeps_the_k_most_likely():
     R = 1000
     logits = np.tile(random_logits(1, seed=3), (R, 1))
-    ids = ids_of(sample(logits, tensors(R, temperature=2.0, top_k=3), FILTERS))
+    ids = ids_of(sample(logits, tensors(R, temperature=2.0, top_k=3)))
     assert set(np.unique(ids)) <= set(np.argsort(-logits[0])[:3].tolist())
 
 
@@ -88,7 +98,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     R = 2000
     probs = np.array([0.5, 0.25, 0.15, 0.1] + [0.0] * (V - 4))
     logits = np.tile(np.log(probs + 1e-12).astype(np.float32), (R, 1))
-    ids = ids_of(sample(logits, tensors(R, temperature=1.0, top_p=0.7), FILTERS))
+    ids = ids_of(sample(logits, tensors(R, temperature=1.0, top_p=0.7)))
     assert set(np.unique(ids)) == {0, 1}          # 0.5 < 0.7 <= 0.75
     assert np.mean(ids == 0) == pytest.approx(2 / 3, abs=0.04)
 
@@ -98,7 +108,7 @@ def test_temperature_sampling_matches_softmax(temperature):
     R = 20000
     row = np.random.default_rng(4).normal(0, 1.0, V).astype(np.float32)
     logits = np.tile(row, (R, 1))
-    ids = ids_of(sample(logits, tensors(R, temperature=temperature), NO_EXTRAS))
+    ids = ids_of(sample(logits, tensors(R, temperature=temperature)))
     expected = softmax(row.astype(np.float64) / temperature)
     freq = np.bincount(ids, minlength=V) / R
     sigma = np.sqrt(expected * (1 - expected) / R)
@@ -112,17 +122,17 @@ def test_same_seed_and_position_give_same_token_in_any_row():
     row = np.zeros(V, np.float32)                 # uniform: the noise alone decides
     logits = np.tile(row, (R, 1))
     seeds = np.array([11, 12, 13, 14, 15, 16, 17, 99], np.uint32)
-    a = ids_of(sample(logits, tensors(R, 1.0, seeds=seeds, positions=np.arange(R)), NO_EXTRAS))
+    a = ids_of(sample(logits, tensors(R, 1.0, seeds=seeds, positions=np.arange(R))))
     # Seed 99 at position 7 moved to row 0 of another batch with different neighbours.
     seeds2 = np.array([99, 1, 2, 3], np.uint32)
     b = ids_of(sample(logits[:4], tensors(4, 1.0, seeds=seeds2, positions=[7, 0, 0, 0]),
-                      NO_EXTRAS))
+                      ))
     assert b[0] == a[7]
     # Deterministic, and the position matters.
-    c = ids_of(sample(logits, tensors(R, 1.0, seeds=seeds, positions=np.arange(R)), NO_EXTRAS))
+    c = ids_of(sample(logits, tensors(R, 1.0, seeds=seeds, positions=np.arange(R))))
     np.testing.assert_array_equal(a, c)
     many = ids_of(sample(np.zeros((64, V), np.float32),
-                         tensors(64, 1.0, seeds=[99] * 64, positions=np.arange(64)), NO_EXTRAS))
+                         tensors(64, 1.0, seeds=[99] * 64, positions=np.arange(64))))
     assert len(set(many.tolist())) > 10
 
 
@@ -130,7 +140,7 @@ def test_greedy_rows_ignore_seed_and_neighbours():
     logits = random_logits(4, seed=5)
     t = tensors(4, temperature=0.0)
     t = dataclasses.replace(t, temperature=np.array([0.0, 1.0, 0.0, 1.0], np.float32))
-    out = ids_of(sample(logits, t, FILTERS))
+    out = ids_of(sample(logits, t))
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
 
 
@@ -149,10 +159,21 @@ def vllm_penalties(logits, prompt_ids, output_ids, presence, frequency, repetiti
 def make_request(prompt, output, **params):
     sp = SamplingParams(**params)
     sp.update_from_tokenizer({V - 1})             # EOS = last id
-    req = Request("r", prompt, sp, sample_seed=0)
-    for t in output:
-        req.append_output_token(t)
-    return req
+    return NewRequestData(list(prompt), list(output), sp, 0)
+
+
+def penalty_inputs(reqs):
+    """Sampling tensors (row i = reqs[i]) and the device penalty state, through the worker's
+    input batch as the runner builds them."""
+    R = len(reqs)
+    batch = InputBatch(R, V)
+    for i, req in enumerate(reqs):
+        batch.add(str(i), req)
+    state = penalties.zeros(R, V)
+    for slot, rows in batch.take_penalty_writes():
+        state = penalties.write_row(state, np.asarray(slot, np.int32), *rows)
+    t = SamplingTensors(**batch.sampling_arrays([batch.slot_of(str(i)) for i in range(R)], R))
+    return t, state
 
 
 @pytest.mark.parametrize("params", [
@@ -167,13 +188,13 @@ def test_penalties_match_vllm_formulas(params):
     for r in range(R):
         prompt = rng.integers(0, V, rng.integers(1, 6)).tolist()
         output = rng.integers(0, V, rng.integers(0, 10)).tolist()
-        reqs.append(make_request(prompt, output, temperature=0.0, **params))
+        reqs.append(make_request(prompt, output, temperature=0.0, logprobs=0, **params))
         expected.append(vllm_penalties(logits[r], prompt, output,
                                        params.get("presence_penalty", 0.0),
                                        params.get("frequency_penalty", 0.0),
                                        params.get("repetition_penalty", 1.0)))
-    t = _penalty_tensors(tensors(R), reqs, list(range(R)), R)
-    out = sample(logits, t, SamplerFlags(True, False, 0))
+    t, state = penalty_inputs(reqs)
+    out = sample(logits, t, state)
     np.testing.assert_array_equal(ids_of(out), np.argmax(np.stack(expected), -1))
     # Logprobs stay those of the raw logits (vLLM's default logprobs mode).
     np.testing.assert_allclose(np.asarray(out.logprob),
@@ -181,14 +202,15 @@ def test_penalties_match_vllm_formulas(params):
 
 
 def test_penalties_exact_values_through_private_stage():
-    from jaxserve.sample.sampler import _apply_penalties
     logits = random_logits(3, seed=8)
     reqs = [make_request([1, 2, 3], [3, 3, 4], presence_penalty=0.5, frequency_penalty=0.25,
                          repetition_penalty=1.5),
             make_request([5], [], repetition_penalty=2.0),
             make_request([0], [7, 7, 7, 7], frequency_penalty=-1.0)]
-    t = _penalty_tensors(tensors(3), reqs, [0, 1, 2], 3)
-    got = np.asarray(_apply_penalties(jnp.asarray(logits), t))
+    t, state = penalty_inputs(reqs)
+    got = np.asarray(penalties.apply_penalties(jnp.asarray(logits), t.slots, t.penalised,
+                                               t.min_tokens_active, t.presence, t.frequency,
+                                               t.repetition, state))
     exp = [vllm_penalties(logits[0], [1, 2, 3], [3, 3, 4], 0.5, 0.25, 1.5),
            vllm_penalties(logits[1], [5], [], 0.0, 0.0, 2.0),
            vllm_penalties(logits[2], [0], [7, 7, 7, 7], 0.0, -1.0, 1.0)]
@@ -200,8 +222,8 @@ def test_logit_bias_adds_to_logits_and_can_force_a_token():
     weakest = int(np.argmin(logits[0]))
     reqs = [make_request([1], [], temperature=0.0, logit_bias={weakest: 100}),
             make_request([1], [], temperature=0.0, logit_bias={int(np.argmax(logits[1])): -100})]
-    t = _penalty_tensors(tensors(2), reqs, [0, 1], 2)
-    ids = ids_of(sample(logits, t, SamplerFlags(True, False, 0)))
+    t, state = penalty_inputs(reqs)
+    ids = ids_of(sample(logits, t, state))
     assert ids[0] == weakest
     assert ids[1] == int(np.argsort(-logits[1])[1])
 
@@ -214,21 +236,21 @@ def test_min_tokens_masks_stop_and_eos_ids_until_reached():
     params = dict(temperature=0.0, min_tokens=3, stop_token_ids=[5])
     reqs = [make_request([1], [], **params), make_request([1], [8, 8], **params),
             make_request([1], [8, 8, 8], **params)]            # reached: no mask
-    t = _penalty_tensors(tensors(3), reqs, [0, 1, 2], 3)
-    ids = ids_of(sample(logits, t, SamplerFlags(True, False, 0)))
+    t, state = penalty_inputs(reqs)
+    ids = ids_of(sample(logits, t, state))
     assert ids[0] == 8 and ids[1] == 8 and ids[2] == 5
     # ignore_eos: only the explicit stop ids are masked.
     req = make_request([1], [], ignore_eos=True, **params)
-    t = _penalty_tensors(tensors(1), [req], [0], 1)
-    assert ids_of(sample(logits[:1], t, SamplerFlags(True, False, 0)))[0] == V - 1
+    t, state = penalty_inputs([req])
+    assert ids_of(sample(logits[:1], t, state))[0] == V - 1
 
 
 # -- logprobs ----------------------------------------------------------------------------------
 def test_logprobs_rank_and_top_k_come_from_raw_logits():
     R, k = 8, 4
     logits = random_logits(R, seed=10)
-    t = tensors(R, temperature=0.7)
-    out = sample(logits, t, SamplerFlags(False, False, k))
+    t = tensors(R, temperature=0.7, logprobs=True)
+    out = sample(logits, t, k=k)
     ref = log_softmax(logits)
     ids = ids_of(out)
     np.testing.assert_allclose(np.asarray(out.logprob), ref[np.arange(R), ids], atol=1e-5)
@@ -249,3 +271,26 @@ def test_score_gives_target_logprob_rank_and_top():
                                   1 + (ref > ref[np.arange(R), targets][:, None]).sum(-1))
     np.testing.assert_array_equal(np.asarray(top_ids), np.argsort(-ref, -1)[:, :k])
     assert np.asarray(score(logits, targets, 0)[2]).shape == (R, 0)
+
+
+def test_rows_without_penalties_ignore_whatever_their_state_row_holds():
+    logits = random_logits(2, seed=12)
+    strong = [int(np.argmax(logits[0])), int(np.argmax(logits[1]))]
+    # Row 0 penalised (its favourite token is biased away); row 1 not, though slot 1's state row
+    # holds a stale bias against its favourite token from an earlier occupant.
+    t, state = penalty_inputs([make_request([1], [], temperature=0.0,
+                                            logit_bias={strong[0]: -100}),
+                               make_request([1], [], temperature=0.0,
+                                            logit_bias={strong[1]: -100})])
+    t = dataclasses.replace(t, penalised=np.array([True, False]))
+    ids = ids_of(sample(logits, t, state))
+    assert ids[0] != strong[0] and ids[1] == strong[1]
+
+
+def test_top_logprobs_are_always_k_wide_and_zero_when_no_row_asks():
+    logits = random_logits(4, seed=13)
+    asked = sample(logits, tensors(4, logprobs=True), k=5)
+    not_asked = sample(logits, tensors(4, logprobs=False), k=5)
+    assert np.asarray(asked.top_ids).shape == np.asarray(not_asked.top_ids).shape == (4, 5)
+    assert not np.asarray(not_asked.top_logprobs).any()
+    np.testing.assert_array_equal(ids_of(asked), ids_of(not_asked))

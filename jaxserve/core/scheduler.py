@@ -25,6 +25,19 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import WaitingQueue
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """What the worker needs about a request it does not hold yet: on its first schedule, and
+    again when it resumes after a preemption (the worker dropped it then). `output_token_ids`
+    is empty for a fresh request and the tokens generated so far for a resumed one."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    sample_seed: int
 
 
 @dataclass
@@ -34,7 +47,9 @@ class ScheduledRequest:
     the step's last logits for this row give a new token. `prompt_logprobs`: this chunk covers
     prompt positions and the request asked for prompt logprobs (after a preemption a chunk may
     cover positions already reported; keep the first). `num_lookahead_tokens`: KV slots reserved
-    after the known tokens for speculative tokens (0 without speculative decoding)."""
+    after the known tokens for speculative tokens (0 without speculative decoding).
+    `new_request`: set on the row that (re)admits a request from the waiting queue, None on the
+    rows of requests the worker already holds (vLLM's NewRequestData / CachedRequestData)."""
 
     request_id: str
     token_ids: list[int]
@@ -43,6 +58,7 @@ class ScheduledRequest:
     sample: bool
     prompt_logprobs: bool = False
     num_lookahead_tokens: int = 0
+    new_request: NewRequestData | None = None
 
 
 @dataclass
@@ -137,8 +153,12 @@ class Scheduler:
         room = self.config.max_model_len - request.num_tokens
         return max(0, min(self.config.num_speculative_tokens, budget - num_new, room))
 
-    def _row(self, request: Request, num_new: int, lookahead: int) -> ScheduledRequest:
+    def _row(self, request: Request, num_new: int, lookahead: int,
+             new: bool = False) -> ScheduledRequest:
         start = request.num_computed_tokens
+        new_request = NewRequestData(list(request.prompt_token_ids),
+                                     list(request.output_token_ids), request.sampling_params,
+                                     request.sample_seed) if new else None
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:start + num_new],
@@ -147,7 +167,7 @@ class Scheduler:
             sample=start + num_new == request.num_tokens,
             prompt_logprobs=(request.sampling_params.prompt_logprobs is not None
                              and start < request.num_prompt_tokens),
-            num_lookahead_tokens=lookahead)
+            num_lookahead_tokens=lookahead, new_request=new_request)
 
     def _preemption_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -220,7 +240,9 @@ class Scheduler:
                 request.first_scheduled_time = time.time()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            rows[request.request_id] = self._row(request, num_new, lookahead)
+            # Every request leaving the waiting queue is new to the worker: fresh, or resumed
+            # after a preemption (the worker dropped it when it was preempted).
+            rows[request.request_id] = self._row(request, num_new, lookahead, new=True)
             budget -= num_new + lookahead
 
         scheduled = list(rows.values())

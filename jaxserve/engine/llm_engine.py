@@ -23,14 +23,13 @@ from jaxserve.loader.loader import load_model, resolve_dtype
 from jaxserve.sharding.mesh import make_mesh
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.worker.model_runner import ModelRunner, RunnerOutput
+from jaxserve.worker.kv_sizing import num_kv_blocks
+from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("jaxserve")
-
-CPU_KV_BUDGET_BYTES = 2 << 30    # the KV pool on CPU when no size is given
 
 
 @dataclasses.dataclass
@@ -56,25 +55,6 @@ def enable_compilation_cache(directory: str | None) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return directory
-
-
-def num_kv_blocks(args: EngineArgs, bytes_per_block: int, weight_bytes: int) -> int:
-    if args.num_gpu_blocks_override:
-        return args.num_gpu_blocks_override
-    if args.kv_cache_memory_bytes:
-        budget = args.kv_cache_memory_bytes
-    elif jax.default_backend() == "cpu":
-        budget = int(CPU_KV_BUDGET_BYTES * args.gpu_memory_utilization / 0.9)
-    else:
-        stats = jax.devices()[0].memory_stats() or {}
-        total = stats.get("bytes_limit", 16 << 30)
-        # Leave room for weights, activations of the largest step and XLA's workspace.
-        budget = int(total * args.gpu_memory_utilization) - weight_bytes - (2 << 30)
-    blocks = budget // bytes_per_block
-    if blocks < 1:
-        raise ValueError(f"no memory left for the KV cache (budget {budget} bytes); raise "
-                         "gpu_memory_utilization or set kv_cache_memory_bytes")
-    return int(blocks)
 
 
 class LLMEngine:
@@ -203,10 +183,9 @@ class LLMEngine:
     def step(self):
         """One engine iteration; returns the RequestOutputs that have something new."""
         sched = self.scheduler.schedule()
-        if sched.scheduled:
-            result = self.runner.execute(sched.scheduled, self.scheduler.requests)
-        else:
-            result = RunnerOutput({}, {}, {})
+        # Even an empty schedule goes to the runner: it carries the finished / preempted ids the
+        # worker must drop from its input batch.
+        result = self.runner.execute(sched)
         prompt_rows = [self.scheduler.get_request(r) for r in result.prompt_logprobs]
         updated = self.scheduler.update_from_output(sched, result.sampled)
         for req in updated:
@@ -235,9 +214,9 @@ class LLMEngine:
         """Free the KV pool and the weights (device memory) now."""
         runner = getattr(self, "runner", None)
         if runner is not None:
-            for x in jax.tree_util.tree_leaves((runner.cache, runner.weights)):
+            for x in jax.tree_util.tree_leaves((runner.cache, runner.weights, runner.penalties)):
                 x.delete()
-            runner.cache = runner.weights = None
+            runner.cache = runner.weights = runner.penalties = None
             self.runner = None
 
 

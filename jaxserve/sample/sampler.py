@@ -7,8 +7,10 @@ sampled with the Gumbel-max trick. Each row's noise comes from its own key, deri
 request's seed and its output position only, so a seeded request samples the same tokens
 whatever else shares the batch.
 
-Which optional stages run is static (`SamplerFlags`), so a batch that needs no penalties and no
-filtering compiles a program without them; the set of programs stays small and known.
+Shapes are fixed, so one program per row count serves every mix of requests: the optional
+stages (penalties, filters, noise, logprobs) are `lax.cond`s on whether any row needs them
+(only the taken branch runs), penalties read fixed `[C, V]` state by slot (`penalties.py`), and
+top logprobs are always `k` (the engine's max_logprobs) wide; callers slice what was asked for.
 """
 
 from __future__ import annotations
@@ -20,15 +22,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxserve.sample.penalties import PenaltyState, apply_penalties
+
 _NEG = -1e30
-
-
-class SamplerFlags(NamedTuple):
-    penalties: bool      # any row with repetition/frequency/presence penalty, logit_bias or min_tokens
-    filters: bool        # any row with top_k, top_p or min_p
-    num_logprobs: int    # top logprobs to return per row (0: none)
-    random: bool = True  # any row that samples (temperature > 0); all-greedy skips the noise
-    logprobs: bool = True  # any row that wants logprobs (else no log_softmax / rank is computed)
 
 
 @jax.tree_util.register_dataclass
@@ -40,14 +36,13 @@ class SamplingTensors:
     min_p: jax.Array             # [R] f32
     seeds: jax.Array             # [R] u32, per-request seed
     positions: jax.Array         # [R] i32, output index of the token being sampled
-    # Used only when flags.penalties:
-    presence: jax.Array | None = None    # [R] f32
-    frequency: jax.Array | None = None   # [R] f32
-    repetition: jax.Array | None = None  # [R] f32
-    prompt_ids: jax.Array | None = None  # [R, P] i32, padded with -1
-    output_ids: jax.Array | None = None  # [R, O] i32, padded with -1
-    bias_ids: jax.Array | None = None    # [R, Bb] i32, padded with -1 (also min_tokens stop ids)
-    bias_vals: jax.Array | None = None   # [R, Bb] f32
+    slots: jax.Array             # [R] i32, the row's PenaltyState row; C for padding rows
+    penalised: jax.Array         # [R] bool, any penalty / logit_bias / min_tokens
+    min_tokens_active: jax.Array  # [R] bool, fewer outputs than min_tokens: mask stop ids
+    presence: jax.Array          # [R] f32
+    frequency: jax.Array         # [R] f32
+    repetition: jax.Array        # [R] f32
+    logprobs: jax.Array          # [R] bool, the row wants sample logprobs
 
 
 class SamplerOutput(NamedTuple):
@@ -56,26 +51,6 @@ class SamplerOutput(NamedTuple):
     rank: jax.Array             # [R] i32, its 1-based rank
     top_ids: jax.Array          # [R, k] i32
     top_logprobs: jax.Array     # [R, k] f32
-
-
-def _counts(ids: jax.Array, vocab: int) -> jax.Array:
-    """[R, n] ids padded with -1 -> [R, V] occurrence counts."""
-    rows = jnp.arange(ids.shape[0])[:, None]
-    return jnp.zeros((ids.shape[0], vocab), jnp.float32).at[rows, ids].add(
-        (ids >= 0).astype(jnp.float32), mode="drop")
-
-
-def _apply_penalties(logits, t: SamplingTensors):
-    V = logits.shape[-1]
-    rows = jnp.arange(logits.shape[0])[:, None]
-    logits = logits.at[rows, t.bias_ids].add(jnp.where(t.bias_ids >= 0, t.bias_vals, 0.0),
-                                             mode="drop")
-    out_counts = _counts(t.output_ids, V)
-    seen = (out_counts > 0) | (_counts(t.prompt_ids, V) > 0)
-    rep = t.repetition[:, None]
-    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - t.frequency[:, None] * out_counts
-    return logits - t.presence[:, None] * (out_counts > 0)
 
 
 def _apply_filters(logits, t: SamplingTensors):
@@ -102,34 +77,48 @@ def _gumbel(seed, position, vocab):
     return jax.random.gumbel(key, (vocab,), jnp.float32)
 
 
-@partial(jax.jit, static_argnames=("flags",))
-def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> SamplerOutput:
-    """logits [R, V] f32 -> sampled ids and logprobs for every row."""
-    R, V = logits.shape
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1) if flags.logprobs else None
-    if flags.penalties:
-        logits = _apply_penalties(logits, t)
-    ids = jnp.argmax(logits, axis=-1)
-    if flags.random:   # Gumbel noise for every row is ~3M random numbers a step: skip if greedy
-        greedy = t.temperature <= 0
-        scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
-        if flags.filters:
-            scaled = _apply_filters(scaled, t)
-        noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(t.seeds, t.positions, V)
-        ids = jnp.where(greedy, ids, jnp.argmax(scaled + noise, axis=-1))
-    ids = ids.astype(jnp.int32)
-    if not flags.logprobs:
-        zeros = jnp.zeros((R, 0), jnp.float32)
-        return SamplerOutput(ids, jnp.zeros(R, jnp.float32), jnp.zeros(R, jnp.int32),
-                             zeros.astype(jnp.int32), zeros)
-    chosen = jnp.take_along_axis(raw_logprobs, ids[:, None], axis=-1)[:, 0]
-    rank = 1 + jnp.sum(raw_logprobs > chosen[:, None], axis=-1).astype(jnp.int32)
-    k = flags.num_logprobs
-    if k:
-        top_vals, top_ids = jax.lax.top_k(raw_logprobs, k)
-    else:
-        top_vals, top_ids = jnp.zeros((R, 0), jnp.float32), jnp.zeros((R, 0), jnp.int32)
-    return SamplerOutput(ids, chosen, rank, top_ids.astype(jnp.int32), top_vals)
+def _draw(logits, greedy_ids, t: SamplingTensors):
+    """Temperature, filters and Gumbel noise; greedy rows keep `greedy_ids`."""
+    V = logits.shape[-1]
+    rand = t.temperature > 0
+    scaled = logits / jnp.where(rand, t.temperature, 1.0)[:, None]
+    filtered = rand & ((t.top_k > 0) | (t.top_p < 1.0) | (t.min_p > 0))
+    scaled = jax.lax.cond(jnp.any(filtered), _apply_filters, lambda x, _: x, scaled, t)
+    noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(t.seeds, t.positions, V)
+    return jnp.where(rand, jnp.argmax(scaled + noise, axis=-1), greedy_ids).astype(jnp.int32)
+
+
+def _logprobs(logits, ids, k: int):
+    """(logprob, rank, top k ids, top k logprobs) of the sampled ids under the raw logits."""
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(raw, ids[:, None], axis=-1)[:, 0]
+    rank = 1 + jnp.sum(raw > chosen[:, None], axis=-1).astype(jnp.int32)
+    top_vals, top_ids = jax.lax.top_k(raw, k) if k else (raw[:, :0], raw[:, :0])
+    return chosen, rank, top_ids.astype(jnp.int32), top_vals
+
+
+def _no_logprobs(logits, ids, k: int):
+    R = logits.shape[0]
+    return (jnp.zeros(R, jnp.float32), jnp.zeros(R, jnp.int32), jnp.zeros((R, k), jnp.int32),
+            jnp.zeros((R, k), jnp.float32))
+
+
+@partial(jax.jit, static_argnames=("k",))
+def sample(logits: jax.Array, t: SamplingTensors, state: PenaltyState, k: int = 0
+           ) -> SamplerOutput:
+    """logits [R, V] f32 -> sampled ids and logprobs for every row; top logprobs k wide."""
+    raw = logits
+    logits = jax.lax.cond(
+        jnp.any(t.penalised),
+        lambda x: apply_penalties(x, t.slots, t.penalised, t.min_tokens_active, t.presence,
+                                  t.frequency, t.repetition, state),
+        lambda x: x, logits)
+    ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # Gumbel noise for every row is ~3M random numbers a step: skipped when all rows are greedy.
+    ids = jax.lax.cond(jnp.any(t.temperature > 0), _draw, lambda x, g, _: g, logits, ids, t)
+    lp = jax.lax.cond(jnp.any(t.logprobs), partial(_logprobs, k=k), partial(_no_logprobs, k=k),
+                      raw, ids)
+    return SamplerOutput(ids, *lp)
 
 
 @partial(jax.jit, static_argnames=("k",))

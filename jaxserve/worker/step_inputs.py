@@ -1,0 +1,81 @@
+"""One step's inputs as one pytree, and the host code that builds it from a SchedulerOutput and
+the worker's input batch.
+
+T is the token bucket, S the sequence bucket (`min(T, max_num_seqs rounded up to a power of
+two)`), M the blocks per sequence. The prompt-logprobs variant (some row wants prompt logprobs)
+carries `prompt_targets` and computes logits for all T tokens; otherwise `prompt_targets` is
+None and only the S sampling rows get logits. The two variants are two compiled programs per
+token bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxserve.attention import AttentionMetadata
+from jaxserve.sample.sampler import SamplingTensors
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    tokens: jax.Array              # [T] i32
+    positions: jax.Array           # [T] i32
+    meta: AttentionMetadata        # slot_mapping [T], block_tables [S, M], kv_lens [S], ...
+    logit_rows: jax.Array          # [S] i32, token index of each sampling row's last token
+    sampling: SamplingTensors      # [S] per field
+    prompt_targets: jax.Array | None = None   # [T] i32, next prompt token of each token (0 pad)
+
+
+@dataclasses.dataclass
+class StepLayout:
+    """Where each scheduled row landed: its first token's offset and, for sampling rows, the
+    sampler row (rows are packed in schedule order)."""
+    offsets: list[int]
+    sample_rows: dict[str, int]     # request_id -> row of the sampler's output
+
+
+def build_inputs(scheduled, batch, *, num_tokens: int, num_seqs: int, num_blocks: int,
+                 block_size: int, max_blocks_per_seq: int, with_prompt_logprobs: bool):
+    """Host arrays (numpy) for one step -> (StepInputs, StepLayout). `scheduled`: the step's
+    ScheduledRequests; `batch`: the InputBatch already updated from this SchedulerOutput."""
+    T, S, B, N = num_tokens, num_seqs, block_size, num_blocks
+    tokens = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slots = np.full(T, N * B, np.int32)              # N * B: padding, dropped by the KV write
+    tables = np.zeros((S, max_blocks_per_seq), np.int32)
+    kv_lens = np.zeros(S, np.int32)
+    cu = np.zeros(S + 1, np.int32)
+    logit_rows = np.zeros(S, np.int32)
+    targets = np.zeros(T, np.int32) if with_prompt_logprobs else None
+    offsets, sample_rows, sample_slots = [], {}, []
+    start = 0
+    for i, s in enumerate(scheduled):
+        n = len(s.token_ids)
+        pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + n, dtype=np.int32)
+        blocks = np.asarray(s.block_ids, np.int32)
+        tokens[start:start + n] = s.token_ids
+        positions[start:start + n] = pos
+        slots[start:start + n] = blocks[pos // B] * B + pos % B
+        tables[i, :len(blocks)] = blocks
+        kv_lens[i] = s.num_computed_tokens + n
+        offsets.append(start)
+        if s.sample:
+            logit_rows[len(sample_rows)] = start + n - 1
+            sample_rows[s.request_id] = len(sample_rows)
+            sample_slots.append(batch.slot_of(s.request_id))
+        if targets is not None and s.prompt_logprobs:
+            prompt = batch.requests[s.request_id].prompt_token_ids
+            nxt = pos + 1                            # the token each position predicts
+            inside = nxt < len(prompt)
+            targets[start:start + n][inside] = np.asarray(prompt, np.int32)[nxt[inside]]
+        start += n
+        cu[i + 1] = start
+    cu[len(scheduled) + 1:] = start
+    meta = AttentionMetadata(slots, tables, kv_lens, cu, np.array([len(scheduled)], np.int32))
+    sampling = SamplingTensors(**batch.sampling_arrays(sample_slots, S))
+    inputs = StepInputs(tokens, positions, meta, logit_rows, sampling, targets)
+    return inputs, StepLayout(offsets, sample_rows)
