@@ -16,7 +16,8 @@ A small jnp combine merges the splits:
 R = max(16, Gp) rows: the G query heads of one kv head (padded to a power of two Gp, and to 16
 because Triton's dot wants M >= 16); the extra rows are zero queries, free in a step that is
 bound by reading K/V. The inner loop (`kv_loop`) is the ragged kernel's, so masks, sliding
-window (chunks before the window are skipped), soft cap and fp8/int8 dequantisation are shared.
+window (chunks before the window are skipped), soft cap, fp8/int8 dequantisation and the dot
+precision (HIGHEST for f32 inputs, so a GPU does not round them to TF32) are shared.
 """
 from __future__ import annotations
 
