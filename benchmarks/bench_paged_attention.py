@@ -111,6 +111,9 @@ def main(argv=None):
                     help="run tiny shapes in Pallas interpret mode when there is no GPU")
     ap.add_argument("--kv", default="auto,fp8", help="comma list of auto|fp8|int8")
     ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--batches", default=None, help="comma list (GPU default 1,8,32,64,128,256)")
+    ap.add_argument("--contexts", default=None,
+                    help="comma list (GPU default 512,2048,8192,32768)")
     args = ap.parse_args(argv)
 
     on_gpu = jax.default_backend() == "gpu"
@@ -127,6 +130,10 @@ def main(argv=None):
     else:
         K, G, D, B, dtype = 2, 4, 64, 16, jnp.float32
         batches, contexts, iters = [1, 4], [64, 128], args.iters or 1
+    if args.batches:
+        batches = [int(x) for x in args.batches.split(",")]
+    if args.contexts:
+        contexts = [int(x) for x in args.contexts.split(",")]
     interpret = not on_gpu
     kvs = [s for s in args.kv.split(",") if s]
 

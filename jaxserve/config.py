@@ -11,10 +11,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+from jaxserve.models.registry import check_architecture
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 
@@ -44,9 +45,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"Unsupported architecture {self.architecture!r}; jaxserve supports "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        check_architecture(self.architecture)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
@@ -79,9 +78,7 @@ class ModelConfig:
             raise ValueError("config.json has no 'architectures' field; cannot tell which model "
                              "this is")
         arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"Unsupported architecture {arch!r}; jaxserve supports "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        check_architecture(arch)
         text = hf.get("text_config") or hf
         try:
             hidden = int(text["hidden_size"])
@@ -236,6 +233,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     speculative_config: dict | None = None
     seed: int = 0
+    load_format: str = "auto"   # "dummy": seeded random weights of config.json's shapes
     compilation_cache_dir: str | None = None   # None: ~/.cache/jaxserve/xla; "" disables
     max_logprobs: int = 20
 
@@ -245,6 +243,9 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got "
+                             f"{self.load_format!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

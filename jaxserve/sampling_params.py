@@ -7,6 +7,7 @@ field and its allowed range, so every entry point (LLM, server, batch) reports t
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 import enum
 from dataclasses import dataclass, field
@@ -87,11 +88,15 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if self.logit_bias is not None:
             try:
-                self.logit_bias = {int(tok): min(100.0, max(-100.0, float(bias)))
-                                   for tok, bias in self.logit_bias.items()}
+                bias = {int(tok): float(value) for tok, value in self.logit_bias.items()}
             except (TypeError, ValueError):
                 raise ValueError("logit_bias must map token ids (int or numeric str) to floats, "
                                  f"got {self.logit_bias!r}.") from None
+            bad = next((t for t, v in bias.items() if t < 0 or not math.isfinite(v)), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias must map non-negative token ids to finite numbers, "
+                                 f"got {bad}: {bias[bad]}.")
+            self.logit_bias = {tok: min(100.0, max(-100.0, v)) for tok, v in bias.items()}
         if isinstance(self.output_kind, int):
             self.output_kind = RequestOutputKind(self.output_kind)
         self._verify_args()
@@ -119,6 +124,14 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an int or None, got {type(value).__name__}.")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}.")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits ([-2**63, 2**64)), got {self.seed}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:

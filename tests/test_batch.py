@@ -129,6 +129,33 @@ def test_reader_is_lazy_and_in_flight_is_bounded():
     assert len({o["custom_id"] for o in out}) == 300
 
 
+def test_engine_death_stops_the_job_and_resume_redoes_the_rest(tmp_path):
+    """A 5xx is not the line's fault: no error line is written for it or for anything still in
+    flight, the job stops with exit code 3, and --resume answers every remaining line."""
+    from jaxserve.server.openai.protocol import OpenAIError
+
+    class DyingEngine(FakeEngine):
+        def routes(self):
+            inner = super().routes()["/v1/completions"]
+
+            async def answer(body):
+                if body["n"] >= 10:
+                    raise OpenAIError(503, "The engine is dead: RuntimeError('device lost')")
+                return await inner(body)
+            return {"/v1/completions": answer}
+
+    out = tmp_path / "out.jsonl"
+    lines = [envelope(f"r{i}", n=i, delay=0.001 * (i % 3)) for i in range(200)]
+    stats, written, _ = run_fake(lines, out_path=str(out), fake=DyingEngine(), max_in_flight=8)
+    assert stats.exit_code == 3 and "503 on" in stats.stopped_by and "STOPPED" in stats.summary()
+    assert all(o["response"]["status_code"] == 200 for o in written)
+    assert {o["custom_id"] for o in written} <= {f"r{i}" for i in range(10)}
+    state = batch_io.repair_and_scan(str(out))
+    stats, final, _ = run_fake(lines, out_path=str(out), resume=state)
+    assert stats.exit_code == 0 and stats.skipped == len(written)
+    assert sorted(o["custom_id"] for o in final) == sorted(f"r{i}" for i in range(200))
+
+
 def test_resume_repairs_torn_line_and_skips_done(tmp_path):
     out = tmp_path / "out.jsonl"
     lines = (["{bad"] + [envelope(f"r{i}", n=i) for i in range(10)] + [envelope("r3", n=99)])
@@ -197,11 +224,17 @@ def test_cli_lines_models_and_errors(tmp_path):
             "my-alias")
     _, err = p.communicate(timeout=600)
     assert p.returncode == 1, err.decode()[-3000:]
-    res = {o["custom_id"]: o for o in read_out(out) if o["custom_id"]}
+    written = read_out(out)
+    res = {o["custom_id"]: o for o in written if o["custom_id"] and o["custom_id"] != "c0"}
     status = {k: v["response"]["status_code"] for k, v in res.items()}
-    assert status == {**{f"c{i}": 200 for i in range(6)}, "chat": 200, "named": 200,
-                      "alias": 200, "unknown": 404, "badtemp": 400, "noprompt": 400} | \
-        {"c0": status["c0"]}
+    assert status == {**{f"c{i}": 200 for i in range(1, 6)}, "chat": 200, "named": 200,
+                      "alias": 200, "unknown": 404, "badtemp": 400, "noprompt": 400}
+    # the first c0 is answered, the repeat is a 400 naming the duplicate id
+    c0 = [o for o in written if o["custom_id"] == "c0"]
+    assert sorted(o["response"]["status_code"] for o in c0) == [200, 400]
+    dup = next(o for o in c0 if o["response"]["status_code"] == 400)
+    assert "duplicate custom_id 'c0'" in dup["response"]["body"]["error"]["message"]
+    res["c1"] = next(o for o in written if o["custom_id"] == "c1")
     assert len(read_out(out)) == len(lines)
     assert res["chat"]["response"]["body"]["object"] == "chat.completion"
     assert res["alias"]["response"]["body"]["model"] == "my-alias"
@@ -238,6 +271,14 @@ def test_cli_sigkill_then_resume(tmp_path):
     assert final[:len(written)] == written
     assert sorted(o["custom_id"] for o in final) == sorted(f"r{i}" for i in range(n))
     assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in final)
+    # resuming a finished job says so and loads no model
+    before = out.read_bytes()
+    p = cli("-i", str(inp), "-o", str(out), "--resume")
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err.decode()[-3000:]
+    assert f"already answers every line of {inp} ({n} lines, 0 failed); nothing to do" \
+        in err.decode()
+    assert "loading" not in err.decode() and out.read_bytes() == before
 
 
 @pytest.mark.slow

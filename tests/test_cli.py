@@ -72,3 +72,30 @@ def test_registered_subcommand_appears(monkeypatch):
     ns = cli.build_parser().parse_args(["run-batch", "-i", "in.jsonl", "--max-num-seqs", "4"])
     assert ns.command == "run-batch" and cli.engine_args_from(ns).max_num_seqs == 4
     assert cli.main(["run-batch", "-i", "x"]) == 0
+
+
+def test_generate_takes_the_model_positionally_like_serve():
+    parser = cli.build_parser()
+    ns = parser.parse_args(["generate", "path/to/model.gguf", "Once upon a time",
+                            "--max-model-len", "256"])
+    args, prompt = cli.generate_inputs(ns)
+    assert (args.model, prompt, args.max_model_len) == ("path/to/model.gguf", "Once upon a time",
+                                                         256)
+    args, prompt = cli.generate_inputs(parser.parse_args(["generate", "Hello there"]))
+    assert (args.model, prompt) == (None, "Hello there")
+
+
+def test_version_flag_prints_the_version(capsys):
+    from jaxserve import __version__
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"jaxserve {__version__}"
+
+
+def test_a_hub_name_is_refused_with_what_to_do(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "HuggingFaceTB/SmolLM2-135M-Instruct", "Hello"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "is not a local path" in err and "does not download models" in err
+    assert "huggingface-cli download HuggingFaceTB/SmolLM2-135M-Instruct" in err

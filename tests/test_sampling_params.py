@@ -20,6 +20,14 @@ def test_defaults_match_vllm():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1), "temperature must be non-negative, got -1."),
+    (dict(temperature=float("nan")), "temperature must be a finite number, got nan."),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number, got inf."),
+    (dict(top_p=float("nan")), "top_p must be a finite number, got nan."),
+    (dict(seed=2**64), "seed must fit in 64 bits ([-2**63, 2**64)), got 18446744073709551616."),
+    (dict(logit_bias={5: float("nan")}), "logit_bias must map non-negative token ids to finite "
+                                         "numbers, got 5: nan."),
+    (dict(logit_bias={-3: 1.0}), "logit_bias must map non-negative token ids to finite numbers, "
+                                 "got -3: 1.0."),
     (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5."),
     (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0."),
     (dict(n=0), "n must be at least 1, got 0."),

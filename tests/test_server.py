@@ -139,21 +139,28 @@ def test_completion_logprobs_and_echo_have_openai_shapes(client):
 
 
 def test_stop_string_and_extra_sampling_fields(client):
-    out = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=8, temperature=0,
-                                    extra_body={"top_k": 5, "min_p": 0.1,
-                                                "repetition_penalty": 1.1, "min_tokens": 1,
-                                                "ignore_eos": True, "skip_special_tokens": True})
-    assert out.choices[0].finish_reason in ("length", "stop")
-    first = out.choices[0].text
-    if len(first) > 2:
-        stop = first[1:3]
-        cut = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=8,
-                                        temperature=0, stop=[stop],
-                                        extra_body={"top_k": 5, "min_p": 0.1,
-                                                    "repetition_penalty": 1.1, "min_tokens": 1,
-                                                    "ignore_eos": True})
-        assert stop not in cut.choices[0].text
-        assert cut.choices[0].finish_reason == "stop"
+    prompt = "1, 2, 3,"
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    first = greedy.choices[0].text
+    assert greedy.choices[0].finish_reason == "length" and len(first) > 2
+    # a stop string taken from the greedy text ends the same text just before it
+    stop = first[1:3]
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == first[:first.index(stop)]
+    # vLLM's extra fields act while sampling: top_k=1 and min_p=1 each leave only the greedy
+    # token, so a hot seeded sample gives the greedy text
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        hot = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.5,
+                                        seed=3, extra_body={"ignore_eos": True, **extra})
+        assert hot.choices[0].text == first, extra
+    # repetition_penalty and min_tokens are accepted and change what greedy decoding does
+    pen = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body={"repetition_penalty": 1.5, "min_tokens": 8,
+                                                "skip_special_tokens": True})
+    assert pen.usage.completion_tokens == 8 and pen.choices[0].text != first
 
 
 # -- chat -------------------------------------------------------------------------------------
@@ -240,6 +247,37 @@ ERROR_CASES = [
     ("unknown_model", "/v1/completions", {"model": "gpt-17", "prompt": "x"}, None, 404,
      "does not exist"),
     ("unknown_route", "/v1/nothing", {"model": MODEL}, None, 404, ""),
+    # hostile input (issue 11): each a 400 naming the field, never a 500, a stall or a silent 200
+    ("lone_surrogate", "/v1/completions", None,
+     b'{"model": "%s", "prompt": "a\\ud800b"}' % MODEL.encode(), 400, "surrogate"),
+    ("lone_surrogate_tokenize", "/tokenize", None,
+     b'{"model": "%s", "prompt": "a\\ud800b"}' % MODEL.encode(), 400, "surrogate"),
+    ("deep_json", "/v1/completions", None,
+     b'{"prompt": "x", "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nested"),
+    ("deep_chat_messages", "/v1/chat/completions", None,
+     b'{"messages": [{"role": "user", "content": ' + b'{"a": ' * 100 + b"1" + b"}" * 100
+     + b"}]}", 400, "nested"),
+    ("huge_n", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 1000000,
+                                   "temperature": 1.0}, None, 400, "n must be at most"),
+    ("seed_over_64_bits", "/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**70},
+     None, 400, "seed"),
+    ("logit_bias_out_of_vocab", "/v1/completions",
+     {"model": MODEL, "prompt": "x", "logit_bias": {"99999999": 5}}, None, 400, "logit_bias"),
+    ("nan_temperature", "/v1/completions", None,
+     b'{"model": "%s", "prompt": "x", "temperature": NaN}' % MODEL.encode(), 400, "temperature"),
+    ("infinite_repetition_penalty", "/v1/completions", None,
+     b'{"model": "%s", "prompt": "x", "repetition_penalty": Infinity}' % MODEL.encode(), 400,
+     "repetition_penalty"),
+    ("nan_logit_bias", "/v1/completions", None,
+     b'{"model": "%s", "prompt": "x", "logit_bias": {"5": NaN}}' % MODEL.encode(), 400,
+     "logit_bias"),
+    ("image_part_for_a_text_model", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": [
+         {"type": "text", "text": "What is in this picture?"},
+         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     None, 400, "content part type 'image_url' is not supported"),
+    ("body_over_limit", "/v1/completions", None,
+     b'{"prompt": "' + b"x" * (9 << 20) + b'"}', 413, ""),
 ]
 
 
@@ -354,3 +392,25 @@ def test_text_response_format_and_tools_with_tool_choice_none_are_served(client)
         out = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3,
                                              temperature=0, **extra)
         assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_start_up_log_has_phases_and_readable_config_and_an_access_line_per_request(server,
+                                                                                    client):
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    log = server.log()
+    assert re.search(r"jaxserve serve \(default model\): .*max_num_seqs=\d+ .*port=\d+", log)
+    for phase in ("HTTP listener on", "loaded SmolLM2-135M-Instruct", "KV pool:",
+                  "compiled programs", "ready in"):
+        assert phase in log, phase
+    # method, path, status, prompt+completion tokens, latency
+    assert re.search(r'jaxserve\.access: \S+ "POST /v1/completions" 200 \d+\+3 tokens '
+                     r'\d+\.\d+ s', log), log[-2000:]
+    assert re.search(r'jaxserve\.access: \S+ "POST /v1/nothing" 404 - tokens', log)
+
+
+def test_chat_honours_truncate_prompt_tokens_and_add_special_tokens(server):
+    messages = [{"role": "user", "content": "Tell me a long story about " + "dragons " * 30}]
+    full = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()
+    cut = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1,
+                                               "truncate_prompt_tokens": 20}).json()
+    assert full["usage"]["prompt_tokens"] > 40 and cut["usage"]["prompt_tokens"] == 20

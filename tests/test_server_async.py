@@ -106,6 +106,46 @@ def test_consumer_that_stops_iterating_aborts_its_request():
     asyncio.run(main())
 
 
+def test_slow_consumer_gets_merged_deltas_not_a_growing_backlog():
+    """The engine runs ahead of a reader that sleeps: outputs merge into one pending slot, and
+    the concatenated deltas are exactly the tokens produced."""
+    async def main():
+        engine = FakeEngine(tokens=40)
+        llm = AsyncLLM(engine=engine)
+        await llm.start()
+        stream = await llm.add_request("slow", {"prompt_token_ids": [1]}, delta(40))
+        received, tokens = 0, []
+        async for out in stream:
+            received += 1
+            tokens += out.outputs[0].token_ids
+            assert stream.has_pending is False      # one slot: nothing queued behind it
+            await asyncio.sleep(0.05)               # ~10 engine steps per read
+        assert tokens == [5] * 40 and out.outputs[0].finish_reason == "length"
+        assert received < 20, received              # merged, not one output per token
+        await llm.shutdown()
+    asyncio.run(main())
+
+
+def test_cumulative_outputs_replace_the_pending_one():
+    async def main():
+        llm = AsyncLLM(engine=FakeEngine())
+        await llm.start()
+        stream = await llm.add_request("c", {"prompt_token_ids": [1]},
+                                       SamplingParams(max_tokens=5))
+        first = RequestOutput("c", None, [1], None, [CompletionOutput(0, "a", [1], None, None)],
+                              False)
+        second = RequestOutput("c", None, [1], None,
+                               [CompletionOutput(0, "ab", [1, 2], None, None)], False)
+        stream._pending = None
+        stream.put(first)
+        stream.put(second)
+        assert stream._pending.outputs[0].text == "ab" and stream._pending.outputs[0].token_ids \
+            == [1, 2]
+        stream.close()
+        await llm.shutdown()
+    asyncio.run(main())
+
+
 def test_cancelled_consumer_task_aborts_its_request():
     async def main():
         engine = FakeEngine()
@@ -180,3 +220,27 @@ def test_serving_streams_end_with_done_and_one_finish_reason():
         assert '"choices": []' in chunks[-2]
         await llm.shutdown()
     asyncio.run(main())
+
+
+def test_chat_prompt_passes_add_special_tokens_to_the_tokenizer():
+    """vLLM's chat default: the template writes the special tokens, encode adds none, unless the
+    request sets add_special_tokens."""
+    from jaxserve.server.openai.protocol import ChatCompletionRequest
+
+    class Recorder(FakeTokenizer):
+        calls = []
+
+        def apply_chat_template(self, messages, tokenize=False, **kw):
+            return "".join(m["content"] for m in messages)
+
+        def encode(self, text, add_special_tokens=True):
+            self.calls.append(add_special_tokens)
+            return super().encode(text)
+
+    engine = FakeEngine()
+    engine.tokenizer = Recorder()
+    serving = OpenAIServing(AsyncLLM(engine=engine))
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    serving._chat_prompt(ChatCompletionRequest(messages=msgs))
+    serving._chat_prompt(ChatCompletionRequest(messages=msgs, add_special_tokens=True))
+    assert Recorder.calls == [False, True]

@@ -47,3 +47,29 @@ def test_over_max_waiting_requests_is_503(server):
         client.completions.create(model="m2", prompt="x", max_tokens=2)
     assert info.value.status_code == 503
     assert "overloaded" in info.value.body["message"]
+
+
+def test_cors_is_off_unless_origins_are_allowed(server):
+    hdr = {"Origin": "http://evil.example"}
+    r = httpx.get(server.base_url + "/health", headers=hdr)
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_allowed_origin_gets_cors_headers_and_preflight():
+    srv = ServerProcess("--allowed-origins", "http://app.example").start()
+    try:
+        ok = {"Origin": "http://app.example"}
+        r = httpx.get(srv.base_url + "/v1/models", headers=ok)
+        assert r.headers["access-control-allow-origin"] == "http://app.example"
+        pre = httpx.options(srv.base_url + "/v1/chat/completions",
+                            headers={**ok, "Access-Control-Request-Method": "POST"})
+        assert pre.status_code == 204 and "POST" in pre.headers["access-control-allow-methods"]
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                "stream": True}
+        with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=body,
+                          headers=ok) as s:
+            assert s.headers["access-control-allow-origin"] == "http://app.example"
+        other = httpx.get(srv.base_url + "/v1/models", headers={"Origin": "http://x.example"})
+        assert "access-control-allow-origin" not in other.headers
+    finally:
+        assert srv.stop() == 0

@@ -3,9 +3,9 @@
 One asyncio task owns the engine. Each `LLMEngine.step()` runs in a single worker thread
 (`run_in_executor` on a 1-thread pool) so the event loop never blocks; adds and aborts from
 request handlers are queued and applied by that task between steps, never while a step runs
-(the engine is not thread-safe). Every request has its own `asyncio.Queue` of `RequestOutput`s;
-a consumer that stops iterating, or whose task is cancelled (client disconnect), aborts its
-request at once so its KV blocks are freed.
+(the engine is not thread-safe). Every request has its own `RequestStream`, one slot that
+merges outputs while the consumer is behind; a consumer that stops iterating, or whose task is
+cancelled (client disconnect), aborts its request at once so its KV blocks are freed.
 
     llm = AsyncLLM(EngineArgs(...))
     await llm.start()                      # builds the engine in the worker thread
@@ -25,7 +25,7 @@ from typing import AsyncIterator, Callable
 
 from jaxserve.config import EngineArgs
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jaxserve")
 
@@ -49,13 +49,36 @@ class _Add:
 
 
 class RequestStream:
-    """The outputs of one request, as an async iterator. `close()` aborts it if unfinished."""
+    """The outputs of one request, as an async iterator. `close()` aborts it if unfinished.
 
-    def __init__(self, llm: "AsyncLLM", request_id: str):
+    One slot, not a queue (vLLM's `RequestOutputCollector`): when the engine gets ahead of a slow
+    consumer, a new output is merged into the one still waiting (DELTA outputs are appended,
+    CUMULATIVE / FINAL_ONLY ones replace it), so a slow streaming client costs one pending
+    output, not one per token. An error replaces whatever is pending.
+    """
+
+    def __init__(self, llm: "AsyncLLM", request_id: str,
+                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE):
         self.request_id = request_id
-        self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         self._llm = llm
+        self._aggregate = output_kind == RequestOutputKind.DELTA
+        self._pending: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called on the event loop by AsyncLLM with each output (or the error that ends it)."""
+        if self._pending is None or isinstance(item, BaseException) \
+                or isinstance(self._pending, BaseException):
+            if not isinstance(self._pending, BaseException):
+                self._pending = item
+        else:
+            self._pending.add(item, aggregate=self._aggregate)
+        self._ready.set()
+
+    @property
+    def has_pending(self) -> bool:
+        return self._pending is not None
 
     def __aiter__(self):
         return self
@@ -64,10 +87,12 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         try:
-            item = await self.queue.get()
+            await self._ready.wait()
         except BaseException:       # cancelled (client gone): free the request's blocks now
             self.close()
             raise
+        item, self._pending = self._pending, None
+        self._ready.clear()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -158,7 +183,7 @@ class AsyncLLM:
             except (asyncio.CancelledError, Exception):
                 pass
         for stream in list(self._streams.values()):
-            stream.queue.put_nowait(EngineDeadError("the server is shutting down"))
+            stream.put(EngineDeadError("the server is shutting down"))
         self._streams.clear()
         if self.engine is not None:
             loop = asyncio.get_running_loop()
@@ -181,7 +206,7 @@ class AsyncLLM:
                 f"(--max-waiting-requests {self.max_waiting_requests}); retry later.")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, params.output_kind)
         self._streams[request_id] = stream
         accepted = asyncio.get_running_loop().create_future()
         self._adds.append(_Add(request_id, prompt, params, priority, time.time(), accepted))
@@ -258,7 +283,7 @@ class AsyncLLM:
                 except Exception:
                     logger.exception("metrics hook failed")
             if stream is not None and not stream.finished:
-                stream.queue.put_nowait(out)
+                stream.put(out)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -286,7 +311,7 @@ class AsyncLLM:
                 if not add.accepted.done():
                     add.accepted.set_exception(dead)
             for stream in self._streams.values():
-                stream.queue.put_nowait(dead)
+                stream.put(dead)
             self._streams.clear()
 
     # -- engine facts the server needs --------------------------------------------------------

@@ -20,6 +20,7 @@ from jaxserve.config import EngineArgs
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
 from jaxserve.loader.gguf import read_gguf
 from jaxserve.loader.loader import load_model, resolve_dtype
+from jaxserve.sharding.mesh import make_mesh
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.worker.model_runner import ModelRunner, RunnerOutput
@@ -87,12 +88,12 @@ class LLMEngine:
                                                      else args.model)
         enable_compilation_cache(args.compilation_cache_dir)
         reader = read_gguf(model_path) if str(model_path).endswith(".gguf") else None
-        if args.tokenizer is None and reader is not None:
-            self.tokenizer = Tokenizer.from_gguf(reader)
-        else:
-            self.tokenizer = Tokenizer.from_model(args.tokenizer or model_path)
         dtype = resolve_dtype(args.dtype)
-        self.model_config, weights = load_model(model_path, dtype, gguf_reader=reader)
+        self.mesh = make_mesh(args.tensor_parallel_size)
+        self.model_config, weights = load_model(model_path, dtype, gguf_reader=reader,
+                                                mesh=self.mesh, load_format=args.load_format,
+                                                seed=args.seed)
+        self.tokenizer = _load_tokenizer(args, model_path, reader, self.model_config)
         del reader
         cfg = self.model_config
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
@@ -238,6 +239,22 @@ class LLMEngine:
                 x.delete()
             runner.cache = runner.weights = None
             self.runner = None
+
+
+def _load_tokenizer(args: EngineArgs, model_path: str, reader, cfg) -> Tokenizer:
+    """The model's tokenizer; a dummy-weights directory without tokenizer files gets the
+    synthetic word-level one ("t17 t42" <-> [17, 42]) so the whole engine path still runs."""
+    if args.tokenizer is None and reader is not None:
+        return Tokenizer.from_gguf(reader)
+    source = args.tokenizer or model_path
+    if args.load_format == "dummy" and args.tokenizer is None and os.path.isdir(source) and \
+            not any(os.path.exists(os.path.join(source, f))
+                    for f in ("tokenizer.json", "tokenizer_config.json")):
+        logger.info("no tokenizer files in %s: using a synthetic word-level tokenizer of %d "
+                    "tokens", source, cfg.vocab_size)
+        return Tokenizer.synthetic(cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids
+                                   else None)
+    return Tokenizer.from_model(source)
 
 
 def _check_supported(args: EngineArgs) -> None:

@@ -1,15 +1,61 @@
-"""`linear`: the one place a weight meets an activation."""
+"""`linear`: the one place a weight meets an activation, dispatching on the weight's type.
+
+A weight is a registered pytree type. `DenseWeight` holds a plain matrix; quantised (FP8 with
+scales) and adapter (LoRA) types register their own kernel with `register_linear`, so a model
+file calls `linear(x, w, b)` and never branches on how its weights are stored.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 
-def linear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
-    """x [..., in] @ w [in, out] (+ b [out]). Accumulates in f32 for low-precision inputs."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DenseWeight:
+    """A plain matrix `w [..., in, out]` (stacked layers lead; `lax.scan` slices them off)."""
+
+    w: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+
+_LINEAR: dict[type, Callable] = {}
+
+
+def register_linear(weight_type: type) -> Callable:
+    """Decorator: `fn(x [..., in], weight) -> [..., out]` becomes the matmul of `weight_type`."""
+    def register(fn: Callable) -> Callable:
+        _LINEAR[weight_type] = fn
+        return fn
+    return register
+
+
+@register_linear(DenseWeight)
+def _dense(x: jax.Array, weight: DenseWeight) -> jax.Array:
+    # f32 accumulation for low-precision inputs, result in the activation dtype
     pref = jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else None
-    y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=pref).astype(x.dtype)
+    return jnp.einsum("...i,io->...o", x, weight.w, preferred_element_type=pref).astype(x.dtype)
+
+
+def linear(x: jax.Array, weight, b: jax.Array | None = None) -> jax.Array:
+    """x [..., in] @ weight [in, out] (+ b [out]), by the kernel registered for weight's type."""
+    try:
+        fn = _LINEAR[type(weight)]
+    except KeyError:
+        raise TypeError(f"no linear kernel registered for weight type {type(weight).__name__}; "
+                        f"known: {', '.join(t.__name__ for t in _LINEAR)}") from None
+    y = fn(x, weight)
     if b is not None:
         y = y + b.astype(y.dtype)
     return y

@@ -2,8 +2,10 @@
 -> (ModelConfig, Weights). Never needs torch.
 
 Both sources are read through a `get(hf_name) -> np.ndarray` function that returns tensors in
-the Hugging Face layout (`[out, in]` for matrices); `assemble` turns that into the stacked
-`[in, out]` pytree of models/llama.py in the requested dtype.
+the Hugging Face layout (`[out, in]` for matrices); `assemble` walks the model's weight
+declaration (`declare(cfg)` in its family file) and builds the stacked `[in, out]` pytree in
+the requested dtype, each array placed with its sharding. `--load-format dummy` is
+`loader/dummy.py`.
 """
 
 from __future__ import annotations
@@ -19,28 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.llama import LayerWeights, Weights, layer_shapes
+from jaxserve.models.registry import get_model
+from jaxserve.sharding.mesh import make_mesh
+from jaxserve.sharding.rules import named_sharding
 
 logger = logging.getLogger(__name__)
-
-# per-layer weight -> (Hugging Face tensor name suffix, is a matrix to transpose)
-_HF_LAYER_NAMES = {
-    "attn_norm": ("input_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False),
-    "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
-}
-
 
 class ModelLoadError(ValueError):
     """The model files are missing, unreadable or describe something jaxserve cannot run."""
@@ -57,8 +42,12 @@ def resolve_dtype(dtype: str, platform: str | None = None):
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
 
 
-def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype) -> Weights:
-    """Stack per-layer tensors read through `get` into the model pytree, cast to `dtype`."""
+def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=None):
+    """Read every declared array through `get` (Hugging Face names and layouts), stack the
+    per-layer ones, cast to `dtype` and place each with the sharding its logical axes get on
+    `mesh` (default: one device). Returns the model's weights pytree."""
+    model = get_model(cfg.architecture)
+    mesh = mesh if mesh is not None else make_mesh()
     np_dtype = np.dtype(jnp.dtype(dtype))
 
     def tensor(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
@@ -69,21 +58,16 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype) -> Weigh
                                  "from the model config")
         return x
 
-    layers = {}
-    for field, shape in layer_shapes(cfg).items():
-        suffix, transpose = _HF_LAYER_NAMES[field]
-        stacked = np.empty(shape, np_dtype)
-        for i in range(cfg.num_layers):
-            stacked[i] = tensor(f"model.layers.{i}.{suffix}", shape[1:], transpose)
-        layers[field] = jnp.asarray(stacked)
-    V, E = cfg.vocab_size, cfg.hidden_size
-    embed = tensor("model.embed_tokens.weight", (V, E), False).astype(np_dtype)
-    lm_head = None
-    if not cfg.tie_word_embeddings:
-        lm_head = jnp.asarray(tensor("lm_head.weight", (E, V), True).astype(np_dtype))
-    final_norm = tensor("model.norm.weight", (E,), False).astype(np_dtype)
-    return Weights(embed=jnp.asarray(embed), layers=LayerWeights(**layers),
-                   final_norm=jnp.asarray(final_norm), lm_head=lm_head)
+    arrays = {}
+    for p in model.declare(cfg):
+        if p.stacked:
+            x = np.empty(p.shape, np_dtype)
+            for i in range(p.shape[0]):
+                x[i] = tensor(p.checkpoint_name(i), p.shape[1:], p.transpose)
+        else:
+            x = tensor(p.checkpoint, p.shape, p.transpose).astype(np_dtype, copy=False)
+        arrays[p.path] = jax.device_put(x, named_sharding(mesh, p.axes))
+    return model.build(cfg, arrays)
 
 
 def load_hf_config(path: Path) -> ModelConfig:
@@ -138,15 +122,23 @@ def _safetensors_getter(path: Path) -> Callable[[str], np.ndarray]:
     return get
 
 
-def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None
-               ) -> tuple[ModelConfig, Weights]:
-    """Load a Hugging Face directory or a .gguf file. `dtype` is a name or a jnp dtype;
-    `gguf_reader` an already open reader of the file (parsing a GGUF header takes seconds)."""
+def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh=None,
+               load_format: str = "auto", seed: int = 0):
+    """Load a Hugging Face directory or a .gguf file -> (ModelConfig, weights). `dtype` is a name
+    or a jnp dtype; `gguf_reader` an already open reader of the file (parsing a GGUF header
+    takes seconds); `load_format="dummy"` reads only `config.json` and makes seeded random
+    weights of its shapes."""
     path = Path(model)
     if not path.exists():
-        raise ModelLoadError(f"model path {str(path)!r} does not exist (jaxserve loads local "
-                             "Hugging Face directories and .gguf files; it has no model hub)")
+        raise ModelLoadError(_not_a_local_path(str(model)))
     jdtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
+    if load_format == "dummy":
+        from jaxserve.loader.dummy import dummy_weights
+        cfg = gguf_config_of(path, gguf_reader) if path.is_file() else load_hf_config(path)
+        logger.info("dummy weights (seed %d) for %s (%s, %d layers, hidden %d) as %s", seed,
+                    path, cfg.architecture, cfg.num_layers, cfg.hidden_size,
+                    jnp.dtype(jdtype).name)
+        return cfg, dummy_weights(cfg, jdtype, mesh, seed)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf file")
@@ -157,4 +149,22 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None
         get = _safetensors_getter(path)
     logger.info("loading %s (%s, %d layers, hidden %d) as %s", path, cfg.architecture,
                 cfg.num_layers, cfg.hidden_size, jnp.dtype(jdtype).name)
-    return cfg, assemble(cfg, get, jdtype)
+    return cfg, assemble(cfg, get, jdtype, mesh)
+
+
+def _not_a_local_path(name: str) -> str:
+    parts = name.split("/")
+    if len(parts) == 2 and all(parts) and not name.startswith((".", "~")):
+        return (f"{name!r} is not a local path. It looks like a Hugging Face Hub model name, and "
+                "jaxserve does not download models: download it first (for example "
+                f"`huggingface-cli download {name} --local-dir ./{parts[1]}`) and pass that "
+                "directory, or a .gguf file")
+    return (f"model path {name!r} does not exist (jaxserve loads local Hugging Face directories "
+            "and .gguf files; it downloads nothing)")
+
+
+def gguf_config_of(path: Path, reader=None) -> ModelConfig:
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"{path} is a file but not a .gguf file")
+    from jaxserve.loader import gguf as gguf_loader
+    return gguf_loader.open_gguf(path, reader)[0]

@@ -1,19 +1,6 @@
-"""Model implementations, keyed by the Hugging Face `architectures` name."""
+"""Model families (one file each: forward pass and weight declaration) and the registry keyed by
+the checkpoint's `architectures` (`jaxserve.models.registry`)."""
 
-from jaxserve.models import llama
+from jaxserve.models.registry import SUPPORTED_ARCHITECTURES, get_model
 
-MODEL_REGISTRY = {
-    "LlamaForCausalLM": llama,
-    "MistralForCausalLM": llama,
-    "Qwen2ForCausalLM": llama,
-    "Qwen3ForCausalLM": llama,
-}
-
-
-def get_model(architecture: str):
-    """The module holding `forward` and `compute_logits` for this architecture."""
-    try:
-        return MODEL_REGISTRY[architecture]
-    except KeyError:
-        raise ValueError(f"Unsupported architecture {architecture!r}; jaxserve supports "
-                         f"{', '.join(MODEL_REGISTRY)}") from None
+__all__ = ["SUPPORTED_ARCHITECTURES", "get_model"]

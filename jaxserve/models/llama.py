@@ -2,9 +2,10 @@
 functions over registered pytrees.
 
 Per-layer weights are stacked along a leading layer axis and the forward pass scans over them, so
-one layer body is compiled however deep the model is. Every weight carries logical axis names
-(`LAYER_AXES`, `WEIGHT_AXES`) that the sharding rules map to mesh axes; this file never names a
-mesh axis. Matrices are stored `[in, out]`.
+one layer body is compiled however deep the model is. `declare(cfg)` is the one list of the
+model's arrays (shape, logical axes, checkpoint name, dummy init) that the loaders and the
+sharding rules read; this file never names a mesh axis. Matrices are stored `[in, out]` as
+`DenseWeight`s, so other weight types (FP8, LoRA) change no code here.
 """
 
 from __future__ import annotations
@@ -18,23 +19,24 @@ import jax.numpy as jnp
 from jaxserve import attention
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import ModelConfig
-from jaxserve.layers.linear import linear
+from jaxserve.layers.linear import DenseWeight, linear
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from jaxserve.models.params import Param
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerWeights:
     attn_norm: jax.Array          # [L, E]
-    wq: jax.Array                 # [L, E, H*D]
-    wk: jax.Array                 # [L, E, K*D]
-    wv: jax.Array                 # [L, E, K*D]
-    wo: jax.Array                 # [L, H*D, E]
+    wq: DenseWeight               # [L, E, H*D]
+    wk: DenseWeight               # [L, E, K*D]
+    wv: DenseWeight               # [L, E, K*D]
+    wo: DenseWeight               # [L, H*D, E]
     mlp_norm: jax.Array           # [L, E]
-    w_gate: jax.Array             # [L, E, F]
-    w_up: jax.Array               # [L, E, F]
-    w_down: jax.Array             # [L, F, E]
+    w_gate: DenseWeight           # [L, E, F]
+    w_up: DenseWeight             # [L, E, F]
+    w_down: DenseWeight           # [L, F, E]
     bq: jax.Array | None = None   # [L, H*D]  (Qwen2)
     bk: jax.Array | None = None   # [L, K*D]
     bv: jax.Array | None = None   # [L, K*D]
@@ -48,39 +50,64 @@ class Weights:
     embed: jax.Array              # [V, E]
     layers: LayerWeights
     final_norm: jax.Array         # [E]
-    lm_head: jax.Array | None     # [E, V]; None when tied to the embedding
+    lm_head: DenseWeight | None   # [E, V]; None when tied to the embedding
 
 
-LAYER_AXES = {
-    "attn_norm": ("layers", "embed"),
-    "wq": ("layers", "embed", "q_heads"),
-    "wk": ("layers", "embed", "kv_heads"),
-    "wv": ("layers", "embed", "kv_heads"),
-    "wo": ("layers", "q_heads", "embed"),
-    "mlp_norm": ("layers", "embed"),
-    "w_gate": ("layers", "embed", "mlp"),
-    "w_up": ("layers", "embed", "mlp"),
-    "w_down": ("layers", "mlp", "embed"),
-    "bq": ("layers", "q_heads"),
-    "bk": ("layers", "kv_heads"),
-    "bv": ("layers", "kv_heads"),
-    "q_norm": ("layers", "head_dim"),
-    "k_norm": ("layers", "head_dim"),
-}
-WEIGHT_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("embed", "vocab")}
-
-
-def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shape of every per-layer weight this config needs (absent optional ones left out)."""
-    E, F, L, D = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.head_dim
+def declare(cfg: ModelConfig) -> list[Param]:
+    """Every array of this config's model: shape, logical axes, checkpoint name, init."""
+    E, F, L, D, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.head_dim,
+                     cfg.vocab_size)
     HD, KD = cfg.num_heads * D, cfg.num_kv_heads * D
-    shapes = dict(attn_norm=(L, E), wq=(L, E, HD), wk=(L, E, KD), wv=(L, E, KD), wo=(L, HD, E),
-                  mlp_norm=(L, E), w_gate=(L, E, F), w_up=(L, E, F), w_down=(L, F, E))
+    layer = "model.layers.{layer}."
+
+    def per_layer(name, shape, axes, suffix, **kw):
+        return Param(f"layers.{name}", (L, *shape), ("layers", *axes), layer + suffix,
+                     stacked=True, **kw)
+
+    def matrix(name, shape, axes, suffix):
+        return per_layer(name, shape, axes, suffix, transpose=True, dense=True)
+
+    params = [
+        Param("embed", (V, E), ("vocab", "embed"), "model.embed_tokens.weight"),
+        per_layer("attn_norm", (E,), ("embed",), "input_layernorm.weight", init="ones"),
+        matrix("wq", (E, HD), ("embed", "q_heads"), "self_attn.q_proj.weight"),
+        matrix("wk", (E, KD), ("embed", "kv_heads"), "self_attn.k_proj.weight"),
+        matrix("wv", (E, KD), ("embed", "kv_heads"), "self_attn.v_proj.weight"),
+        matrix("wo", (HD, E), ("q_heads", "embed"), "self_attn.o_proj.weight"),
+        per_layer("mlp_norm", (E,), ("embed",), "post_attention_layernorm.weight", init="ones"),
+        matrix("w_gate", (E, F), ("embed", "mlp"), "mlp.gate_proj.weight"),
+        matrix("w_up", (E, F), ("embed", "mlp"), "mlp.up_proj.weight"),
+        matrix("w_down", (F, E), ("mlp", "embed"), "mlp.down_proj.weight"),
+        Param("final_norm", (E,), ("embed",), "model.norm.weight", init="ones"),
+    ]
     if cfg.attention_bias:
-        shapes.update(bq=(L, HD), bk=(L, KD), bv=(L, KD))
+        params += [per_layer("bq", (HD,), ("q_heads",), "self_attn.q_proj.bias", init="zeros"),
+                   per_layer("bk", (KD,), ("kv_heads",), "self_attn.k_proj.bias", init="zeros"),
+                   per_layer("bv", (KD,), ("kv_heads",), "self_attn.v_proj.bias", init="zeros")]
     if cfg.qk_norm:
-        shapes.update(q_norm=(L, D), k_norm=(L, D))
-    return shapes
+        params += [per_layer("q_norm", (D,), ("head_dim",), "self_attn.q_norm.weight",
+                             init="ones"),
+                   per_layer("k_norm", (D,), ("head_dim",), "self_attn.k_norm.weight",
+                             init="ones")]
+    if not cfg.tie_word_embeddings:
+        params.append(Param("lm_head", (E, V), ("embed", "vocab"), "lm_head.weight",
+                            transpose=True, dense=True))
+    return params
+
+
+def build(cfg: ModelConfig, arrays: dict[str, jax.Array]) -> Weights:
+    """The model pytree from `path -> array` (as declared), matmul operands wrapped."""
+    dense = {p.path for p in declare(cfg) if p.dense}
+
+    def get(path):
+        if path not in arrays:
+            return None
+        return DenseWeight(arrays[path]) if path in dense else arrays[path]
+
+    names = [f.name for f in dataclasses.fields(LayerWeights)]
+    layers = LayerWeights(**{n: get(f"layers.{n}") for n in names})
+    return Weights(embed=arrays["embed"], layers=layers, final_norm=arrays["final_norm"],
+                   lm_head=get("lm_head"))
 
 
 def _layer(cfg: ModelConfig, backend: str, kv_quantize, carry, xs):
@@ -123,5 +150,8 @@ def forward(weights: Weights, cache: kvc.KVCache, tokens: jax.Array, positions: 
 
 def compute_logits(weights: Weights, hidden: jax.Array) -> jax.Array:
     """hidden [R, E] -> logits [R, V] in f32."""
-    head = weights.embed.T if weights.lm_head is None else weights.lm_head
-    return jnp.einsum("re,ev->rv", hidden, head, preferred_element_type=jnp.float32)
+    # f32 logits whatever the weights' dtype (the head stays unquantised, as in vLLM)
+    if weights.lm_head is None:     # tied: the embedding [V, E] is the head
+        return jnp.einsum("re,ve->rv", hidden, weights.embed,
+                          preferred_element_type=jnp.float32)
+    return jnp.einsum("re,ev->rv", hidden, weights.lm_head.w, preferred_element_type=jnp.float32)

@@ -112,6 +112,19 @@ class Tokenizer:
         )
 
     @classmethod
+    def synthetic(cls, vocab_size: int, eos_token_id: int | None = None) -> "Tokenizer":
+        """A word-level tokenizer whose tokens are "t0" .. "t{vocab_size-1}" (id i is "t{i}"),
+        for `--load-format dummy` models that ship only a config.json: text prompts such as
+        "t17 t42" encode to [17, 42], unknown words to 0, and outputs decode to such words."""
+        from tokenizers import models, pre_tokenizers
+        backend = _BackendTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)},
+                                                     unk_token="t0"))
+        backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        eos = None if eos_token_id is None else f"t{eos_token_id}"
+        return cls(backend, eos_token=eos, unk_token="t0",
+                   chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
+
+    @classmethod
     def from_model(cls, model: str | os.PathLike) -> "Tokenizer":
         """`model` is a .gguf file or an HF directory."""
         model = os.fspath(model)

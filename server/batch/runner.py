@@ -5,7 +5,7 @@
 Input lines are `{"custom_id", "method": "POST", "url", "body"}` with url `/v1/completions` or
 `/v1/chat/completions`; bodies are validated and answered by the server's own code
 (`jaxserve.server.openai.protocol` / `jaxserve.server.openai.serving`), so a line gets exactly the JSON the
-HTTP server would have returned. The output line format is in `batch_io.py`.
+HTTP server would have returned. The output line format is in `jsonl.py`.
 
 Semantics:
 - Streaming: lines are read lazily; at most `--max-concurrency` (default 2 x max_num_seqs) lines
@@ -20,7 +20,11 @@ Semantics:
   repeated custom_id) is answered with a status 400 line and the job goes on; an unknown
   `body.model` (neither the loaded model nor --served-model-name) gets 404; an omitted
   `body.model` means the loaded model.
-- Exit code 0 when every line of the output file is a success, 1 otherwise (2 for usage errors).
+- A server-side failure (5xx: the engine died, an internal error) is not the line's fault: no
+  line is written for it or for the requests still in flight, the job stops with exit code 3,
+  and `--resume` redoes every line not written.
+- Exit code 0 when every line of the output file is a success, 1 otherwise (2 for usage errors,
+  3 when stopped early as above).
 - Progress (requests/s, tokens/s) and a summary go to stderr; `-i -` / `-o -` are stdin/stdout.
 """
 
@@ -31,6 +35,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import os
 import logging
 import sys
 import time
@@ -57,9 +62,14 @@ class BatchStats:
     completion_tokens: int = 0
     wall_s: float = 0.0
     max_in_flight: int = 0      # the most lines read but not yet written, at any moment
+    stopped_by: str | None = None   # a 5xx (engine dead, internal error) that stopped the job
 
     @property
     def exit_code(self) -> int:
+        """0: every line answered with 2xx; 1: some lines failed (4xx); 3: the job stopped early
+        on a server-side failure and `--resume` redoes the lines it did not write."""
+        if self.stopped_by is not None:
+            return 3
         return 0 if self.failed == 0 and self.skipped_failed == 0 else 1
 
     def summary(self) -> str:
@@ -68,7 +78,9 @@ class BatchStats:
         return (f"run-batch: {self.lines} lines ({self.ok} ok, {self.failed} failed), "
                 f"{self.skipped} skipped as already done, {self.prompt_tokens} prompt + "
                 f"{self.completion_tokens} completion tokens in {self.wall_s:.1f} s "
-                f"({rate:.2f} req/s, {tok:.1f} output tok/s)")
+                f"({rate:.2f} req/s, {tok:.1f} output tok/s)"
+                + (f"; STOPPED early by {self.stopped_by}: lines not written are not done, "
+                   "rerun with --resume" if self.stopped_by else ""))
 
 
 @dataclasses.dataclass
@@ -172,6 +184,12 @@ class BatchRunner:
         return _Job(seq, cid, status=400,
                     response=error_body(message, "BadRequestError", param, code))
 
+    def count_unanswered(self, lines: Iterable[str]) -> int:
+        """Input lines that a run with this runner's `resume` state would still answer (nothing
+        is run or written)."""
+        return sum(self._parse(i, lineno, text) is not None
+                   for i, (lineno, text) in enumerate(batch_io.non_blank(lines)))
+
     # -- running ------------------------------------------------------------------------------
     async def run(self, lines: Iterable[str]) -> BatchStats:
         self._t0 = time.perf_counter()
@@ -180,9 +198,11 @@ class BatchRunner:
         seq = itertools.count()
         try:
             while True:
-                while self._open >= self.max_in_flight:
+                while self._open >= self.max_in_flight and not self.stats.stopped_by:
                     self._slot_free.clear()
                     await self._slot_free.wait()
+                if self.stats.stopped_by:
+                    break
                 room = self.max_in_flight - self._open
                 # Read in a thread: a pipe may block, and the engine loop must keep running.
                 chunk = await asyncio.to_thread(_take, source, room)
@@ -190,8 +210,8 @@ class BatchRunner:
                     break
                 for lineno, text in chunk:
                     self._admit(next(seq), lineno, text)
-            while self._tasks:
-                await asyncio.wait(set(self._tasks))
+            while self._tasks and not self.stats.stopped_by:
+                await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
         finally:
             for t in self._tasks:
                 t.cancel()
@@ -224,7 +244,15 @@ class BatchRunner:
         except Exception as e:           # noqa: BLE001 - every failure becomes a line
             status, body = _status_of(e)
             if status >= 500:
-                logger.exception("request %s failed", job.custom_id)
+                # Not the line's fault (the engine died, or a bug): writing an error line would
+                # make --resume count it as done. Stop; what is unwritten is redone on resume.
+                logger.exception("request %s failed with %d; stopping the job", job.custom_id,
+                                 status)
+                if self.stats.stopped_by is None:
+                    self.stats.stopped_by = f"{status} on {job.custom_id!r}: " \
+                                            f"{body['error']['message']}"
+                self._slot_free.set()
+                return
         request_id = body.get("id") if status == 200 else None
         self._emit(job.seq, output_line(job.custom_id, status, body, request_id))
 
@@ -265,17 +293,21 @@ def _take(source: Iterator, n: int) -> list:
     return list(itertools.islice(source, n))
 
 
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+
 # -- the engine side: routes over the server's code -------------------------------------------------
 def engine_routes(serving) -> dict[str, Route]:
     """`/v1/completions` and `/v1/chat/completions` answered by the server's `OpenAIServing`:
     the same body validation, model check (404), prompt checks and response JSON as HTTP."""
-    from jaxserve.server.openai.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError,
-                                          validate_request)
+    from jaxserve.server.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                 OpenAIError, check_json_body, validate_request)
 
     def route(model_cls, endpoint):
         async def answer(body: dict) -> dict:
             if body.get("stream"):
                 raise OpenAIError(400, "stream is not supported in batch jobs", param="stream")
+            check_json_body(body)
             return await endpoint(validate_request(model_cls, body))
         return answer
 
@@ -321,6 +353,15 @@ async def _run(ns, engine_args) -> int:
     if resume.truncated_bytes:
         print(f"run-batch: truncated a torn last line ({resume.truncated_bytes} bytes) of "
               f"{ns.output_file}", file=sys.stderr)
+    if ns.resume and resume.lines and os.path.isfile(ns.input_file):
+        with batch_io.open_input(ns.input_file) as lines:
+            left = BatchRunner(dict.fromkeys(ENDPOINTS), None, max_in_flight=1,
+                               resume=resume).count_unanswered(lines)
+        if not left:    # say so before loading a model for nothing
+            print(f"run-batch: {ns.output_file} already answers every line of {ns.input_file} "
+                  f"({resume.lines} lines, {resume.failed} failed); nothing to do",
+                  file=sys.stderr)
+            return 1 if resume.failed else 0
     llm = AsyncLLM(engine_args)
     await llm.start()
     serving = OpenAIServing(llm, ns.served_model_name)

@@ -22,7 +22,7 @@ import logging
 import sys
 from typing import Any, Callable, Optional
 
-from jaxserve.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineArgs
+from jaxserve.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineArgs
 
 logger = logging.getLogger("jaxserve")
 
@@ -58,7 +58,11 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("max_model_len", "ModelConfig", dict(type=_bytes, help="Context length (prompt + output); "
                                           "default: the model's.")),
     ("quantization", "ModelConfig", dict(choices=["fp8"], help="Weight quantization.")),
-    ("seed", "ModelConfig", dict(type=int, help="Random seed of the engine.")),
+    ("seed", "ModelConfig", dict(type=int, help="Random seed of the engine (and of dummy "
+                                 "weights).")),
+    ("load_format", "LoadConfig", dict(choices=LOAD_FORMATS, help="'dummy': seeded random "
+                                       "weights of the shapes in MODEL/config.json, no "
+                                       "checkpoint files (benchmarks).")),
     ("max_logprobs", "ModelConfig", dict(type=int, help="Largest logprobs / top_logprobs a "
                                          "request may ask for.")),
     ("block_size", "CacheConfig", dict(type=int, help="Tokens per KV block.")),
@@ -190,8 +194,25 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                          "limit).")
     fe.add_argument("--response-role", default=None, help="Role of chat responses (default: "
                                                           "assistant).")
+    fe.add_argument("--max-request-body-bytes", type=int, default=None,
+                    help="Answer 413 to larger request bodies (default: 8 MiB).")
+    fe.add_argument("--disable-access-log", "--disable-uvicorn-access-log", action="store_true",
+                    help="No log line per request.")
+    fe.add_argument("--disable-log-stats", action="store_true",
+                    help="No periodic throughput / KV cache usage line while serving.")
+    fe.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                    help="Browser origins allowed by CORS ('*' for any; default: none, CORS off).")
     fe.add_argument("--config", default=None, help="YAML file of flag values; the command line "
                                                    "wins.")
+
+
+def describe_config(engine_args: EngineArgs, server_args) -> str:
+    """The effective configuration as `key=value` pairs (engine first, then the front end), so
+    the start-up log says what this server runs with, defaults included."""
+    pairs = [(k, v) for k, v in dataclasses.asdict(engine_args).items() if k != "model"]
+    pairs += [(k, "***" if k == "api_key" and v else v)
+              for k, v in dataclasses.asdict(server_args).items()]
+    return " ".join(f"{k}={v}" for k, v in pairs)
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -203,15 +224,22 @@ def _serve(ns: argparse.Namespace) -> int:
                              port=ns.port if ns.port is not None else _FRONTEND_DEFAULTS["port"],
                              api_key=ns.api_key, served_model_name=ns.served_model_name,
                              max_waiting_requests=ns.max_waiting_requests,
-                             response_role=ns.response_role or "assistant")
-    logger.info("jaxserve serve: %s", {k: v for k, v in dataclasses.asdict(engine_args).items()
-                                       if v != getattr(EngineArgs, k, v)})
+                             response_role=ns.response_role or "assistant",
+                             access_log=not ns.disable_access_log,
+                             allowed_origins=tuple(ns.allowed_origins or ()),
+                             log_stats_interval=0.0 if ns.disable_log_stats else 10.0,
+                             **({} if ns.max_request_body_bytes is None else
+                                {"max_request_body_bytes": ns.max_request_body_bytes}))
+    logger.info("jaxserve serve %s: %s", engine_args.model or "(default model)",
+                describe_config(engine_args, server_args))
     return asyncio.run(serve(engine_args, server_args))
 
 
 # -- generate (quick offline check) -----------------------------------------------------------
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", help="The prompt text.")
+    p.add_argument("model_and_prompt", nargs="+", metavar="[MODEL] PROMPT",
+                   help="An HF directory or .gguf file (default: the embedded "
+                        "SmolLM2-135M-Instruct), then the prompt text.")
     p.add_argument("--chat", action="store_true", help="Wrap the prompt in the chat template.")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -221,17 +249,26 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, model_positional=False)
 
 
+def generate_inputs(ns: argparse.Namespace) -> tuple[EngineArgs, str]:
+    """`generate [MODEL] PROMPT`: the model positionally, as `serve` and `run-batch` take it."""
+    words = ns.model_and_prompt
+    if len(words) > 2:
+        ns._subparser.error(f"expected [MODEL] PROMPT, got {len(words)} words: quote the prompt")
+    model = words[0] if len(words) == 2 else None
+    return engine_args_from(ns, **({"model": model} if model else {})), words[-1]
+
+
 def _generate(ns: argparse.Namespace) -> int:
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
-    args = engine_args_from(ns)
+    args, prompt = generate_inputs(ns)
     llm = LLM(**dataclasses.asdict(args))
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature,
                             top_p=ns.top_p, top_k=ns.top_k)
     if ns.chat:
-        out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
+        out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
     else:
-        out = llm.generate(ns.prompt, params, use_tqdm=False)
+        out = llm.generate(prompt, params, use_tqdm=False)
     print(out[0].outputs[0].text)
     llm.shutdown()
     return 0
@@ -240,6 +277,38 @@ def _generate(ns: argparse.Namespace) -> int:
 register_subcommand("serve", "Start the OpenAI-compatible HTTP server.", _serve_arguments, _serve)
 register_subcommand("generate", "Generate a completion for one prompt (offline).",
                     _generate_arguments, _generate)
+
+
+# -- export-model -------------------------------------------------------------------------------
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", metavar="DIR", help="Where to write the Hugging Face files.")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                   help="HF directory or .gguf file (default: the embedded "
+                        "SmolLM2-135M-Instruct).")
+    p.add_argument("--no-weights", action="store_true",
+                   help="Write config, generation config and tokenizer files only.")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="dtype of model.safetensors (default: float32, exact for GGUF).")
+
+
+def _export(ns: argparse.Namespace) -> int:
+    from jaxserve.default_model import default_model_path
+    from jaxserve.loader.export import export_model
+    from jaxserve.loader.gguf import read_gguf
+    from jaxserve.loader.loader import load_model
+    from jaxserve.tokenizer.tokenizer import Tokenizer
+    path = ns.model_tag or str(default_model_path())
+    reader = read_gguf(path) if path.endswith(".gguf") else None
+    tokenizer = Tokenizer.from_gguf(reader) if reader is not None else Tokenizer.from_model(path)
+    cfg, weights = load_model(path, "float32", gguf_reader=reader)
+    files = export_model(ns.directory, cfg, tokenizer, None if ns.no_weights else weights,
+                         dtype=ns.dtype)
+    print(f"wrote {', '.join(files)} to {ns.directory}")
+    return 0
+
+
+register_subcommand("export-model", "Write a model (default: the embedded one) as a Hugging Face "
+                    "directory for other tools.", _export_arguments, _export)
 
 
 def _run_batch_arguments(p: argparse.ArgumentParser) -> None:

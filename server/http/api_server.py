@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import hmac
 import signal
 import time
 from typing import Optional
@@ -21,12 +22,15 @@ import jaxserve
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.config import EngineArgs
 from jaxserve.server.http.metrics import CONTENT_TYPE, ServerMetrics
-from jaxserve.server.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from jaxserve.server.openai.protocol import (check_json_body, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       validate_request,
                                       OpenAIError, TokenizeRequest)
+from jaxserve.server.http.openapi import openapi_document
 from jaxserve.server.openai.serving import OpenAIServing
 
 logger = logging.getLogger("jaxserve.server")
+access_logger = logging.getLogger("jaxserve.access")
+stats_logger = logging.getLogger("jaxserve.stats")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +44,10 @@ class ServerArgs:
     max_waiting_requests: Optional[int] = None
     response_role: str = "assistant"
     shutdown_timeout: float = 30.0
+    max_request_body_bytes: int = 8 << 20
+    access_log: bool = True           # one line per request (--disable-access-log silences it)
+    allowed_origins: tuple[str, ...] = ()   # CORS: off unless origins are named ("*" for any)
+    log_stats_interval: float = 10.0  # seconds between stats lines while busy; 0: never
 
 
 def _error_response(err: OpenAIError) -> web.Response:
@@ -64,6 +72,7 @@ class Server:
         self.app = self._build_app()
         self.runner: Optional[web.AppRunner] = None
         self.stopping = False
+        self._stats_task: Optional[asyncio.Future] = None
 
     def _on_output(self, out, arrival):
         if self.metrics is not None:
@@ -71,10 +80,14 @@ class Server:
 
     # -- app ----------------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=64 << 20)
+        # A larger body is a 413 before it is read, so one client cannot tie up the loop and
+        # the server's memory with a huge prompt.
+        app = web.Application(middlewares=[self._middleware],
+                              client_max_size=self.args.max_request_body_bytes)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -84,9 +97,43 @@ class Server:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
+        t0 = time.perf_counter()
+        response = await self._answer(request, handler)
+        if self.args.access_log:
+            usage = request.get("usage")
+            tokens = (f"{usage['prompt_tokens']}+{usage.get('completion_tokens', 0)} tokens"
+                      if usage else "- tokens")
+            access_logger.info('%s "%s %s" %d %s %.3f s', request.remote, request.method,
+                               request.path, response.status, tokens, time.perf_counter() - t0)
+        return response
+
+    async def _answer(self, request: web.Request, handler):
+        origin = request.headers.get("Origin")
+        allowed = origin is not None and ("*" in self.args.allowed_origins
+                                          or origin in self.args.allowed_origins)
+        if request.method == "OPTIONS" and allowed:        # CORS preflight
+            return web.Response(status=204, headers=self._cors_headers(origin, preflight=True))
+        if allowed:
+            request["cors"] = self._cors_headers(origin)   # streams send headers early
+        response = await self._handle(request, handler)
+        if allowed and not response.prepared:
+            response.headers.update(request["cors"])
+        return response
+
+    @staticmethod
+    def _cors_headers(origin: str, preflight: bool = False) -> dict[str, str]:
+        headers = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+        if preflight:
+            headers.update({"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                            "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                            "Access-Control-Max-Age": "600"})
+        return headers
+
+    async def _handle(self, request: web.Request, handler):
         try:
             if self.args.api_key and request.path.startswith("/v1"):
-                if request.headers.get("Authorization", "") != f"Bearer {self.args.api_key}":
+                given = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(given, f"Bearer {self.args.api_key}".encode()):
                     raise OpenAIError(401, "Unauthorized: a valid API key is required "
                                            "(Authorization: Bearer <key>)", "AuthenticationError")
             return await handler(request)
@@ -122,8 +169,11 @@ class Server:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise OpenAIError(400, f"Invalid JSON body: {e}") from None
+        except RecursionError:
+            raise OpenAIError(400, "Invalid JSON body: nested too deeply") from None
         if not isinstance(data, dict):
             raise OpenAIError(400, "The request body must be a JSON object")
+        check_json_body(data)
         return validate_request(model, data)
 
     # -- handlers -----------------------------------------------------------------------------
@@ -131,6 +181,9 @@ class Server:
         if self.llm.is_ready and not self.stopping:
             return web.Response(status=200)
         return web.Response(status=503)
+
+    async def openapi(self, request):
+        return web.json_response(openapi_document(jaxserve.__version__))
 
     async def version(self, request):
         return web.json_response({"version": jaxserve.__version__})
@@ -164,9 +217,10 @@ class Server:
 
     async def _respond(self, request: web.Request, result):
         if isinstance(result, dict):
+            request["usage"] = result.get("usage")      # for the access log line
             return web.json_response(result)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+                                           "Cache-Control": "no-cache", **request.get("cors", {})})
         try:
             await resp.prepare(request)
             async for chunk in result:
@@ -206,10 +260,37 @@ class Server:
                     sorted(engine.runner.compiled_programs), engine.warmup_seconds)
         logger.info("ready in %.1f s: serving %s on http://%s:%d", time.perf_counter() - t0,
                     ", ".join(names), self.args.host, self.args.port)
+        if self.args.log_stats_interval > 0:
+            self._stats_task = asyncio.ensure_future(self._log_stats())
+
+    async def _log_stats(self) -> None:
+        """vLLM's periodic stats line, written only while the engine has work or just had."""
+        last, last_t = self.llm.stats, time.perf_counter()
+        while True:
+            await asyncio.sleep(self.args.log_stats_interval)
+            now, now_t = self.llm.stats, time.perf_counter()
+            if now is None or last is None:
+                last, last_t = now, now_t
+                continue
+            prompt = now.prompt_tokens_total - last.prompt_tokens_total
+            gen = now.generation_tokens_total - last.generation_tokens_total
+            if prompt or gen or now.num_running or now.num_waiting:
+                dt = now_t - last_t
+                queries = now.prefix_cache_queries - last.prefix_cache_queries
+                hits = now.prefix_cache_hits - last.prefix_cache_hits
+                stats_logger.info(
+                    "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
+                    "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                    "Prefix cache hit rate: %.1f%%", prompt / dt, gen / dt, now.num_running,
+                    now.num_waiting, 100 * now.kv_cache_usage,
+                    100 * hits / queries if queries else 0.0)
+            last, last_t = now, now_t
 
     async def stop(self, graceful: bool = True) -> None:
         """Stop accepting, let in-flight requests finish (or abort them), close the listener."""
         self.stopping = True
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         await self.llm.shutdown(graceful=graceful, timeout=self.args.shutdown_timeout)
         if self.runner is not None:
             await self.runner.cleanup()

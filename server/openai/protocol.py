@@ -38,6 +38,35 @@ class OpenAIError(Exception):
                                              param=self.param, code=self.status)).model_dump()
 
 
+MAX_JSON_DEPTH = 32   # deeper bodies are refused before pydantic or a chat template sees them
+
+
+def check_json_body(data: Any) -> None:
+    """Refuse what JSON allows but no request needs: nesting deeper than MAX_JSON_DEPTH, and
+    strings that are not valid Unicode text (a lone surrogate such as "\\ud800" cannot be
+    encoded as UTF-8, so the tokenizer could not take it). Raises a 400 OpenAIError naming the
+    field. Iterative, so a hostile body cannot exhaust the stack."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise OpenAIError(400, f"The request body is nested more than {MAX_JSON_DEPTH} levels "
+                                   "deep", param=path or None)
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise OpenAIError(400, "Strings must be valid Unicode text (found a lone UTF-16 "
+                                       f"surrogate) (field: {path})", param=path or None) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, path, depth + 1))
+                stack.append((item, f"{path}.{key}" if path else str(key), depth + 1))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                stack.append((item, f"{path}.{i}" if path else str(i), depth + 1))
+
+
 def validate_request(model_cls: type[BaseModel], data: dict) -> BaseModel:
     """Validate a request body; a pydantic failure becomes a 400 OpenAIError naming the field.
     Shared by the HTTP server and run-batch so both reject the same bodies the same way."""

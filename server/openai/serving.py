@@ -94,12 +94,22 @@ class OpenAIServing:
             raise OpenAIError(400, f"`{param}` must be in [0, {top}], got {num} (the server's "
                                    f"--max-logprobs is {top})", param=param)
 
-    @staticmethod
-    def _params(build, default_max_tokens: int) -> SamplingParams:
+    def _params(self, build, default_max_tokens: int) -> SamplingParams:
+        """Build a request's SamplingParams; also check what needs the server's limits."""
         try:
-            return build(default_max_tokens)
+            params = build(default_max_tokens)
         except ValueError as e:
             raise OpenAIError(400, str(e)) from None
+        most = self.engine.engine_args.max_num_seqs
+        if params.n > most:   # n children are n requests; more than can run at once is refused
+            raise OpenAIError(400, f"n must be at most {most} (the server's --max-num-seqs), "
+                                   f"got {params.n}", param="n")
+        vocab = self.engine.vocab_size
+        bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
+        if bad is not None:
+            raise OpenAIError(400, f"logit_bias token id {bad} is out of vocabulary (token ids "
+                                   f"must be in [0, {vocab}))", param="logit_bias")
+        return params
 
     async def _add(self, request_id: str, prompt: _Prompt, params: SamplingParams,
                    priority: int) -> RequestStream:
@@ -261,19 +271,25 @@ class OpenAIServing:
 
     # -- /v1/chat/completions -----------------------------------------------------------------
     def _chat_prompt(self, request: ChatCompletionRequest) -> _Prompt:
-        messages = [_flatten_content(m) for m in request.messages]
+        messages = [_flatten_content(m, i) for i, m in enumerate(request.messages)]
+        tok = self.engine.tokenizer
         try:
-            ids = self.engine.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt, tokenize=True,
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=request.add_generation_prompt, tokenize=False,
                 tools=request.tools, chat_template=request.chat_template,
                 continue_final_message=request.continue_final_message,
                 **(request.chat_template_kwargs or {}))
+            # vLLM's default for chat: the template writes BOS, the tokenizer adds nothing
+            ids = tok.encode(text, add_special_tokens=bool(request.add_special_tokens))
         except (ValueError, TypeError, KeyError) as e:
             raise OpenAIError(400, f"could not apply the chat template: {e}",
                               param="messages") from None
         except Exception as e:      # jinja2 errors (raise_exception in templates)
             raise OpenAIError(400, f"could not apply the chat template: {e}",
                               param="messages") from None
+        k = request.truncate_prompt_tokens
+        if k is not None and k > 0 and len(ids) > k:
+            ids = ids[-k:]        # keep the last k tokens, as for completions
         return _Prompt(None, ids)
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
@@ -299,7 +315,7 @@ class OpenAIServing:
     def _echo_prefix(self, request: ChatCompletionRequest) -> str:
         if request.echo and request.messages and \
                 request.messages[-1].get("role") == self.response_role:
-            return _flatten_content(request.messages[-1]).get("content") or ""
+            return _flatten_content(request.messages[-1], len(request.messages) - 1).get("content") or ""
         return ""
 
     def _chat_response(self, request, model, rid, created, out: RequestOutput) -> dict:
@@ -381,8 +397,9 @@ class OpenAIServing:
         self.check_model(request.model)
         tok = self.engine.tokenizer
         if request.messages is not None:
+            messages = [_flatten_content(m, i) for i, m in enumerate(request.messages)]
             try:
-                ids = tok.apply_chat_template([_flatten_content(m) for m in request.messages],
+                ids = tok.apply_chat_template(messages,
                                               add_generation_prompt=request.add_generation_prompt,
                                               tokenize=True)
             except Exception as e:
@@ -449,11 +466,19 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             s.close()
 
 
-def _flatten_content(message: dict) -> dict:
-    """OpenAI content parts ([{"type": "text", "text": ...}]) -> one string."""
+def _flatten_content(message: dict, index: int) -> dict:
+    """OpenAI content parts ([{"type": "text", "text": ...}]) -> one string. Other part types
+    (images, audio, files) are refused: the model reads text only, and answering as if they were
+    absent would be wrong."""
     content = message.get("content")
     if isinstance(content, list):
-        texts = [p.get("text", "") for p in content if isinstance(p, dict)
-                 and p.get("type") == "text"]
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise OpenAIError(400, f"content part type {kind!r} is not supported: this model "
+                                       "reads text only (parts of type 'text' with a 'text' "
+                                       "string)", param=f"messages.{index}.content.{j}")
+            texts.append(part["text"])
         message = {**message, "content": "\n".join(texts)}
     return message

@@ -1,0 +1,99 @@
+"""Write a loaded model as a Hugging Face directory, so other tools (transformers, load
+generators, evaluation harnesses) can use exactly the model jaxserve serves — the embedded GGUF
+model in particular:
+
+    config.json  generation_config.json  tokenizer.json  tokenizer_config.json
+    model.safetensors   (weights=True; the checkpoint names and layouts of the declaration)
+
+Weights are written in the layout `loader.py` reads back, one tensor per layer, `[out, in]`
+matrices, so `jaxserve serve DIR` and transformers load the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.registry import get_model
+
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
+    """ModelConfig -> the Hugging Face `config.json` dict `ModelConfig.from_hf` reads back."""
+    eos = list(cfg.eos_token_ids)
+    out = {
+        "architectures": [cfg.architecture], "model_type": _MODEL_TYPES[cfg.architecture],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling_dict,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.attention_bias,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos,
+        "torch_dtype": dtype,
+    }
+    if cfg.sliding_window:
+        out.update(sliding_window=cfg.sliding_window, use_sliding_window=True)
+    return out
+
+
+def _host_arrays(cfg: ModelConfig, weights, dtype) -> dict[str, np.ndarray]:
+    """Checkpoint name -> host array, walking the declaration in reverse."""
+    model = get_model(cfg.architecture)
+    leaves = {}
+    for p in model.declare(cfg):
+        node = weights
+        for part in p.path.split("."):
+            node = getattr(node, part)
+        leaves[p] = node.w if hasattr(node, "w") else node
+    tensors = {}
+    for p, array in leaves.items():
+        x = np.asarray(jax.device_get(array)).astype(dtype)
+        if p.stacked:
+            for i in range(p.shape[0]):
+                tensors[p.checkpoint_name(i)] = np.ascontiguousarray(x[i].T if p.transpose
+                                                                     else x[i])
+        else:
+            tensors[p.checkpoint] = np.ascontiguousarray(x.T if p.transpose else x)
+    return tensors
+
+
+def export_model(directory: str | os.PathLike, cfg: ModelConfig, tokenizer, weights=None, *,
+                 dtype: str = "float32") -> list[str]:
+    """Write the Hugging Face files (and `model.safetensors` when `weights` is given) into
+    `directory` (created if missing). Returns the file names written."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def dump(name, obj):
+        (out / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+        written.append(name)
+
+    dump("config.json", hf_config(cfg, dtype))
+    dump("generation_config.json", {"bos_token_id": cfg.bos_token_id,
+                                    "eos_token_id": list(cfg.eos_token_ids) or None})
+    tokenizer.backend.save(str(out / "tokenizer.json"))
+    written.append("tokenizer.json")
+    dump("tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token, "unk_token": tokenizer.unk_token,
+        "pad_token": tokenizer.pad_token, "add_bos_token": tokenizer.add_bos_token,
+        "chat_template": tokenizer.chat_template,
+        "model_max_length": cfg.max_position_embeddings})
+    if weights is not None:
+        from safetensors.numpy import save_file
+        save_file(_host_arrays(cfg, weights, jnp.dtype(dtype)), str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+        written.append("model.safetensors")
+    return written

@@ -1,0 +1,44 @@
+"""The one table mapping logical axis names (declared by the model files and the KV cache) to
+mesh axes. Model code never names a mesh axis; `flax.linen.logical_to_mesh_axes` applies the
+table.
+
+Tensor parallelism (Megatron style): attention heads, KV heads, the MLP's inner dimension and
+the vocabulary split over "tp"; the embedding dimension stays whole, so only the outputs of `wo`
+and `w_down` need a sum across devices. Experts split over "ep".
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# logical axis -> mesh axis (None: replicated)
+RULES: tuple[tuple[str, str | None], ...] = (
+    ("vocab", "tp"),
+    ("embed", None),
+    ("q_heads", "tp"),
+    ("kv_heads", "tp"),
+    ("head_dim", None),
+    ("mlp", "tp"),
+    ("experts", "ep"),
+    ("layers", None),
+    # the paged KV cache (jaxserve/attention/kv_cache.py)
+    ("kv_blocks", None),
+    ("kv_block_tokens", None),
+)
+LOGICAL_AXES = tuple(name for name, _ in RULES)
+
+
+def partition_spec(axes: Sequence[str], rules=RULES) -> PartitionSpec:
+    """Logical axes (one per array dimension) -> PartitionSpec; unknown names are an error."""
+    unknown = [a for a in axes if a not in dict(rules)]
+    if unknown:
+        raise ValueError(f"logical axes {unknown} have no sharding rule; known: "
+                         f"{', '.join(dict(rules))}")
+    return nn.logical_to_mesh_axes(tuple(axes), rules)
+
+
+def named_sharding(mesh: Mesh, axes: Sequence[str], rules=RULES) -> NamedSharding:
+    return NamedSharding(mesh, partition_spec(axes, rules))
