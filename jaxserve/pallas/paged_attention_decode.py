@@ -30,9 +30,16 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxserve.pallas.paged_attention import (DEFAULT_BLOCK_SIZES, _is_concrete, scale_operands,
-                                             default_interpret, kv_loop, triton_params,
-                                             validate_inputs, validate_metadata)
+from jaxserve.pallas.paged_attention import (
+    DEFAULT_BLOCK_SIZES,
+    _is_concrete,
+    default_interpret,
+    kv_loop,
+    scale_operands,
+    triton_params,
+    validate_inputs,
+    validate_metadata,
+)
 
 # Aim for this many programs in flight (H100: 132 SMs, a few programs each) when choosing splits.
 TARGET_PROGRAMS = 512
