@@ -3,11 +3,18 @@
 For each (batch, context, KV dtype) it times, on one GPU:
   ragged   jaxserve.pallas.paged_attention.ragged_paged_attention (the mixed-batch kernel)
   split-K  jaxserve.pallas.paged_attention_decode.ragged_paged_attention_decode
-  ref      ref_ragged_paged_attention compiled by XLA (skipped when its [T, ctx, K, D] gather
-           would not fit the memory budget)
-and reports time per call, the achieved HBM bandwidth of the faster kernel (K/V + scales read,
-q read, out written, divided by time) as a fraction of the device's peak, and the speed-up of
-the faster kernel over ref. Prints a markdown table.
+  mosaic   jaxserve.pallas.paged_attention_mgpu.ragged_paged_attention_mgpu, when that module
+           exists (Mosaic GPU; same signature as ragged)
+  xla      the engine's reference backend (jaxserve.attention.ragged_paged_attention_ref: chunked
+           online softmax in plain XLA), what `attention_backend="reference"` runs
+  jax-ops  jax's own jax.experimental.pallas.ops.gpu.paged_attention (decode only; K/V pages
+           head-major, transposed once outside the timing; no sm_scale argument, timing only)
+  ref      ref_ragged_paged_attention (the dense oracle) compiled by XLA (skipped when its
+           [T, ctx, K, D] gather would not fit the memory budget)
+and reports time per call, the achieved HBM bandwidth of the fastest jaxserve kernel (K/V +
+scales read, q read, out written, divided by time) as a fraction of the device's peak, and its
+speed-up over the xla path. A column that fails (lowering, OOM, unsupported dtype) says so in
+its cell and the sweep goes on. Prints a markdown table.
 
     python benchmarks/bench_paged_attention.py            # full sweep
     python benchmarks/bench_paged_attention.py --quick    # small sweep
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import sys
 import time
@@ -27,9 +35,21 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxserve.pallas.paged_attention import (ragged_paged_attention,  # noqa: E402
-                                             ref_ragged_paged_attention)
+from jaxserve.pallas.paged_attention import ragged_paged_attention, ref_ragged_paged_attention  # noqa: E402
 from jaxserve.pallas.paged_attention_decode import ragged_paged_attention_decode  # noqa: E402
+
+try:   # another kernel, landing separately; the column appears once it exists
+    from jaxserve.pallas.paged_attention_mgpu import ragged_paged_attention_mgpu
+except ImportError:
+    ragged_paged_attention_mgpu = None
+try:
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_ops_paged_attention
+except ImportError:
+    jax_ops_paged_attention = None
+try:
+    from jaxserve.attention import ragged_paged_attention_ref as xla_path
+except ImportError:
+    xla_path = None
 
 PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12}   # bytes/s, SXM parts
 REF_BUDGET_BYTES = 16 * 2**30                   # largest f32 gather the reference may build
@@ -104,6 +124,76 @@ def time_fn(fn, args, iters):
     return min(times)
 
 
+def columns(interpret: bool, D: int) -> dict:
+    """name -> fn(q, k, v, meta, ks, vs, sm) for every implementation importable here."""
+    cols = {
+        "ragged": lambda q, k, v, m, ks, vs, sm: ragged_paged_attention(
+            q, k, v, m, sm_scale=sm, k_scale=ks, v_scale=vs, interpret=interpret),
+        "split-K": lambda q, k, v, m, ks, vs, sm: ragged_paged_attention_decode(
+            q, k, v, m, sm_scale=sm, k_scale=ks, v_scale=vs, interpret=interpret),
+    }
+    if ragged_paged_attention_mgpu is not None:
+        cols["mosaic"] = lambda q, k, v, m, ks, vs, sm: ragged_paged_attention_mgpu(
+            q, k, v, m, sm_scale=sm, k_scale=ks, v_scale=vs, interpret=interpret)
+    if xla_path is not None:
+        cols["xla"] = lambda q, k, v, m, ks, vs, sm: xla_path(
+            q, k, v, m, sm_scale=sm, k_scale=ks, v_scale=vs)
+    if jax_ops_paged_attention is not None:
+        cols["jax-ops"] = functools.partial(jax_ops_column, interpret=interpret)
+    cols["ref"] = lambda q, k, v, m, ks, vs, sm: ref_ragged_paged_attention(
+        q, k, v, m, sm_scale=sm, k_scale=ks, v_scale=vs)
+    return cols
+
+
+def jax_ops_column(q, k_hm, v_hm, meta, ks_hm, vs_hm, sm, *, interpret):
+    """jax's GPU paged attention on head-major pages [K, N, B, D] (see `to_head_major`)."""
+    M = meta.block_tables.shape[1]
+    k_splits = min(16, M)                                   # M is a power of two in the sweep
+    per_split = M // k_splits
+    ppcb = max(p for p in (8, 4, 2, 1) if per_split % p == 0)
+    return jax_ops_paged_attention.paged_attention(
+        q * sm, k_hm, v_hm, meta.block_tables, meta.kv_lens, ks_hm, vs_hm,
+        k_splits=k_splits, pages_per_compute_block=ppcb, interpret=interpret)
+
+
+def to_head_major(k, v, ks, vs):
+    """[N, B, K, D] pages (and [N, B, K] scales) -> jax ops' [K, N, B, D] (and [K, N, B])."""
+    hm = [k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)]
+    hm += [None, None] if ks is None else [ks.transpose(2, 0, 1), vs.transpose(2, 0, 1)]
+    return hm
+
+
+def sweep_row(cols, batch, ctx, kv, *, K, G, D, B, dtype, iters):
+    """Time every column on one decode batch: (cells as text, name -> seconds or None)."""
+    cells, times = [], {}
+    try:
+        q, k, v, meta, ks, vs = make_decode_batch(batch, ctx, K=K, G=G, D=D, B=B, dtype=dtype,
+                                                  kv=kv)
+    except Exception as e:  # noqa: BLE001 -- OOM making the cache: the whole row says so
+        return [f"error: {type(e).__name__}"] * len(cols), {}
+    sm = 1.0 / np.sqrt(D)
+    for name, fn in cols.items():
+        times[name] = None
+        if name == "ref" and batch * meta.block_tables.shape[1] * B * K * D * 8 > REF_BUDGET_BYTES:
+            cells.append("skipped (memory)")
+            continue
+        try:
+            ops = (q, k, v, meta, ks, vs)
+            if name == "jax-ops":
+                k_hm, v_hm, ks_hm, vs_hm = to_head_major(k, v, ks, vs)
+                ops = (q, k_hm, v_hm, meta, ks_hm, vs_hm)
+            # jit around the entries: metadata become tracers, so the eager validation's
+            # device->host copy stays out of the timing
+            jitted = jax.jit(lambda *a, fn=fn: fn(*a, sm))
+            times[name] = time_fn(jitted, ops, iters)
+            cells.append(f"{times[name] * 1e3:.3f}")
+        except Exception as e:  # noqa: BLE001 -- keep the sweep going (OOM, lowering, dtype)
+            cells.append(f"error: {type(e).__name__}: {str(e).splitlines()[0][:60]}"
+                         if str(e) else f"error: {type(e).__name__}")
+    del q, k, v, meta, ks, vs
+    return cells, times
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sweep")
@@ -140,44 +230,24 @@ def main(argv=None):
     print(f"# Paged attention decode benchmark\n\ndevice: {kind}, jax {jax.__version__}, "
           f"{datetime.date.today()}, K={K} G={G} D={D} block_size={B} q={jnp.dtype(dtype).name}"
           f"{'' if on_gpu else ' (CPU interpret mode: timings meaningless)'}\n")
-    print("| batch | context | KV | ragged ms | split-K ms | ref ms | best GB/s | % peak | "
-          "speed-up vs ref |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
-    sm = 1.0 / np.sqrt(D)
+    cols = columns(interpret, D)
+    print("| batch | context | KV | " + " | ".join(f"{c} ms" for c in cols)
+          + " | best GB/s | % peak | speed-up vs xla |")
+    print("|---:|---:|---|" + "---:|" * (len(cols) + 3))
     for kv in kvs:
         for batch in batches:
             for ctx in contexts:
-                row = f"| {batch} | {ctx} | {kv if kv != 'auto' else jnp.dtype(dtype).name} |"
-                try:
-                    q, k, v, meta, ks, vs = make_decode_batch(batch, ctx, K=K, G=G, D=D, B=B,
-                                                              dtype=dtype, kv=kv)
-                    # jit around the entries: metadata become tracers, so the eager
-                    # validation's device->host copy stays out of the timing
-                    ragged = jax.jit(lambda *a: ragged_paged_attention(
-                        *a[:4], sm_scale=sm, k_scale=a[4], v_scale=a[5], interpret=interpret))
-                    split = jax.jit(lambda *a: ragged_paged_attention_decode(
-                        *a[:4], sm_scale=sm, k_scale=a[4], v_scale=a[5], interpret=interpret))
-                    ops = (q, k, v, meta, ks, vs)
-                    t_r = time_fn(ragged, ops, iters)
-                    t_s = time_fn(split, ops, iters)
-                    ref_bytes = batch * meta.block_tables.shape[1] * B * K * D * 4 * 2
-                    if ref_bytes <= REF_BUDGET_BYTES:
-                        ref = jax.jit(lambda *a: ref_ragged_paged_attention(
-                            *a[:4], sm_scale=sm, k_scale=a[4], v_scale=a[5]))
-                        t_ref = time_fn(ref, ops, iters)
-                    else:
-                        t_ref = None
-                    best = min(t_r, t_s)
-                    bw = bytes_moved(batch, ctx, K=K, G=G, D=D, dtype=dtype, kv=kv) / best
-                    frac = f"{100 * bw / peak:.0f}%" if peak else "n/a"
-                    ref_ms = f"{t_ref * 1e3:.3f}" if t_ref else "skipped (memory)"
-                    speed = f"{t_ref / best:.1f}x" if t_ref else "-"
-                    row += (f" {t_r * 1e3:.3f} | {t_s * 1e3:.3f} | {ref_ms} | {bw / 1e9:.0f} | "
-                            f"{frac} | {speed} |")
-                    del q, k, v, meta, ks, vs
-                except Exception as e:  # noqa: BLE001 -- keep the sweep going (OOM, lowering)
-                    row += f" error: {type(e).__name__}: {str(e).splitlines()[0][:120]} |||||||"
-                print(row, flush=True)
+                cells, times = sweep_row(cols, batch, ctx, kv, K=K, G=G, D=D, B=B, dtype=dtype,
+                                         iters=iters)
+                ours = [times[c] for c in ("ragged", "split-K", "mosaic") if times.get(c)]
+                best = min(ours) if ours else None
+                bw = bytes_moved(batch, ctx, K=K, G=G, D=D, dtype=dtype, kv=kv) / best \
+                    if best else None
+                frac = f"{100 * bw / peak:.0f}%" if bw and peak else "n/a"
+                speed = f"{times['xla'] / best:.1f}x" if best and times.get("xla") else "-"
+                kv_name = kv if kv != "auto" else jnp.dtype(dtype).name
+                print(f"| {batch} | {ctx} | {kv_name} | " + " | ".join(cells)
+                      + f" | {bw / 1e9 if bw else 0:.0f} | {frac} | {speed} |", flush=True)
     return 0
 
 

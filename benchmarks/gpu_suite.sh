@@ -1,48 +1,123 @@
 #!/usr/bin/env bash
-# One command for a GPU machine (H100/H200, jax 0.11.x, no network): environment check, the
-# GPU tests, the paged attention kernel sweep and the end-to-end engine figures on a dummy
-# Llama-3.1-8B. Each stage has its own time limit and a failing stage does not stop the next;
-# everything is logged under $OUT (the device tool's folder) or benchmarks/out/.
+# One command for a GPU machine (H100/H200, Python 3.12, jax 0.11.x, no network):
 #
-#   bash benchmarks/gpu_suite.sh            # ~9 minutes
-#   QUICK=1 bash benchmarks/gpu_suite.sh    # smaller sweeps
+#   bash benchmarks/gpu_suite.sh            # ~9 minutes in all
+#   QUICK=1 bash benchmarks/gpu_suite.sh    # smaller sweeps (~5 minutes)
+#
+# Stages, each under its own `timeout` and all inside one overall budget (SUITE_SECONDS, 540 s),
+# a failing stage does not stop the next:
+#   setup      carried wheels (.whl/*.whl -> /tmp/site) and the project itself, so that
+#              `jaxserve.server` (the top-level folder server/, mapped by setuptools package-dir)
+#              imports: an editable install, else /tmp/site-jaxserve/jaxserve made of links to
+#              jaxserve/* plus server/ as jaxserve/server (first on PYTHONPATH)
+#   env        GPU name/memory/driver, Python, jax/jaxlib, devices, backend, missing deps
+#   gpu_tests  every test file with gpu-marked tests, `pytest -m gpu -q`
+#   kernels    benchmarks/bench_paged_attention.py, trimmed sweep (all columns)
+#   e2e        benchmarks/bench_gpu_e2e.py on a dummy Llama-3.1-8B (bf16)
+# then a markdown block for benchmarks/RESULTS.md. Everything is tee'd to $OUT/ (the device
+# tool's folder) when set, else benchmarks/out/.
+#
+# The image has no package index. Wheels for missing pure deps can be carried in .whl/ (64 MiB
+# in all), e.g. on a networked machine:
+#   pip download --no-deps --python-version 3.12 --only-binary=:all: -d .whl flax tokenizers ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/out}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then   # wheels carried for what the image lacks
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
+budget=${SUITE_SECONDS:-540}
+py=${PYTHON:-python3}   # PYTHON: another interpreter (a dry run off the GPU machine)
 
-stage() {  # stage NAME SECONDS CMD...
+stage() {  # stage NAME SECONDS CMD... -- runs under min(SECONDS, what is left of the budget)
   local name=$1 secs=$2; shift 2
+  local left=$((budget - SECONDS - 10))
+  [ "$secs" -gt "$left" ] && secs=$left
+  if [ "$secs" -le 5 ]; then
+    echo "=== $name: skipped (suite budget spent) ===" | tee "$out/$name.log"
+    echo "| $name | skipped | 0 s |" >> "$out/stages.md"
+    return
+  fi
   echo "=== $name (limit ${secs}s) ==="
   local t0=$SECONDS
-  timeout "$secs" "$@" 2>&1 | tee "$out/$name.log"
+  timeout -k 10 "$secs" "$@" 2>&1 | tee "$out/$name.log"
   local rc=${PIPESTATUS[0]}
-  echo "=== $name: exit $rc in $((SECONDS - t0)) s ==="
-  echo "| $name | $rc | $((SECONDS - t0)) s |" >> "$out/stages.md"
+  local verdict=$rc
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && verdict="$rc (time limit)"
+  echo "=== $name: exit $verdict in $((SECONDS - t0)) s ==="
+  echo "| $name | $verdict | $((SECONDS - t0)) s |" >> "$out/stages.md"
+}
+
+setup() {
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    echo "installing carried wheels into /tmp/site: $(ls .whl | tr '\n' ' ')"
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || echo "carried wheels: install failed"
+  fi
+  if $py -m pip install -q --no-index --no-deps --no-build-isolation -e . ; then
+    echo "project: editable install of $PWD"
+  else   # no setuptools: the same package layout as links (jaxserve/* and jaxserve/server)
+    rm -rf /tmp/site-jaxserve && mkdir -p /tmp/site-jaxserve/jaxserve
+    ln -s "$PWD"/jaxserve/* /tmp/site-jaxserve/jaxserve/
+    ln -s "$PWD/server" /tmp/site-jaxserve/jaxserve/server
+    echo "project: no editable install; /tmp/site-jaxserve/jaxserve links the checkout"
+  fi
 }
 
 echo "| stage | exit | time |" > "$out/stages.md"
-echo "|---|---:|---:|" >> "$out/stages.md"
-stage env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
-  python3 -c "import sys, jax, jaxlib; print(sys.version.split()[0], jax.__version__,
-  jaxlib.__version__, jax.default_backend(), jax.devices())"'
-gpu_tests=(tests/test_gpu.py)
-[ -f tests/test_paged_attention_mgpu.py ] && gpu_tests+=(tests/test_paged_attention_mgpu.py)
-stage gpu_tests 200 python3 -m pytest -m gpu -q -s -p no:cacheprovider "${gpu_tests[@]}"
+echo "|---|---|---:|" >> "$out/stages.md"
+stage setup 90 bash -c "$(declare -f setup); py=$py; setup"
+# Carried wheels first, then the linked package if that was the route, then the checkout.
+# PYTHONSAFEPATH: `python -m pytest` and `python -` would otherwise put the checkout (whose
+# jaxserve/ has no server/) ahead of the linked package.
+for d in /tmp/site-jaxserve /tmp/site; do
+  [ -d "$d" ] && export PYTHONPATH="$d${PYTHONPATH:+:$PYTHONPATH}"
+done
+[ -d /tmp/site-jaxserve ] && export PYTHONSAFEPATH=1
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+
+stage env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+$py - <<'PY'
+import importlib, sys
+import jax, jaxlib
+print('python', sys.version.split()[0], '| jax', jax.__version__, '| jaxlib', jaxlib.__version__)
+print('backend', jax.default_backend(), '| devices', jax.devices())
+missing = [m for m in ('numpy', 'flax', 'safetensors', 'tokenizers', 'jinja2', 'gguf', 'aiohttp',
+                       'pydantic', 'prometheus_client', 'tqdm', 'xxhash', 'yaml', 'pytest')
+           if importlib.util.find_spec(m) is None]
+print('missing deps:', ', '.join(missing) or 'none')
+import jaxserve, jaxserve.server
+print('jaxserve from', jaxserve.__file__, '| jaxserve.server from', jaxserve.server.__file__)
+PY"
+
+gpu_tests=$(grep -l "mark\.gpu" tests/test_*.py | tr '\n' ' ')
+# shellcheck disable=SC2086  # one word per file
+stage gpu_tests 150 $py -m pytest -m gpu -q -p no:cacheprovider -rs $gpu_tests
+
 if [ -n "${QUICK:-}" ]; then
-  stage kernels 150 python3 benchmarks/bench_paged_attention.py --quick --kv auto,fp8
-  stage e2e 240 python3 benchmarks/bench_gpu_e2e.py --batches 1,64,256 --num-prompts 128
+  stage kernels 100 $py benchmarks/bench_paged_attention.py --kv auto --batches 1,32,256 \
+    --contexts 512,8192 --iters 10
+  stage e2e 150 $py benchmarks/bench_gpu_e2e.py --batches 1,64,256 --num-prompts 64 \
+    --output-len 64
 else
-  stage kernels 180 python3 benchmarks/bench_paged_attention.py --kv auto,fp8 \
-    --batches 1,32,64,256 --contexts 512,2048,8192
-  stage e2e 300 python3 benchmarks/bench_gpu_e2e.py
+  stage kernels 130 $py benchmarks/bench_paged_attention.py --kv auto,fp8 --batches 1,32,256 \
+    --contexts 512,8192
+  stage e2e 230 $py benchmarks/bench_gpu_e2e.py --batches 1,8,32,128,256 --num-prompts 128
 fi
-echo; echo "## GPU suite, $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-cat "$out/stages.md"
+
+{
+  echo
+  echo "## GPU suite, $(date -u +%F), $($py -c 'import jax; print(jax.devices()[0].device_kind)' 2>&1 | tail -1)"
+  echo
+  echo "$($py -c 'import sys, jax, jaxlib; print(f"Python {sys.version.split()[0]}, jax {jax.__version__}, jaxlib {jaxlib.__version__}")' 2>&1 | tail -1); commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)."
+  echo "Command: \`${QUICK:+QUICK=1 }bash benchmarks/gpu_suite.sh\`"
+  echo
+  cat "$out/stages.md"
+  echo
+  echo "GPU tests: $(grep -E ' in [0-9.]+s' "$out/gpu_tests.log" | tail -1)"
+  echo
+  echo "### Paged attention kernels (decode)"
+  echo
+  grep -E '^(device:|\|)' "$out/kernels.log" 2>/dev/null
+  echo
+  sed -n '/^### End to end/,$p' "$out/e2e.log" 2>/dev/null
+} | tee "$out/results_block.md"

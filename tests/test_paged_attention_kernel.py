@@ -18,10 +18,8 @@ import numpy as np
 import pytest
 
 from jaxserve.attention import kv_quant
-from jaxserve.pallas.paged_attention import (BlockSizes, ragged_paged_attention,
-                                             ref_ragged_paged_attention)
-from jaxserve.pallas.paged_attention_decode import (combine_splits,
-                                                    ragged_paged_attention_decode)
+from jaxserve.pallas.paged_attention import BlockSizes, ragged_paged_attention, ref_ragged_paged_attention
+from jaxserve.pallas.paged_attention_decode import combine_splits, ragged_paged_attention_decode
 
 try:
     from jaxserve.attention import AttentionMetadata
@@ -341,7 +339,10 @@ def test_kv_storage_dtype_names():
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_kernels_lower_to_triton_for_cuda(kv):
     """Cross-lower both kernels for CUDA: catches Triton-lowering gaps (non-power-of-two tensors,
-    unsupported primitives) on a CPU-only machine. Triton->PTX compilation is not covered."""
+    unsupported primitives) on a CPU-only machine, on jax 0.10 and 0.11 (helpers_lowering).
+    Triton->PTX compilation is not covered."""
+    from helpers_lowering import lower_for_cuda
+
     from jaxserve.pallas.paged_attention import _ragged_jit
     from jaxserve.pallas.paged_attention_decode import _decode_jit
     case = Case(q_lens=(1, 13, 1), ctx=(33, 4, 0), T=16, S=3, D=128, G=4, dtype="bfloat16", kv=kv)
@@ -350,13 +351,33 @@ def test_kernels_lower_to_triton_for_cuda(kv):
     for fn, kw in ((_ragged_jit, dict(rows=64, kv_tokens=64)),
                    (_decode_jit, dict(kv_tokens=64, num_splits=4))):
         try:
-            traced = fn.trace(q, k, v, meta, ks, vs, **opts, **kw)
-            text = traced.lower(lowering_platforms=("cuda",)).as_text()
+            text = lower_for_cuda(fn, q, k, v, meta, ks, vs, **opts, **kw)
         except (ImportError, NotImplementedError) as e:
             if "triton" in str(e).lower() or "cuda" in str(e).lower():
                 pytest.skip(f"no CUDA/Triton lowering in this jaxlib: {e}")
             raise
         assert "triton" in text.lower()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_dots_are_full_f32_for_f32_inputs_only(dtype):
+    """On GPU an f32 dot at default precision runs as TF32 (6e-4 off the oracle on an H100):
+    both kernels ask for HIGHEST on f32 operands and leave bf16 dots at the default."""
+    import re
+
+    from jaxserve.pallas.paged_attention import _ragged_jit
+    from jaxserve.pallas.paged_attention_decode import _decode_jit
+    case = Case(q_lens=(1, 1), ctx=(33, 4), T=8, S=2, D=128, dtype=dtype)
+    q, k, v, meta, ks, vs = make_batch(case)
+    opts = dict(sm_scale=0.1, sliding_window=None, soft_cap=None, interpret=False, kv_tokens=64)
+    for fn, kw in ((_ragged_jit, dict(rows=64)), (_decode_jit, dict(num_splits=2))):
+        text = str(jax.make_jaxpr(lambda *a, fn=fn, kw=kw: fn(*a, **opts, **kw))(q, k, v, meta, ks, vs))
+        precisions = re.findall(r"precision=(\([^)]*\)|None)", text)
+        assert len(re.findall(r"dot_general\[", text)) == 2            # q.k and p@v
+        if dtype == "float32":
+            assert precisions == ["(Precision.HIGHEST, Precision.HIGHEST)"] * 2
+        else:
+            assert all(p == "None" for p in precisions)
 
 
 @pytest.mark.parametrize("name", list(CASES))

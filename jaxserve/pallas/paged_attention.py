@@ -42,8 +42,9 @@ Everything in the kernel keeps to what Triton lowering supports: power-of-two te
 (R, C, D), 2-D dots with M, N >= 16 on GPU, dynamic-bound fori_loop, gathers through integer
 index vectors, no scratch buffers. The Triton backend is pinned with `triton_params()`; left to
 itself jax may choose Mosaic GPU, which tries to stage the whole cache in shared memory. The test
-suite cross-lowers both kernels for CUDA on CPU (Pallas -> Triton IR); Triton -> PTX compilation
-and the numbers on a real GPU are not checked yet.
+suite cross-lowers both kernels for CUDA on CPU (Pallas -> Triton IR); `pytest -m gpu` compiles
+and checks them on a GPU (tests/test_gpu.py). f32 inputs run their dots at HIGHEST precision
+(IEEE f32 in Triton) so the f32 path matches the oracle to 2e-5; bf16/f16 dots are untouched.
 """
 from __future__ import annotations
 
@@ -110,6 +111,11 @@ def ref_ragged_paged_attention(q, k_cache, v_cache, meta, *, sm_scale, sliding_w
 # ----------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------
+def dot_precision(dtype):
+    """Precision for the kernels' dots on `dtype` operands: HIGHEST for f32, default otherwise."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def kv_loop(q, seq, kh, row_pos, row_ok, c_lo, c_hi, bt_ref, k_ref, v_ref, ks_ref, vs_ref, *,
             kv_block, block_size, sm_scale, sliding_window, soft_cap):
     """Online softmax of q [R, D] over cache chunks [c_lo, c_hi) of sequence `seq`, kv head kh.
@@ -121,6 +127,9 @@ def kv_loop(q, seq, kh, row_pos, row_ok, c_lo, c_hi, bt_ref, k_ref, v_ref, ks_re
     C = kv_block
     cdt = q.dtype
     max_pages = bt_ref.shape[1]
+    # f32 operands: full f32 (Triton's IEEE dot). Left at the default, GPUs run f32 dots as TF32
+    # (10-bit mantissa; 6e-4 off the oracle on an H100). bf16/f16 keep the default fast path.
+    prec = dot_precision(cdt)
 
     def body(c, carry):
         m, l, acc = carry
@@ -130,7 +139,7 @@ def kv_loop(q, seq, kh, row_pos, row_ok, c_lo, c_hi, bt_ref, k_ref, v_ref, ks_re
         slots = pages * block_size + lax.rem(kpos, jnp.int32(block_size))
         k = k_ref[slots, kh, :].astype(cdt)                              # [C, D], exact widening
         v = v_ref[slots, kh, :].astype(cdt)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32)          # [R, C]
         if ks_ref is not None:
             s = s * ks_ref[slots, kh][None, :]                           # dequantise K columns
@@ -148,7 +157,7 @@ def kv_loop(q, seq, kh, row_pos, row_ok, c_lo, c_hi, bt_ref, k_ref, v_ref, ks_re
         l = alpha * l + jnp.sum(p, axis=1)
         if vs_ref is not None:
             p = p * vs_ref[slots, kh][None, :]                           # dequantise V rows
-        pv = lax.dot_general(p.astype(cdt), v, (((1,), (0,)), ((), ())),
+        pv = lax.dot_general(p.astype(cdt), v, (((1,), (0,)), ((), ())), precision=prec,
                              preferred_element_type=jnp.float32)         # [R, D]
         return m_new, l, alpha[:, None] * acc + pv
 

@@ -16,7 +16,8 @@ A small jnp combine merges the splits:
 R = max(16, Gp) rows: the G query heads of one kv head (padded to a power of two Gp, and to 16
 because Triton's dot wants M >= 16); the extra rows are zero queries, free in a step that is
 bound by reading K/V. The inner loop (`kv_loop`) is the ragged kernel's, so masks, sliding
-window (chunks before the window are skipped), soft cap and fp8/int8 dequantisation are shared.
+window (chunks before the window are skipped), soft cap, fp8/int8 dequantisation and the dot
+precision (HIGHEST for f32 inputs, so a GPU does not round them to TF32) are shared.
 """
 from __future__ import annotations
 
@@ -29,9 +30,16 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxserve.pallas.paged_attention import (DEFAULT_BLOCK_SIZES, _is_concrete, scale_operands,
-                                             default_interpret, kv_loop, triton_params,
-                                             validate_inputs, validate_metadata)
+from jaxserve.pallas.paged_attention import (
+    DEFAULT_BLOCK_SIZES,
+    _is_concrete,
+    default_interpret,
+    kv_loop,
+    scale_operands,
+    triton_params,
+    validate_inputs,
+    validate_metadata,
+)
 
 # Aim for this many programs in flight (H100: 132 SMs, a few programs each) when choosing splits.
 TARGET_PROGRAMS = 512
