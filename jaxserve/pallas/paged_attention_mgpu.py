@@ -7,7 +7,7 @@ chunk; GQA of any ratio; padding tokens get zeros. Oracle: `ref_ragged_paged_att
 
 Supported (anything else raises ValueError naming the field):
   q bf16 with a bf16 cache; head_dim 64/128/256; GQA ratio G <= 64; block_size B a multiple
-  of 8 dividing the KV chunk; sliding window; soft cap.
+  of 8 dividing the KV chunk (64, 128, 192 or 256 tokens); sliding window; soft cap.
   NOT yet: f32/f16 q or cache, fp8/int8 caches with scales (Hopper wgmma reads 32- and 8-bit
   operands K-major only, so P @ V needs a restaged V; not written yet).
 
@@ -56,6 +56,7 @@ except ImportError:  # pragma: no cover - depends on the installed jax
     MGPU_AVAILABLE = False
 
 ROWS = 64                        # wgmma M: query rows per program
+OUT_COLS = 128                   # f32 output staged through SMEM this many columns at a time
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16),)
 
 
@@ -75,7 +76,8 @@ def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv
                       sm_scale, block_size, kv_chunk, gp, num_splits, sliding_window, soft_cap):
     # GMEM: q_ref [K, NT, R, D]; k_ref/v_ref [N, B, K, D]; bt_ref [S, M];
     #       acc_out [K, NT, P, R, D] f32; m_out/l_out [K, NT, P, R] f32.
-    # SMEM: q_smem [R, D]; k_smem/v_smem [2, C, D]; p_smem [R, C]; o_smem [R, D] f32; ml_smem [2, R] f32.
+    # SMEM: q_smem [R, D]; k_smem/v_smem [2, C, D]; p_smem [R, C]; o_smem [R, min(D, 128)] f32;
+    #       ml_smem [2, R] f32.
     kh, i, split = lax.axis_index("kv_head"), lax.axis_index("tile"), lax.axis_index("split")
     R, D = q_smem.shape
     C, B = kv_chunk, block_size
@@ -167,11 +169,17 @@ def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv
             plgpu.layout_cast(jnp.zeros((R,), jnp.float32), reduced))
     acc, m, l = lax.fori_loop(c_lo, c_hi, body, init)
 
-    o_smem[...] = acc
     ml_smem[0] = m
     ml_smem[1] = l
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, acc_out.at[kh, i, split])
+    # acc leaves through o_smem [R, OC] in column parts: a whole f32 [64, 256] buffer would not
+    # fit beside D=256's KV slots.
+    OC = o_smem.shape[1]
+    for part in range(D // OC):
+        if part:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # o_smem free again
+        o_smem[...] = acc if OC == D else acc[:, part * OC:(part + 1) * OC]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, acc_out.at[kh, i, split, :, pl.ds(part * OC, OC)])
     plgpu.copy_smem_to_gmem(ml_smem.at[0], m_out.at[kh, i, split])
     plgpu.copy_smem_to_gmem(ml_smem.at[1], l_out.at[kh, i, split])
     plgpu.wait_smem_to_gmem(0)
@@ -192,7 +200,8 @@ def _call_kernel(q_tiles, plan, meta, k_cache, v_cache, *, sm_scale, sliding_win
         plgpu.SMEM((2, kv_chunk, D), cdt, transforms=_smem_transforms(cdt, D)),
         plgpu.SMEM((2, kv_chunk, D), cdt, transforms=_smem_transforms(cdt, D)),
         plgpu.SMEM((R, kv_chunk), cdt, transforms=_smem_transforms(cdt, kv_chunk)),
-        plgpu.SMEM((R, D), jnp.float32, transforms=_smem_transforms(jnp.float32, D)),
+        plgpu.SMEM((R, min(D, OUT_COLS)), jnp.float32,
+                   transforms=_smem_transforms(jnp.float32, min(D, OUT_COLS))),
         plgpu.SMEM((2, R), jnp.float32),
         plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=kv_chunk // B, num_barriers=2),
@@ -221,7 +230,7 @@ def smem_bytes(rows: int, head_dim: int, kv_chunk: int, itemsize: int) -> int:
     """Shared memory one program allocates: Q, two K and two V chunk slots, P, f32 O, m, l."""
     return (rows * head_dim * itemsize + 4 * kv_chunk * head_dim * itemsize
             + rows * kv_chunk * itemsize
-            + rows * head_dim * 4 + 2 * rows * 4 + 1024)
+            + rows * min(head_dim, OUT_COLS) * 4 + 2 * rows * 4 + 1024)
 
 
 def validate_mgpu(q, k_cache, v_cache, *, kv_chunk: int, num_splits: int) -> None:
@@ -241,9 +250,10 @@ def validate_mgpu(q, k_cache, v_cache, *, kv_chunk: int, num_splits: int) -> Non
         raise ValueError(f"GQA ratio H/K={H // K} exceeds {ROWS} (one wgmma tile of rows)")
     if B % 8:
         raise ValueError(f"block_size (k_cache.shape[1]) must be a multiple of 8, got {B}")
-    if kv_chunk % B or kv_chunk % 16 or not 16 <= kv_chunk <= 256:
-        raise ValueError(f"kv_tokens={kv_chunk} must be a multiple of block_size {B} and of 16, "
-                         f"in [16, 256]")
+    if kv_chunk % B or kv_chunk % 64 or not 64 <= kv_chunk <= 256:
+        # 64: narrower score tiles fail Mosaic GPU's layout inference (found by lowering C=32)
+        raise ValueError(f"kv_tokens={kv_chunk} must be a multiple of block_size {B} and of 64, "
+                         f"in [64, 256]")
     if not (isinstance(num_splits, numbers.Integral) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     need = smem_bytes(ROWS, D, kv_chunk, jnp.dtype(q.dtype).itemsize)
@@ -263,12 +273,13 @@ class MgpuBlockSizes:
     num_splits: int | None = None
 
 
-# head_dim -> block sizes; bf16 SMEM at R = 64: D=128, C=128 is 176 KiB, D=256, C=32 160 KiB.
+# head_dim -> block sizes; bf16 SMEM at R = 64 (`smem_bytes`): D=64, C=128 105 KiB; D=128,
+# C=128 193 KiB; D=256, C=64 201 KiB (C=128 would not fit).
 # Untuned: no H100 numbers for this kernel yet.
 DEFAULT_BLOCK_SIZES = {
     64: MgpuBlockSizes(kv_tokens=128),
     128: MgpuBlockSizes(kv_tokens=128),
-    256: MgpuBlockSizes(kv_tokens=32),
+    256: MgpuBlockSizes(kv_tokens=64),
 }
 TARGET_PROGRAMS = 264            # two programs per H100 SM (132 SMs)
 MAX_SPLITS = 32

@@ -1,0 +1,161 @@
+"""Mosaic GPU ragged paged attention (jaxserve/pallas/paged_attention_mgpu.py).
+
+Three gates, as docs/DESIGN.md's "Kernels" asks:
+  * GPU interpret mode (jax >= 0.11, CPU) against `ref_ragged_paged_attention` on every case of
+    the Triton kernel's CASES the kernel supports. It supports bf16 only (module docstring), so the
+    f32 cases run with bf16 q and cache; fp8/int8 cases are left out (they raise, tested below).
+    Each case runs with small blocks (64-token chunks, 3 KV splits: many chunks, both SMEM slots,
+    empty splits) and with the shipped defaults.
+  * lowering for CUDA on CPU (Mosaic GPU checks layouts and the 227 KiB shared-memory limit at
+    lowering) for every shipped block configuration, under an H100 AbstractDevice.
+  * `gpu`-marked: the compiled kernel against the reference on a GPU.
+On jax < 0.11 (the Python 3.11 venv) everything but the import check skips, with the reason.
+
+Tolerance: bf16 q and cache, P rounded to bf16 before P @ V: max abs error 5e-2 (the Triton
+kernel's bf16 tolerance, tests/test_paged_attention_kernel.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.pallas import paged_attention_mgpu as mgpu
+from jaxserve.pallas.paged_attention import ref_ragged_paged_attention
+from jaxserve.pallas.paged_attention_mgpu import MgpuBlockSizes, ragged_paged_attention_mgpu
+from test_paged_attention_kernel import CASES, Case, make_batch, max_err
+
+needs_mgpu = pytest.mark.skipif(
+    not mgpu.MGPU_AVAILABLE,
+    reason=f"Mosaic GPU plgpu.kernel + GPU interpret mode need jax >= 0.11 "
+           f"(this is {jax.__version__}); run with the Python 3.12 venv")
+
+TOL = 5e-2
+SMALL = MgpuBlockSizes(kv_tokens=64, num_splits=3)
+SUPPORTED = {name: dataclasses.replace(case, dtype="bfloat16", blocks=None)
+             for name, case in CASES.items() if case.kv == "auto"}
+# beyond CASES: contexts of many chunks and pages, 8-token pages, splits over a long prefix
+SUPPORTED.update({
+    "long_ctx_b8_pages": Case(q_lens=(1, 1, 20, 1), ctx=(300, 129, 200, 0), T=32, S=5, B=8,
+                              N=160, M=64, K=2, G=4, D=128, dtype="bfloat16"),
+    "long_window_gqa5": Case(q_lens=(1, 37), ctx=(400, 150), T=40, S=2, N=64, M=32, K=1, G=5,
+                             window=90, soft_cap=10.0, dtype="bfloat16"),
+})
+
+
+def run(case: Case, block_sizes, *, seed: int, interpret: bool):
+    q, k, v, meta, _, _ = make_batch(case, seed)
+    args = dict(sm_scale=1.0 / np.sqrt(case.D), sliding_window=case.window,
+                soft_cap=case.soft_cap)
+    out = ragged_paged_attention_mgpu(q, k, v, meta, interpret=interpret,
+                                      block_sizes=block_sizes, **args)
+    with jax.default_matmul_precision("highest"):
+        ref = ref_ragged_paged_attention(q, k, v, meta, **args)
+    return out, ref, meta
+
+
+@needs_mgpu
+@pytest.mark.parametrize("blocks", ["small", "default"])
+@pytest.mark.parametrize("name", list(SUPPORTED))
+def test_interpret_matches_reference(name, blocks):
+    case = SUPPORTED[name]
+    out, ref, meta = run(case, SMALL if blocks == "small" else None,
+                         seed=sum(map(ord, name)), interpret=True)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert max_err(out, ref) <= TOL, name
+    assert not np.asarray(out[int(meta.cu_q_lens[-1]):]).any()     # padding tokens are zeros
+
+
+# --- what the kernel does not do yet, and its own limits -----------------------------------------
+def _batch(**kw):
+    return make_batch(Case(q_lens=(1, 3), ctx=(4, 0), T=4, S=2, dtype="bfloat16", **kw))
+
+
+@needs_mgpu
+def test_rejects_unsupported_dtypes_and_blocks():
+    q, k, v, meta, _, _ = _batch()
+    with pytest.raises(ValueError, match="q dtype float32 not supported"):
+        ragged_paged_attention_mgpu(q.astype(jnp.float32), k.astype(jnp.float32),
+                                    v.astype(jnp.float32), meta, sm_scale=0.1)
+    q8, k8, v8, meta8, ks, vs = _batch(kv="fp8")
+    with pytest.raises(ValueError, match="KV cache dtype float8_e4m3fn not supported"):
+        ragged_paged_attention_mgpu(q8, k8, v8, meta8, sm_scale=0.1, k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match="kv_tokens=32"):
+        ragged_paged_attention_mgpu(q, k, v, meta, sm_scale=0.1,
+                                    block_sizes=MgpuBlockSizes(kv_tokens=32))
+    with pytest.raises(ValueError, match="num_splits"):
+        ragged_paged_attention_mgpu(q, k, v, meta, sm_scale=0.1,
+                                    block_sizes=MgpuBlockSizes(kv_tokens=64, num_splits=-2))
+    with pytest.raises(ValueError, match="multiple of kv heads"):      # the shared checks run too
+        ragged_paged_attention_mgpu(q[:, :7], k, v, meta, sm_scale=0.1)
+
+
+@pytest.mark.skipif(mgpu.MGPU_AVAILABLE, reason="checks the message on jax < 0.11 only")
+def test_old_jax_gets_a_clear_error():
+    q, k, v, meta, _, _ = _batch()
+    with pytest.raises(ValueError, match="needs jax >= 0.11"):
+        ragged_paged_attention_mgpu(q, k, v, meta, sm_scale=0.1)
+
+
+def test_default_splits_fill_the_gpu_and_stay_bounded():
+    assert mgpu.default_num_splits(8, 64, 64) == 1          # 512 programs already
+    assert mgpu.default_num_splits(8, 32, 64) == 2          # 256: just under two per SM
+    assert mgpu.default_num_splits(8, 4, 64) == 16          # batch 4 decode: split the context
+    assert mgpu.default_num_splits(1, 1, 3) == 3            # never more than the chunks
+    assert mgpu.default_num_splits(1, 1, 1000) == mgpu.MAX_SPLITS
+
+
+def test_shipped_blocks_fit_shared_memory():
+    for head_dim, bs in mgpu.DEFAULT_BLOCK_SIZES.items():
+        assert mgpu.smem_bytes(mgpu.ROWS, head_dim, bs.kv_tokens, 2) <= mgpu.SMEM_BYTES
+
+
+# --- lowering for CUDA without a GPU --------------------------------------------------------------
+H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                   platform="gpu")
+
+
+def lower_for_h100(case: Case, block_sizes: MgpuBlockSizes, **opts) -> str:
+    """Trace the jitted entry with `interpret=False` and lower it for CUDA under an abstract
+    H100 mesh; Mosaic GPU runs layout inference and the shared-memory check while lowering."""
+    q, k, v, meta, _, _ = make_batch(case)
+    kv_chunk, bq, gp, splits = mgpu._plan(q, k, meta, block_sizes)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = mgpu._mgpu_jit.trace(q, k, v, meta, sm_scale=0.1, kv_chunk=kv_chunk, bq=bq,
+                                      gp=gp, num_splits=splits, interpret=False, **opts)
+        return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@needs_mgpu
+@pytest.mark.parametrize("head_dim", sorted(mgpu.DEFAULT_BLOCK_SIZES))
+def test_shipped_blocks_lower_for_cuda(head_dim):
+    case = Case(q_lens=(1, 13, 1), ctx=(33, 4, 0), T=16, S=3, D=head_dim, dtype="bfloat16")
+    bs = dataclasses.replace(mgpu.DEFAULT_BLOCK_SIZES[head_dim], num_splits=2)
+    text = lower_for_h100(case, bs, sliding_window=8, soft_cap=5.0)
+    assert "mosaic_gpu" in text
+
+
+@needs_mgpu
+def test_lowering_rejects_blocks_over_shared_memory():
+    """The lowering gate has teeth: D=256 with 128-token chunks needs ~265 KiB."""
+    case = Case(q_lens=(1,), ctx=(33,), T=4, S=1, D=256, dtype="bfloat16")
+    with pytest.raises(ValueError, match="shared memory"):
+        lower_for_h100(case, MgpuBlockSizes(kv_tokens=128, num_splits=1), sliding_window=None,
+                       soft_cap=None)
+
+
+# --- compiled, on a GPU ---------------------------------------------------------------------------
+@pytest.mark.gpu
+@needs_mgpu
+@pytest.mark.parametrize("blocks", ["small", "default"])
+@pytest.mark.parametrize("name", list(SUPPORTED))
+def test_compiled_matches_reference(name, blocks):
+    case = SUPPORTED[name]
+    out, ref, meta = run(case, SMALL if blocks == "small" else None,
+                         seed=sum(map(ord, name)), interpret=False)
+    assert max_err(out, ref) <= TOL, name
+    assert not np.asarray(out[int(meta.cu_q_lens[-1]):]).any()
