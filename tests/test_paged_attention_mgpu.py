@@ -2,8 +2,8 @@
 
 Three gates, as docs/DESIGN.md's "Kernels" asks:
   * GPU interpret mode (jax >= 0.11, CPU) against `ref_ragged_paged_attention` on every case of
-    the Triton kernel's CASES the kernel supports. It supports bf16 only (module docstring), so the
-    f32 cases run with bf16 q and cache; fp8/int8 cases are left out (they raise, tested below).
+    the Triton kernel's CASES the kernel supports. It supports bf16 q only (module docstring), so
+    every case runs with bf16 q (and a bf16 cache, or its fp8/int8 cache with scales).
     Each case runs with small blocks (64-token chunks, 3 KV splits: many chunks, both SMEM slots,
     empty splits) and with the shipped defaults.
   * lowering for CUDA on CPU (Mosaic GPU checks layouts and the 227 KiB shared-memory limit at
@@ -12,7 +12,8 @@ Three gates, as docs/DESIGN.md's "Kernels" asks:
 On jax < 0.11 (the Python 3.11 venv) everything but the import check skips, with the reason.
 
 Tolerance: bf16 q and cache, P rounded to bf16 before P @ V: max abs error 5e-2 (the Triton
-kernel's bf16 tolerance, tests/test_paged_attention_kernel.py).
+kernel's bf16 tolerance, tests/test_paged_attention_kernel.py). Quantised caches are compared
+with the reference on the same quantised values, so the same tolerance holds.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ needs_mgpu = pytest.mark.skipif(
 TOL = 5e-2
 SMALL = MgpuBlockSizes(kv_tokens=64, num_splits=3)
 SUPPORTED = {name: dataclasses.replace(case, dtype="bfloat16", blocks=None)
-             for name, case in CASES.items() if case.kv == "auto"}
+             for name, case in CASES.items()}
 # beyond CASES: contexts of many chunks and pages, 8-token pages, splits over a long prefix
 SUPPORTED.update({
     "long_ctx_b8_pages": Case(q_lens=(1, 1, 20, 1), ctx=(300, 129, 200, 0), T=32, S=5, B=8,
@@ -47,9 +48,9 @@ SUPPORTED.update({
 
 
 def run(case: Case, block_sizes, *, seed: int, interpret: bool):
-    q, k, v, meta, _, _ = make_batch(case, seed)
+    q, k, v, meta, ks, vs = make_batch(case, seed)
     args = dict(sm_scale=1.0 / np.sqrt(case.D), sliding_window=case.window,
-                soft_cap=case.soft_cap)
+                soft_cap=case.soft_cap, k_scale=ks, v_scale=vs)
     out = ragged_paged_attention_mgpu(q, k, v, meta, interpret=interpret,
                                       block_sizes=block_sizes, **args)
     with jax.default_matmul_precision("highest"):
@@ -80,9 +81,9 @@ def test_rejects_unsupported_dtypes_and_blocks():
     with pytest.raises(ValueError, match="q dtype float32 not supported"):
         ragged_paged_attention_mgpu(q.astype(jnp.float32), k.astype(jnp.float32),
                                     v.astype(jnp.float32), meta, sm_scale=0.1)
-    q8, k8, v8, meta8, ks, vs = _batch(kv="fp8")
-    with pytest.raises(ValueError, match="KV cache dtype float8_e4m3fn not supported"):
-        ragged_paged_attention_mgpu(q8, k8, v8, meta8, sm_scale=0.1, k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match="KV cache dtype float32 not supported"):
+        ragged_paged_attention_mgpu(q, k.astype(jnp.float32), v.astype(jnp.float32), meta,
+                                    sm_scale=0.1)
     with pytest.raises(ValueError, match="kv_tokens=32"):
         ragged_paged_attention_mgpu(q, k, v, meta, sm_scale=0.1,
                                     block_sizes=MgpuBlockSizes(kv_tokens=32))
@@ -110,7 +111,9 @@ def test_default_splits_fill_the_gpu_and_stay_bounded():
 
 def test_shipped_blocks_fit_shared_memory():
     for head_dim, bs in mgpu.DEFAULT_BLOCK_SIZES.items():
-        assert mgpu.smem_bytes(mgpu.ROWS, head_dim, bs.kv_tokens, 2) <= mgpu.SMEM_BYTES
+        for kv_itemsize in (None, 1):                       # bf16 cache, fp8/int8 cache
+            need = mgpu.smem_bytes(mgpu.ROWS, head_dim, bs.kv_tokens, 2, kv_itemsize)
+            assert need <= mgpu.SMEM_BYTES, (head_dim, kv_itemsize)
 
 
 # --- lowering for CUDA without a GPU --------------------------------------------------------------
@@ -121,19 +124,21 @@ H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_core
 def lower_for_h100(case: Case, block_sizes: MgpuBlockSizes, **opts) -> str:
     """Trace the jitted entry with `interpret=False` and lower it for CUDA under an abstract
     H100 mesh; Mosaic GPU runs layout inference and the shared-memory check while lowering."""
-    q, k, v, meta, _, _ = make_batch(case)
+    q, k, v, meta, ks, vs = make_batch(case)
     kv_chunk, bq, gp, splits = mgpu._plan(q, k, meta, block_sizes)
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H100)
     with jax.sharding.use_abstract_mesh(mesh):
-        traced = mgpu._mgpu_jit.trace(q, k, v, meta, sm_scale=0.1, kv_chunk=kv_chunk, bq=bq,
+        traced = mgpu._mgpu_jit.trace(q, k, v, meta, ks, vs, sm_scale=0.1, kv_chunk=kv_chunk, bq=bq,
                                       gp=gp, num_splits=splits, interpret=False, **opts)
         return traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @needs_mgpu
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2", "int8"])
 @pytest.mark.parametrize("head_dim", sorted(mgpu.DEFAULT_BLOCK_SIZES))
-def test_shipped_blocks_lower_for_cuda(head_dim):
-    case = Case(q_lens=(1, 13, 1), ctx=(33, 4, 0), T=16, S=3, D=head_dim, dtype="bfloat16")
+def test_shipped_blocks_lower_for_cuda(head_dim, kv):
+    case = Case(q_lens=(1, 13, 1), ctx=(33, 4, 0), T=16, S=3, D=head_dim, dtype="bfloat16",
+                kv=kv)
     bs = dataclasses.replace(mgpu.DEFAULT_BLOCK_SIZES[head_dim], num_splits=2)
     text = lower_for_h100(case, bs, sliding_window=8, soft_cap=5.0)
     assert "mosaic_gpu" in text
@@ -159,3 +164,20 @@ def test_compiled_matches_reference(name, blocks):
                          seed=sum(map(ord, name)), interpret=False)
     assert max_err(out, ref) <= TOL, name
     assert not np.asarray(out[int(meta.cu_q_lens[-1]):]).any()
+
+
+@needs_mgpu
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_interpret_finds_no_races(kv):
+    """The interpreter's happens-before race detector over the double-buffered page copies,
+    the P and widened-K/V SMEM round trips and the output copies (several chunks per split)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
+    case = Case(q_lens=(1, 9), ctx=(200, 120), T=16, S=2, N=64, M=16, dtype="bfloat16", kv=kv)
+    q, k, v, meta, ks, vs = make_batch(case)
+    args = dict(sm_scale=0.125, k_scale=ks, v_scale=vs)
+    gpu_interpret.reset_gpu_interpret_mode_state()
+    out = ragged_paged_attention_mgpu(
+        q, k, v, meta, interpret=mgpu.plgpu.InterpretGPUParams(detect_races=True),
+        block_sizes=MgpuBlockSizes(kv_tokens=64, num_splits=2), **args)
+    assert max_err(out, ref_ragged_paged_attention(q, k, v, meta, **args)) <= TOL
+    assert not gpu_interpret.get_races().races_found

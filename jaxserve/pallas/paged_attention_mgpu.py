@@ -6,10 +6,12 @@ paged caches [N, B, K, D], metadata `block_tables [S, M]`, `kv_lens [S]`, `cu_q_
 chunk; GQA of any ratio; padding tokens get zeros. Oracle: `ref_ragged_paged_attention`.
 
 Supported (anything else raises ValueError naming the field):
-  q bf16 with a bf16 cache; head_dim 64/128/256; GQA ratio G <= 64; block_size B a multiple
-  of 8 dividing the KV chunk (64, 128, 192 or 256 tokens); sliding window; soft cap.
-  NOT yet: f32/f16 q or cache, fp8/int8 caches with scales (Hopper wgmma reads 32- and 8-bit
-  operands K-major only, so P @ V needs a restaged V; not written yet).
+  q bf16 with a bf16 cache, or with an fp8 (e4m3, e5m2) / int8 cache and per-token-head f32
+  scales [N, B, K]; head_dim 64/128/256; GQA ratio G <= 64; block_size B a multiple of 8
+  dividing the KV chunk (64, 128, 192 or 256 tokens); sliding window; soft cap.
+  NOT yet: f32 or f16 q (and f32 caches). Hopper's wgmma reads 32-bit operands as tf32 and
+  only K-major, so P @ V with an f32 V needs V restaged in SMEM and a 3-pass bf16 split to
+  keep f32 accuracy; not written.
 
 Partitioning. Grid `(K, NT, P)`: program (h, i, p) owns kv head h, query tile i and KV split p.
 A query tile (jaxserve/pallas/ragged_tiles.py) is up to bq tokens of ONE sequence times the G
@@ -28,13 +30,19 @@ is computed. S = Q K^T and O += P V are wgmma's with f32 accumulators; the onlin
 (m, l, alpha) runs in registers in the WGMMA layout. Page ids and lengths are scalar loads from
 GMEM. Page ids past the table or out of range are clamped: those keys are masked anyway.
 
+fp8/int8 caches: the raw chunk lands in SMEM at its storage width (half the bytes of bf16), is
+widened exactly to bf16 into a second SMEM buffer (wgmma reads 8-bit operands only K-major and
+only against 8-bit operands), and the scales are folded in f32 like the Triton kernel does:
+`q.(k*s_k) = (q.k)*s_k` scales score columns, `p@(v*s_v) = (p*s_v)@v` scales P's columns. The
+scales are passed transposed to [K, N, B] so each page's B scales of one kv head are contiguous
+for TMA (one XLA transpose of 1/D of the cache's elements per call).
+
 The cache write is not fused (same reasons as the Triton kernel's docstring).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import numbers
 from typing import Any
 
@@ -43,8 +51,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxserve.pallas.paged_attention import (MASK_VALUE, _is_concrete, validate_inputs,
-                                             validate_metadata)
+from jaxserve.pallas.paged_attention import (MASK_VALUE, QUANTIZED_KV_DTYPES, _is_concrete,
+                                             validate_inputs, validate_metadata)
 from jaxserve.pallas.paged_attention_decode import combine_splits
 from jaxserve.pallas.ragged_tiles import gather_q_tiles, plan_tiles, scatter_tiles
 
@@ -70,14 +78,34 @@ def _smem_transforms(dtype, minor: int):
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
+def _columns(scale_ref):
+    """A chunk's per-token scales [C] in the layout that broadcasts over score columns."""
+    return plgpu.load(scale_ref, layout=plgpu.Layout.WGMMA.reduce(0))
+
+
+def _widen(x, dtype):
+    """fp8/int8 -> the compute dtype, exactly. Hopper converts fp8 only to f16 in hardware, so
+    fp8 goes through f32 (every fp8 and int8 value is exact in f32 and in bf16)."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        x = x.astype(jnp.float32)
+    return x.astype(dtype)
+
+
 def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv_lens_ref,
-                      bt_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_out,
-                      q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem, q_bar, k_bar, v_bar, *,
-                      sm_scale, block_size, kv_chunk, gp, num_splits, sliding_window, soft_cap):
-    # GMEM: q_ref [K, NT, R, D]; k_ref/v_ref [N, B, K, D]; bt_ref [S, M];
+                      bt_ref, q_ref, k_ref, v_ref, *refs, sm_scale, block_size, kv_chunk, gp,
+                      num_splits, sliding_window, soft_cap, quantized):
+    # GMEM: q_ref [K, NT, R, D]; k_ref/v_ref [N, B, K, D] (cache dtype); bt_ref [S, M];
+    #       ks_ref/vs_ref [K, N, B] f32 (quantized only);
     #       acc_out [K, NT, P, R, D] f32; m_out/l_out [K, NT, P, R] f32.
-    # SMEM: q_smem [R, D]; k_smem/v_smem [2, C, D]; p_smem [R, C]; o_smem [R, min(D, 128)] f32;
-    #       ml_smem [2, R] f32.
+    # SMEM: q_smem [R, D]; k_smem/v_smem [2, C, D] (cache dtype); p_smem [R, C];
+    #       o_smem [R, min(D, 128)] f32; ml_smem [2, R] f32; quantized only: k_cmp/v_cmp [C, D]
+    #       (the chunk widened to the compute dtype), ks_smem/vs_smem [2, C] f32.
+    if quantized:
+        (ks_ref, vs_ref, acc_out, m_out, l_out, q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem,
+         q_bar, k_bar, v_bar, k_cmp, v_cmp, ks_smem, vs_smem) = refs
+    else:
+        (acc_out, m_out, l_out, q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem,
+         q_bar, k_bar, v_bar) = refs
     kh, i, split = lax.axis_index("kv_head"), lax.axis_index("tile"), lax.axis_index("split")
     R, D = q_smem.shape
     C, B = kv_chunk, block_size
@@ -110,6 +138,11 @@ def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv
                                     k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[page, :, kh, :], v_smem.at[slot, dst],
                                     v_bar.at[slot])
+            if quantized:
+                plgpu.copy_gmem_to_smem(ks_ref.at[kh, page], ks_smem.at[slot, dst],
+                                        k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(vs_ref.at[kh, page], vs_smem.at[slot, dst],
+                                        v_bar.at[slot])
 
     @pl.when(c_lo < c_hi)
     def _():
@@ -132,11 +165,19 @@ def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv
             fetch(c + 1, 1 - slot)
 
         plgpu.barrier_wait(k_bar.at[slot])
+        k_op = k_smem.at[slot]
+        if quantized:                       # fp8/int8 -> compute dtype is exact; scales later
+            k_cmp[...] = _widen(k_smem.at[slot][...], cdt)
+            plgpu.commit_smem()
+            k_op = k_cmp
 
         def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+            plgpu.wgmma(acc_ref, q_smem, k_op.T)
             return acc_ref[...]
-        s = pl.run_scoped(qk, plgpu.ACC((R, C), jnp.float32)) * sm_scale      # [R, C] f32
+        s = pl.run_scoped(qk, plgpu.ACC((R, C), jnp.float32))                 # [R, C] f32
+        if quantized:                       # q.(k * s_k) = (q.k) * s_k: scale score columns
+            s = s * lax.broadcast_in_dim(_columns(ks_smem.at[slot]), (R, C), [1])
+        s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kpos = c * C + col
@@ -149,6 +190,11 @@ def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv
         p = jnp.where(mask, jnp.exp(s - lax.broadcast_in_dim(m_new, (R, C), [0])), 0.0)
         l = alpha * l + p.sum(axis=1)
         plgpu.barrier_wait(v_bar.at[slot])
+        v_op = v_smem.at[slot]
+        if quantized:                       # p @ (v * s_v) = (p * s_v) @ v: scale P columns
+            v_cmp[...] = _widen(v_smem.at[slot][...], cdt)
+            p = p * lax.broadcast_in_dim(_columns(vs_smem.at[slot]), (R, C), [1])
+            v_op = v_cmp
 
         # P goes through SMEM and P V into a fresh accumulator added in registers: GPU interpret
         # mode reads wgmma operands only from SMEM and has no pl.run_state (pre-initialised
@@ -157,7 +203,7 @@ def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv
         plgpu.commit_smem()
 
         def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+            plgpu.wgmma(acc_ref, p_smem, v_op)
             return acc_ref[...]
         pv_out = pl.run_scoped(pv, plgpu.ACC((R, D), jnp.float32))           # [R, D] f32
         acc = acc * lax.broadcast_in_dim(alpha, (R, D), [0]) + pv_out
@@ -185,28 +231,49 @@ def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv
     plgpu.wait_smem_to_gmem(0)
 
 
-def _call_kernel(q_tiles, plan, meta, k_cache, v_cache, *, sm_scale, sliding_window, soft_cap,
-                 kv_chunk, num_splits, interpret):
+def _interpret_params(interpret):
+    """True -> default GPU interpret mode; an InterpretGPUParams (e.g. detect_races=True) as
+    given; False -> compiled."""
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def _call_kernel(q_tiles, plan, meta, k_cache, v_cache, k_scale, v_scale, *, sm_scale,
+                 sliding_window, soft_cap, kv_chunk, num_splits, interpret):
     """Run the grid; returns f32 partials acc [K, NT, P, R, D], m / l [K, NT, P, R]."""
     K, nt, R, D = q_tiles.shape
     B = k_cache.shape[1]
     cdt = q_tiles.dtype
+    kvdt = k_cache.dtype
+    quantized = k_scale is not None
     P = num_splits
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, block_size=B, kv_chunk=kv_chunk, gp=plan.gp,
-        num_splits=P, sliding_window=sliding_window, soft_cap=soft_cap)
+        num_splits=P, sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized)
+    arrivals = (kv_chunk // B) * (2 if quantized else 1)     # one per page copy (+ its scales)
     scratch = [
         plgpu.SMEM((R, D), cdt, transforms=_smem_transforms(cdt, D)),
-        plgpu.SMEM((2, kv_chunk, D), cdt, transforms=_smem_transforms(cdt, D)),
-        plgpu.SMEM((2, kv_chunk, D), cdt, transforms=_smem_transforms(cdt, D)),
+        plgpu.SMEM((2, kv_chunk, D), kvdt, transforms=_smem_transforms(kvdt, D)),
+        plgpu.SMEM((2, kv_chunk, D), kvdt, transforms=_smem_transforms(kvdt, D)),
         plgpu.SMEM((R, kv_chunk), cdt, transforms=_smem_transforms(cdt, kv_chunk)),
         plgpu.SMEM((R, min(D, OUT_COLS)), jnp.float32,
                    transforms=_smem_transforms(jnp.float32, min(D, OUT_COLS))),
         plgpu.SMEM((2, R), jnp.float32),
         plgpu.Barrier(num_arrivals=1),
-        plgpu.Barrier(num_arrivals=kv_chunk // B, num_barriers=2),
-        plgpu.Barrier(num_arrivals=kv_chunk // B, num_barriers=2),
+        plgpu.Barrier(num_arrivals=arrivals, num_barriers=2),
+        plgpu.Barrier(num_arrivals=arrivals, num_barriers=2),
     ]
+    operands = [plan.tile_seq, plan.tile_qstart, plan.tile_nq, plan.q_lens,
+                meta.kv_lens.astype(jnp.int32), meta.block_tables.astype(jnp.int32), q_tiles,
+                k_cache, v_cache]
+    if quantized:
+        scratch += [plgpu.SMEM((kv_chunk, D), cdt, transforms=_smem_transforms(cdt, D)),
+                    plgpu.SMEM((kv_chunk, D), cdt, transforms=_smem_transforms(cdt, D)),
+                    plgpu.SMEM((2, kv_chunk), jnp.float32),
+                    plgpu.SMEM((2, kv_chunk), jnp.float32)]
+        # [K, N, B]: a page's B scales of one kv head contiguous, as a TMA copy needs
+        operands += [k_scale.transpose(2, 0, 1), v_scale.transpose(2, 0, 1)]
     out_type = (jax.ShapeDtypeStruct((K, nt, P, R, D), jnp.float32),
                 jax.ShapeDtypeStruct((K, nt, P, R), jnp.float32),
                 jax.ShapeDtypeStruct((K, nt, P, R), jnp.float32))
@@ -214,10 +281,8 @@ def _call_kernel(q_tiles, plan, meta, k_cache, v_cache, *, sm_scale, sliding_win
         kernel, out_type=out_type, scratch_types=scratch, grid=(K, nt, P),
         grid_names=("kv_head", "tile", "split"),
         compiler_params=plgpu.CompilerParams(),
-        interpret=plgpu.InterpretGPUParams() if interpret else None)
-    return call(plan.tile_seq, plan.tile_qstart, plan.tile_nq, plan.q_lens,
-                meta.kv_lens.astype(jnp.int32), meta.block_tables.astype(jnp.int32), q_tiles,
-                k_cache, v_cache)
+        interpret=_interpret_params(interpret))
+    return call(*operands)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,9 +291,15 @@ def _call_kernel(q_tiles, plan, meta, k_cache, v_cache, *, sm_scale, sliding_win
 SMEM_BYTES = 227 * 1024          # H100 opt-in shared memory per block
 
 
-def smem_bytes(rows: int, head_dim: int, kv_chunk: int, itemsize: int) -> int:
-    """Shared memory one program allocates: Q, two K and two V chunk slots, P, f32 O, m, l."""
-    return (rows * head_dim * itemsize + 4 * kv_chunk * head_dim * itemsize
+def smem_bytes(rows: int, head_dim: int, kv_chunk: int, itemsize: int,
+               kv_itemsize: int | None = None) -> int:
+    """Shared memory one program allocates: Q, two K and two V chunk slots, P, f32 O, m, l;
+    with a quantised cache (kv_itemsize given) also the widened K/V chunk and the scales."""
+    quant = 0
+    if kv_itemsize is not None:
+        quant = 2 * kv_chunk * head_dim * itemsize + 4 * kv_chunk * 4
+    kv_itemsize = kv_itemsize or itemsize
+    return (rows * head_dim * itemsize + 4 * kv_chunk * head_dim * kv_itemsize + quant
             + rows * kv_chunk * itemsize
             + rows * min(head_dim, OUT_COLS) * 4 + 2 * rows * 4 + 1024)
 
@@ -241,11 +312,12 @@ def validate_mgpu(q, k_cache, v_cache, *, kv_chunk: int, num_splits: int) -> Non
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
         raise ValueError(f"q dtype {q.dtype} not supported by the Mosaic GPU kernel yet "
                          f"(supported: bfloat16)")
-    if jnp.dtype(k_cache.dtype) != jnp.dtype(q.dtype):
+    kv_dt = jnp.dtype(k_cache.dtype)
+    if kv_dt != jnp.dtype(q.dtype) and kv_dt not in QUANTIZED_KV_DTYPES:
         raise ValueError(f"KV cache dtype {k_cache.dtype} not supported by the Mosaic GPU kernel "
-                         f"yet (must equal the q dtype {q.dtype}; fp8/int8 caches pending)")
-    T, H, D = q.shape
-    N, B, K, _ = k_cache.shape
+                         f"(must be the q dtype {q.dtype}, or fp8/int8 with scales)")
+    _, H, D = q.shape
+    B, K = k_cache.shape[1:3]
     if H // K > ROWS:
         raise ValueError(f"GQA ratio H/K={H // K} exceeds {ROWS} (one wgmma tile of rows)")
     if B % 8:
@@ -256,7 +328,8 @@ def validate_mgpu(q, k_cache, v_cache, *, kv_chunk: int, num_splits: int) -> Non
                          f"in [64, 256]")
     if not (isinstance(num_splits, numbers.Integral) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    need = smem_bytes(ROWS, D, kv_chunk, jnp.dtype(q.dtype).itemsize)
+    need = smem_bytes(ROWS, D, kv_chunk, jnp.dtype(q.dtype).itemsize,
+                      kv_dt.itemsize if kv_dt in QUANTIZED_KV_DTYPES else None)
     if need > SMEM_BYTES:
         raise ValueError(f"kv_tokens={kv_chunk} with head_dim {D} needs {need} bytes of shared "
                          f"memory, over the {SMEM_BYTES} a Hopper block has")
@@ -293,7 +366,7 @@ def default_num_splits(num_kv_heads: int, num_tiles: int, max_chunks: int) -> in
 
 def _plan(q, k_cache, meta, block_sizes):
     T, H, D = q.shape
-    N, B, K, _ = k_cache.shape
+    B, K = k_cache.shape[1:3]
     bs = block_sizes or DEFAULT_BLOCK_SIZES[D]
     kv_chunk = max(bs.kv_tokens, B)
     gp = 1 << (H // K - 1).bit_length()
@@ -306,13 +379,14 @@ def _plan(q, k_cache, meta, block_sizes):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "kv_chunk", "bq", "gp", "num_splits", "interpret"))
-def _mgpu_jit(q, k_cache, v_cache, meta, *, sm_scale, sliding_window, soft_cap, kv_chunk, bq, gp,
-              num_splits, interpret):
+def _mgpu_jit(q, k_cache, v_cache, meta, k_scale, v_scale, *, sm_scale, sliding_window, soft_cap,
+              kv_chunk, bq, gp, num_splits, interpret):
     T, H, _ = q.shape
     K = k_cache.shape[2]
     plan = plan_tiles(meta, T, bq, gp)
     q_tiles = gather_q_tiles(q, meta, plan, K)                          # [K, NT, R, D]
-    acc, m, l = _call_kernel(q_tiles, plan, meta, k_cache, v_cache, sm_scale=sm_scale,
+    acc, m, l = _call_kernel(q_tiles, plan, meta, k_cache, v_cache, k_scale, v_scale,
+                             sm_scale=sm_scale,
                              sliding_window=sliding_window, soft_cap=soft_cap, kv_chunk=kv_chunk,
                              num_splits=num_splits, interpret=interpret)
     out = combine_splits(acc, m, l)                                     # [K, NT, R, D] f32
@@ -321,12 +395,13 @@ def _mgpu_jit(q, k_cache, v_cache, meta, *, sm_scale, sliding_window, soft_cap, 
 
 def ragged_paged_attention_mgpu(q, k_cache, v_cache, meta: Any, *, sm_scale: float,
                                 sliding_window: int | None = None, soft_cap: float | None = None,
-                                k_scale=None, v_scale=None, interpret: bool | None = None,
+                                k_scale=None, v_scale=None, interpret: Any = None,
                                 block_sizes: MgpuBlockSizes | None = None):
     """Ragged paged attention, Mosaic GPU kernel: `ragged_paged_attention`'s contract.
 
     q [T, H, D], caches [N, B, K, D] -> [T, H, D]. `interpret=None` runs Mosaic GPU's interpreter
-    off GPU. Static arguments are always validated; metadata values when they are concrete.
+    off GPU; `interpret` may also be a `plgpu.InterpretGPUParams` (e.g. race detection). Static
+    arguments are always validated; metadata values when they are concrete.
     Raises ValueError for inputs outside the module docstring's "Supported" list.
     """
     validate_inputs(q, k_cache, v_cache, meta, sm_scale=sm_scale, sliding_window=sliding_window,
@@ -338,7 +413,9 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, meta: Any, *, sm_scale: flo
         validate_metadata(meta, q.shape[0], k_cache.shape[0], k_cache.shape[1])
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    return _mgpu_jit(q, k_cache, v_cache, meta, sm_scale=float(sm_scale),
+    return _mgpu_jit(q, k_cache, v_cache, meta, k_scale, v_scale, sm_scale=float(sm_scale),
                      sliding_window=None if sliding_window is None else int(sliding_window),
                      soft_cap=None if soft_cap is None else float(soft_cap), kv_chunk=kv_chunk,
-                     bq=bq, gp=gp, num_splits=splits, interpret=bool(interpret))
+                     bq=bq, gp=gp, num_splits=splits,
+                     interpret=interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+                     else bool(interpret))

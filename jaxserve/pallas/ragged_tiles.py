@@ -33,7 +33,7 @@ class TilePlan:
 
 
 def plan_tiles(meta, num_tokens: int, bq: int, gp: int) -> TilePlan:
-    """Split every real sequence's new tokens into tiles of <= bq tokens (a cumsum, no host sync)."""
+    """Split every real sequence's new tokens into tiles of <= bq tokens (cumsum, no host sync)."""
     S = meta.kv_lens.shape[0]
     cu = meta.cu_q_lens.astype(jnp.int32)
     real = jnp.arange(S) < meta.num_seqs.reshape(-1)[0]
