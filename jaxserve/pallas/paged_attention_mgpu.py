@@ -6,12 +6,16 @@ paged caches [N, B, K, D], metadata `block_tables [S, M]`, `kv_lens [S]`, `cu_q_
 chunk; GQA of any ratio; padding tokens get zeros. Oracle: `ref_ragged_paged_attention`.
 
 Supported (anything else raises ValueError naming the field):
-  q bf16 with a bf16 cache, or with an fp8 (e4m3, e5m2) / int8 cache and per-token-head f32
-  scales [N, B, K]; head_dim 64/128/256; GQA ratio G <= 64; block_size B a multiple of 8
-  dividing the KV chunk (64, 128, 192 or 256 tokens); sliding window; soft cap.
-  NOT yet: f32 or f16 q (and f32 caches). Hopper's wgmma reads 32-bit operands as tf32 and
-  only K-major, so P @ V with an f32 V needs V restaged in SMEM and a 3-pass bf16 split to
-  keep f32 accuracy; not written.
+  q bf16 or f32; a bf16 cache, or an fp8 (e4m3, e5m2) / int8 cache with per-token-head f32
+  scales [N, B, K]; head_dim 64/128/256 (f32 q: 64/128, 256 does not fit shared memory);
+  GQA ratio G <= 64; block_size B a multiple of 8 dividing the KV chunk (64, 128, 192 or 256
+  tokens); sliding window; soft cap.
+  NOT yet: f16 q, f16 or f32 caches. Hopper's wgmma reads 32-bit operands as tf32 and only
+  K-major, so an f32 V would need restaging in SMEM and a bf16 high/low split in-kernel.
+f32 q: the wrapper splits q into bf16 high + low parts (q = hi + lo to ~16 mantissa bits) and
+the kernel splits P the same way, so QK and PV are two bf16 wgmma's each with f32 accumulation:
+near-f32 accuracy (max error ~1e-5 on unit-variance data) at twice the tensor-core work, which
+a memory-bound decode step does not notice.
 
 Partitioning. Grid `(K, NT, P)`: program (h, i, p) owns kv head h, query tile i and KV split p.
 A query tile (jaxserve/pallas/ragged_tiles.py) is up to bq tokens of ONE sequence times the G
@@ -38,6 +42,12 @@ scales are passed transposed to [K, N, B] so each page's B scales of one kv head
 for TMA (one XLA transpose of 1/D of the cache's elements per call).
 
 The cache write is not fused (same reasons as the Triton kernel's docstring).
+
+Status: checked in Mosaic GPU interpret mode against the reference (with its race detector) and
+lowered for CUDA on CPU (layouts, the 227 KiB shared-memory limit); not yet compiled or timed on
+an H100 (tests/test_paged_attention_mgpu.py's `gpu` tests do that). Known costs left for tuning:
+one warpgroup both issues the TMA copies and computes (no producer warpgroup), P makes an SMEM
+round trip before P @ V, and the block sizes are untuned.
 """
 from __future__ import annotations
 
@@ -65,7 +75,12 @@ except ImportError:  # pragma: no cover - depends on the installed jax
 
 ROWS = 64                        # wgmma M: query rows per program
 OUT_COLS = 128                   # f32 output staged through SMEM this many columns at a time
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16),)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def q_parts(dtype) -> int:
+    """bf16 parts q (and P) are split into for wgmma: f32 is bf16 high + bf16 low."""
+    return 2 if jnp.dtype(dtype) == jnp.float32 else 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,10 +109,10 @@ def _widen(x, dtype):
 def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv_lens_ref,
                       bt_ref, q_ref, k_ref, v_ref, *refs, sm_scale, block_size, kv_chunk, gp,
                       num_splits, sliding_window, soft_cap, quantized):
-    # GMEM: q_ref [K, NT, R, D]; k_ref/v_ref [N, B, K, D] (cache dtype); bt_ref [S, M];
+    # GMEM: q_ref [K, NT, Qs, R, D] (Qs = 2 for f32 q: bf16 high and low parts); k_ref/v_ref [N, B, K, D] (cache dtype); bt_ref [S, M];
     #       ks_ref/vs_ref [K, N, B] f32 (quantized only);
     #       acc_out [K, NT, P, R, D] f32; m_out/l_out [K, NT, P, R] f32.
-    # SMEM: q_smem [R, D]; k_smem/v_smem [2, C, D] (cache dtype); p_smem [R, C];
+    # SMEM: q_smem [Qs, R, D]; k_smem/v_smem [2, C, D] (cache dtype); p_smem [Qs, R, C];
     #       o_smem [R, min(D, 128)] f32; ml_smem [2, R] f32; quantized only: k_cmp/v_cmp [C, D]
     #       (the chunk widened to the compute dtype), ks_smem/vs_smem [2, C] f32.
     if quantized:
@@ -107,7 +122,7 @@ def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv
         (acc_out, m_out, l_out, q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem,
          q_bar, k_bar, v_bar) = refs
     kh, i, split = lax.axis_index("kv_head"), lax.axis_index("tile"), lax.axis_index("split")
-    R, D = q_smem.shape
+    Qs, R, D = q_smem.shape
     C, B = kv_chunk, block_size
     ppc = C // B                                            # pages per chunk
     N, M = k_ref.shape[0], bt_ref.shape[1]
@@ -126,7 +141,8 @@ def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv
     c_lo = jnp.minimum(c_first + split * per, c_end)
     c_hi = jnp.minimum(c_lo + per, c_end)
 
-    plgpu.copy_gmem_to_smem(q_ref.at[kh, i], q_smem, q_bar)
+    for h in range(Qs):                 # one copy per part: TMA strides at most 5 dimensions
+        plgpu.copy_gmem_to_smem(q_ref.at[kh, i, h], q_smem.at[h], q_bar)
 
     def fetch(c, slot):
         """Issue the page copies of chunk c into `slot`; each page arrives on the slot barrier."""
@@ -172,7 +188,8 @@ def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv
             k_op = k_cmp
 
         def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_op.T)
+            for h in range(Qs):             # f32 q: q_hi.k + q_lo.k, f32 accumulation
+                plgpu.wgmma(acc_ref, q_smem.at[h], k_op.T)
             return acc_ref[...]
         s = pl.run_scoped(qk, plgpu.ACC((R, C), jnp.float32))                 # [R, C] f32
         if quantized:                       # q.(k * s_k) = (q.k) * s_k: scale score columns
@@ -199,11 +216,15 @@ def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv
         # P goes through SMEM and P V into a fresh accumulator added in registers: GPU interpret
         # mode reads wgmma operands only from SMEM and has no pl.run_state (pre-initialised
         # ACC). Both cost an [R, C] store and an [R, D] add, small next to the KV reads.
-        p_smem[...] = p.astype(cdt)
+        p_hi = p.astype(cdt)
+        p_smem[0] = p_hi
+        if Qs == 2:                         # f32 q: P as bf16 high + low parts too
+            p_smem[1] = (p - p_hi.astype(jnp.float32)).astype(cdt)
         plgpu.commit_smem()
 
         def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_op)
+            for h in range(Qs):
+                plgpu.wgmma(acc_ref, p_smem.at[h], v_op)
             return acc_ref[...]
         pv_out = pl.run_scoped(pv, plgpu.ACC((R, D), jnp.float32))           # [R, D] f32
         acc = acc * lax.broadcast_in_dim(alpha, (R, D), [0]) + pv_out
@@ -242,7 +263,7 @@ def _interpret_params(interpret):
 def _call_kernel(q_tiles, plan, meta, k_cache, v_cache, k_scale, v_scale, *, sm_scale,
                  sliding_window, soft_cap, kv_chunk, num_splits, interpret):
     """Run the grid; returns f32 partials acc [K, NT, P, R, D], m / l [K, NT, P, R]."""
-    K, nt, R, D = q_tiles.shape
+    K, nt, Qs, R, D = q_tiles.shape
     B = k_cache.shape[1]
     cdt = q_tiles.dtype
     kvdt = k_cache.dtype
@@ -253,14 +274,14 @@ def _call_kernel(q_tiles, plan, meta, k_cache, v_cache, k_scale, v_scale, *, sm_
         num_splits=P, sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized)
     arrivals = (kv_chunk // B) * (2 if quantized else 1)     # one per page copy (+ its scales)
     scratch = [
-        plgpu.SMEM((R, D), cdt, transforms=_smem_transforms(cdt, D)),
+        plgpu.SMEM((Qs, R, D), cdt, transforms=_smem_transforms(cdt, D)),
         plgpu.SMEM((2, kv_chunk, D), kvdt, transforms=_smem_transforms(kvdt, D)),
         plgpu.SMEM((2, kv_chunk, D), kvdt, transforms=_smem_transforms(kvdt, D)),
-        plgpu.SMEM((R, kv_chunk), cdt, transforms=_smem_transforms(cdt, kv_chunk)),
+        plgpu.SMEM((Qs, R, kv_chunk), cdt, transforms=_smem_transforms(cdt, kv_chunk)),
         plgpu.SMEM((R, min(D, OUT_COLS)), jnp.float32,
                    transforms=_smem_transforms(jnp.float32, min(D, OUT_COLS))),
         plgpu.SMEM((2, R), jnp.float32),
-        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=Qs),
         plgpu.Barrier(num_arrivals=arrivals, num_barriers=2),
         plgpu.Barrier(num_arrivals=arrivals, num_barriers=2),
     ]
@@ -291,16 +312,14 @@ def _call_kernel(q_tiles, plan, meta, k_cache, v_cache, k_scale, v_scale, *, sm_
 SMEM_BYTES = 227 * 1024          # H100 opt-in shared memory per block
 
 
-def smem_bytes(rows: int, head_dim: int, kv_chunk: int, itemsize: int,
-               kv_itemsize: int | None = None) -> int:
-    """Shared memory one program allocates: Q, two K and two V chunk slots, P, f32 O, m, l;
-    with a quantised cache (kv_itemsize given) also the widened K/V chunk and the scales."""
-    quant = 0
-    if kv_itemsize is not None:
-        quant = 2 * kv_chunk * head_dim * itemsize + 4 * kv_chunk * 4
-    kv_itemsize = kv_itemsize or itemsize
-    return (rows * head_dim * itemsize + 4 * kv_chunk * head_dim * kv_itemsize + quant
-            + rows * kv_chunk * itemsize
+def smem_bytes(rows: int, head_dim: int, kv_chunk: int, *, quantized: bool = False,
+               q_parts: int = 1) -> int:
+    """Shared memory one program allocates: Q (q_parts bf16 parts), two K and two V chunk slots
+    (1-byte fp8/int8 when quantized, else bf16), P (q_parts parts), f32 O, m, l; quantised
+    caches also hold the widened bf16 K/V chunk and two slots of K/V scales."""
+    kv = 4 * kv_chunk * head_dim * (1 if quantized else 2)
+    widened = 2 * kv_chunk * head_dim * 2 + 4 * kv_chunk * 4 if quantized else 0
+    return (q_parts * rows * head_dim * 2 + kv + widened + q_parts * rows * kv_chunk * 2
             + rows * min(head_dim, OUT_COLS) * 4 + 2 * rows * 4 + 1024)
 
 
@@ -311,11 +330,11 @@ def validate_mgpu(q, k_cache, v_cache, *, kv_chunk: int, num_splits: int) -> Non
                          f"plgpu.kernel with GPU interpret mode); this is jax {jax.__version__}")
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
         raise ValueError(f"q dtype {q.dtype} not supported by the Mosaic GPU kernel yet "
-                         f"(supported: bfloat16)")
+                         f"(supported: bfloat16, float32)")
     kv_dt = jnp.dtype(k_cache.dtype)
-    if kv_dt != jnp.dtype(q.dtype) and kv_dt not in QUANTIZED_KV_DTYPES:
+    if kv_dt != jnp.dtype(jnp.bfloat16) and kv_dt not in QUANTIZED_KV_DTYPES:
         raise ValueError(f"KV cache dtype {k_cache.dtype} not supported by the Mosaic GPU kernel "
-                         f"(must be the q dtype {q.dtype}, or fp8/int8 with scales)")
+                         f"yet (supported: bfloat16, or fp8/int8 with scales)")
     _, H, D = q.shape
     B, K = k_cache.shape[1:3]
     if H // K > ROWS:
@@ -328,11 +347,11 @@ def validate_mgpu(q, k_cache, v_cache, *, kv_chunk: int, num_splits: int) -> Non
                          f"in [64, 256]")
     if not (isinstance(num_splits, numbers.Integral) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    need = smem_bytes(ROWS, D, kv_chunk, jnp.dtype(q.dtype).itemsize,
-                      kv_dt.itemsize if kv_dt in QUANTIZED_KV_DTYPES else None)
+    need = smem_bytes(ROWS, D, kv_chunk, quantized=kv_dt in QUANTIZED_KV_DTYPES,
+                      q_parts=q_parts(q.dtype))
     if need > SMEM_BYTES:
-        raise ValueError(f"kv_tokens={kv_chunk} with head_dim {D} needs {need} bytes of shared "
-                         f"memory, over the {SMEM_BYTES} a Hopper block has")
+        raise ValueError(f"kv_tokens={kv_chunk} with head_dim {D} and q {q.dtype} needs {need} "
+                         f"bytes of shared memory, over the {SMEM_BYTES} a Hopper block has")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,6 +373,7 @@ DEFAULT_BLOCK_SIZES = {
     128: MgpuBlockSizes(kv_tokens=128),
     256: MgpuBlockSizes(kv_tokens=64),
 }
+F32_Q_KV_TOKENS = 64             # f32 q: D=128 146 KiB with a bf16 cache (D=256 does not fit)
 TARGET_PROGRAMS = 264            # two programs per H100 SM (132 SMs)
 MAX_SPLITS = 32
 
@@ -368,6 +388,8 @@ def _plan(q, k_cache, meta, block_sizes):
     T, H, D = q.shape
     B, K = k_cache.shape[1:3]
     bs = block_sizes or DEFAULT_BLOCK_SIZES[D]
+    if block_sizes is None and q_parts(q.dtype) == 2:   # two Q and P parts: smaller KV chunks
+        bs = dataclasses.replace(bs, kv_tokens=min(bs.kv_tokens, F32_Q_KV_TOKENS))
     kv_chunk = max(bs.kv_tokens, B)
     gp = 1 << (H // K - 1).bit_length()
     bq = ROWS // gp
@@ -385,6 +407,11 @@ def _mgpu_jit(q, k_cache, v_cache, meta, k_scale, v_scale, *, sm_scale, sliding_
     K = k_cache.shape[2]
     plan = plan_tiles(meta, T, bq, gp)
     q_tiles = gather_q_tiles(q, meta, plan, K)                          # [K, NT, R, D]
+    if q.dtype == jnp.float32:      # bf16 high + low parts: ~16 mantissa bits through wgmma
+        hi = q_tiles.astype(jnp.bfloat16)
+        q_tiles = jnp.stack([hi, (q_tiles - hi.astype(jnp.float32)).astype(jnp.bfloat16)], 2)
+    else:
+        q_tiles = q_tiles[:, :, None]                                   # [K, NT, Qs, R, D]
     acc, m, l = _call_kernel(q_tiles, plan, meta, k_cache, v_cache, k_scale, v_scale,
                              sm_scale=sm_scale,
                              sliding_window=sliding_window, soft_cap=soft_cap, kv_chunk=kv_chunk,
