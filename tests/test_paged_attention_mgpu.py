@@ -1,0 +1,228 @@
+"""Mosaic GPU ragged paged attention (jaxserve/pallas/paged_attention_mgpu.py).
+
+Three gates, as docs/DESIGN.md's "Kernels" asks:
+  * GPU interpret mode (jax >= 0.11, CPU) against `ref_ragged_paged_attention` on every case of
+    the Triton kernel's CASES the kernel supports: every case with bf16 q (bf16 cache, or the
+    case's fp8/int8 cache), and every case with head_dim <= 128 with f32 q (the case's fp8/int8
+    cache, else the f32 cache rounded to bf16: f32 caches are not supported).
+    Each case runs with small blocks (64-token chunks, 3 KV splits: many chunks, both SMEM slots,
+    empty splits) and with the shipped defaults.
+  * lowering for CUDA on CPU (Mosaic GPU checks layouts and the 227 KiB shared-memory limit at
+    lowering) for every shipped block configuration, under an H100 AbstractDevice.
+  * `gpu`-marked: the compiled kernel against the reference on a GPU.
+On jax < 0.11 (the Python 3.11 venv) everything but the import check skips, with the reason.
+
+Tolerances (max abs error; the reference sees the same bf16/fp8/int8 cache values):
+  bf16 q: P rounded to bf16 before P @ V                         5e-2 (the Triton kernel's)
+  f32 q: q and P as bf16 high + low parts (~16 mantissa bits)     5e-5 (Triton f32: 2e-5;
+         observed 6e-6 to 1.2e-5 here)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.pallas import paged_attention_mgpu as mgpu
+from jaxserve.pallas.paged_attention import ref_ragged_paged_attention
+from jaxserve.pallas.paged_attention_mgpu import MgpuBlockSizes, ragged_paged_attention_mgpu
+from test_paged_attention_kernel import CASES, Case, make_batch, max_err
+
+needs_mgpu = pytest.mark.skipif(
+    not mgpu.MGPU_AVAILABLE,
+    reason=f"Mosaic GPU plgpu.kernel + GPU interpret mode need jax >= 0.11 "
+           f"(this is {jax.__version__}); run with the Python 3.12 venv")
+
+TOL = {"bfloat16": 5e-2, "float32": 5e-5}
+SMALL = MgpuBlockSizes(kv_tokens=64, num_splits=3)
+SUPPORTED = {name: dataclasses.replace(case, dtype="bfloat16", blocks=None)
+             for name, case in CASES.items()}
+F32_Q = {name: dataclasses.replace(case, dtype="float32", blocks=None)
+         for name, case in CASES.items() if case.D <= 128}
+# beyond CASES: contexts of many chunks and pages, 8-token pages, splits over a long prefix
+SUPPORTED.update({
+    "long_ctx_b8_pages": Case(q_lens=(1, 1, 20, 1), ctx=(300, 129, 200, 0), T=32, S=5, B=8,
+                              N=160, M=64, K=2, G=4, D=128, dtype="bfloat16"),
+    "long_window_gqa5": Case(q_lens=(1, 37), ctx=(400, 150), T=40, S=2, N=64, M=32, K=1, G=5,
+                             window=90, soft_cap=10.0, dtype="bfloat16"),
+})
+
+
+def batch(case: Case, seed: int = 0):
+    """make_batch, with an f32 case's unquantised cache rounded to bf16 (no f32 caches here)."""
+    q, k, v, meta, ks, vs = make_batch(case, seed)
+    if case.kv == "auto" and k.dtype == jnp.float32:
+        k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    return q, k, v, meta, ks, vs
+
+
+def run(case: Case, block_sizes, *, seed: int, interpret: bool):
+    q, k, v, meta, ks, vs = batch(case, seed)
+    args = dict(sm_scale=1.0 / np.sqrt(case.D), sliding_window=case.window,
+                soft_cap=case.soft_cap, k_scale=ks, v_scale=vs)
+    out = ragged_paged_attention_mgpu(q, k, v, meta, interpret=interpret,
+                                      block_sizes=block_sizes, **args)
+    with jax.default_matmul_precision("highest"):
+        ref = ref_ragged_paged_attention(q, k, v, meta, **args)
+    return out, ref, meta
+
+
+@needs_mgpu
+@pytest.mark.parametrize("blocks", ["small", "default"])
+@pytest.mark.parametrize("name", list(SUPPORTED))
+def test_interpret_matches_reference(name, blocks):
+    case = SUPPORTED[name]
+    out, ref, meta = run(case, SMALL if blocks == "small" else None,
+                         seed=sum(map(ord, name)), interpret=True)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert max_err(out, ref) <= TOL[case.dtype], name
+    assert not np.asarray(out[int(meta.cu_q_lens[-1]):]).any()     # padding tokens are zeros
+
+
+@needs_mgpu
+@pytest.mark.parametrize("name", list(F32_Q))
+def test_interpret_f32_q_matches_reference(name):
+    case = F32_Q[name]
+    out, ref, meta = run(case, None, seed=sum(map(ord, name)), interpret=True)
+    assert out.dtype == jnp.float32
+    assert max_err(out, ref) <= TOL["float32"], name
+    assert not np.asarray(out[int(meta.cu_q_lens[-1]):]).any()
+
+
+# --- what the kernel does not do yet, and its own limits -----------------------------------------
+def _batch(**kw):
+    return make_batch(Case(q_lens=(1, 3), ctx=(4, 0), T=4, S=2, dtype="bfloat16", **kw))
+
+
+@needs_mgpu
+def test_rejects_unsupported_dtypes_and_blocks():
+    q, k, v, meta, _, _ = _batch()
+    with pytest.raises(ValueError, match="q dtype float16 not supported"):
+        ragged_paged_attention_mgpu(q.astype(jnp.float16), k.astype(jnp.float16),
+                                    v.astype(jnp.float16), meta, sm_scale=0.1)
+    with pytest.raises(ValueError, match="head_dim 256 and q float32 needs"):
+        q2, k2, v2, meta2, _, _ = make_batch(Case(q_lens=(1,), ctx=(4,), T=4, S=1, D=256, M=2,
+                                                  N=8, dtype="bfloat16"))
+        ragged_paged_attention_mgpu(q2.astype(jnp.float32), k2, v2, meta2, sm_scale=0.1)
+    with pytest.raises(ValueError, match="KV cache dtype float32 not supported"):
+        ragged_paged_attention_mgpu(q, k.astype(jnp.float32), v.astype(jnp.float32), meta,
+                                    sm_scale=0.1)
+    with pytest.raises(ValueError, match="kv_tokens=32"):
+        ragged_paged_attention_mgpu(q, k, v, meta, sm_scale=0.1,
+                                    block_sizes=MgpuBlockSizes(kv_tokens=32))
+    with pytest.raises(ValueError, match="num_splits"):
+        ragged_paged_attention_mgpu(q, k, v, meta, sm_scale=0.1,
+                                    block_sizes=MgpuBlockSizes(kv_tokens=64, num_splits=-2))
+    with pytest.raises(ValueError, match="multiple of kv heads"):      # the shared checks run too
+        ragged_paged_attention_mgpu(q[:, :7], k, v, meta, sm_scale=0.1)
+
+
+@pytest.mark.skipif(mgpu.MGPU_AVAILABLE, reason="checks the message on jax < 0.11 only")
+def test_old_jax_gets_a_clear_error():
+    q, k, v, meta, _, _ = _batch()
+    with pytest.raises(ValueError, match="needs jax >= 0.11"):
+        ragged_paged_attention_mgpu(q, k, v, meta, sm_scale=0.1)
+
+
+def test_default_splits_fill_the_gpu_and_stay_bounded():
+    assert mgpu.default_num_splits(8, 64, 64) == 1          # 512 programs already
+    assert mgpu.default_num_splits(8, 32, 64) == 2          # 256: just under two per SM
+    assert mgpu.default_num_splits(8, 4, 64) == 16          # batch 4 decode: split the context
+    assert mgpu.default_num_splits(1, 1, 3) == 3            # never more than the chunks
+    assert mgpu.default_num_splits(1, 1, 1000) == mgpu.MAX_SPLITS
+
+
+def test_shipped_blocks_fit_shared_memory():
+    for head_dim, bs in mgpu.DEFAULT_BLOCK_SIZES.items():
+        for quantized in (False, True):                     # bf16 cache, fp8/int8 cache
+            need = mgpu.smem_bytes(mgpu.ROWS, head_dim, bs.kv_tokens, quantized=quantized)
+            assert need <= mgpu.SMEM_BYTES, (head_dim, quantized)
+            if head_dim <= 128:                             # f32 q: two parts, smaller chunks
+                c = min(bs.kv_tokens, mgpu.F32_Q_KV_TOKENS)
+                need = mgpu.smem_bytes(mgpu.ROWS, head_dim, c, quantized=quantized, q_parts=2)
+                assert need <= mgpu.SMEM_BYTES, (head_dim, quantized, "f32 q")
+
+
+# --- lowering for CUDA without a GPU --------------------------------------------------------------
+H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                   platform="gpu")
+
+
+def lower_for_h100(case: Case, block_sizes: MgpuBlockSizes, **opts) -> str:
+    """Trace the jitted entry with `interpret=False` and lower it for CUDA under an abstract
+    H100 mesh; Mosaic GPU runs layout inference and the shared-memory check while lowering."""
+    q, k, v, meta, ks, vs = batch(case)
+    kv_chunk, bq, gp, splits = mgpu._plan(q, k, meta, block_sizes)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = mgpu._mgpu_jit.trace(q, k, v, meta, ks, vs, sm_scale=0.1, kv_chunk=kv_chunk, bq=bq,
+                                      gp=gp, num_splits=splits, interpret=False, **opts)
+        return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@needs_mgpu
+@pytest.mark.parametrize("q_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("head_dim", sorted(mgpu.DEFAULT_BLOCK_SIZES))
+def test_shipped_blocks_lower_for_cuda(head_dim, kv, q_dtype):
+    if q_dtype == "float32" and head_dim > 128:
+        pytest.skip("f32 q with head_dim 256 is rejected (shared memory), see the module docs")
+    case = Case(q_lens=(1, 13, 1), ctx=(33, 4, 0), T=16, S=3, D=head_dim, dtype=q_dtype, kv=kv)
+    bs = mgpu.DEFAULT_BLOCK_SIZES[head_dim]
+    if q_dtype == "float32":
+        bs = dataclasses.replace(bs, kv_tokens=min(bs.kv_tokens, mgpu.F32_Q_KV_TOKENS))
+    bs = dataclasses.replace(bs, num_splits=2)
+    text = lower_for_h100(case, bs, sliding_window=8, soft_cap=5.0)
+    assert "mosaic_gpu" in text
+
+
+@needs_mgpu
+def test_lowering_rejects_blocks_over_shared_memory():
+    """The lowering gate has teeth: D=256 with 128-token chunks needs ~265 KiB."""
+    case = Case(q_lens=(1,), ctx=(33,), T=4, S=1, D=256, dtype="bfloat16")
+    with pytest.raises(ValueError, match="shared memory"):
+        lower_for_h100(case, MgpuBlockSizes(kv_tokens=128, num_splits=1), sliding_window=None,
+                       soft_cap=None)
+
+
+# --- compiled, on a GPU ---------------------------------------------------------------------------
+@pytest.mark.gpu
+@needs_mgpu
+@pytest.mark.parametrize("blocks", ["small", "default"])
+@pytest.mark.parametrize("name", list(SUPPORTED))
+def test_compiled_matches_reference(name, blocks):
+    case = SUPPORTED[name]
+    out, ref, meta = run(case, SMALL if blocks == "small" else None,
+                         seed=sum(map(ord, name)), interpret=False)
+    assert max_err(out, ref) <= TOL[case.dtype], name
+    assert not np.asarray(out[int(meta.cu_q_lens[-1]):]).any()
+
+
+@pytest.mark.gpu
+@needs_mgpu
+@pytest.mark.parametrize("name", list(F32_Q))
+def test_compiled_f32_q_matches_reference(name):
+    out, ref, meta = run(F32_Q[name], None, seed=sum(map(ord, name)), interpret=False)
+    assert max_err(out, ref) <= TOL["float32"], name
+
+
+@needs_mgpu
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_interpret_finds_no_races(kv):
+    """The interpreter's happens-before race detector over several chunks per split. It tracks
+    TMA copies and ordinary SMEM loads/stores, not wgmma operand reads (jax 0.11.2), so it
+    checks the int8 path's widening reads against the page copies (dropping the K barrier wait
+    makes this test fail), the P and output stores; bf16 K/V slots are read only by wgmma."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
+    case = Case(q_lens=(1, 9), ctx=(200, 120), T=16, S=2, N=64, M=16, dtype="bfloat16", kv=kv)
+    q, k, v, meta, ks, vs = make_batch(case)
+    args = dict(sm_scale=0.125, k_scale=ks, v_scale=vs)
+    gpu_interpret.reset_gpu_interpret_mode_state()
+    out = ragged_paged_attention_mgpu(
+        q, k, v, meta, interpret=mgpu.plgpu.InterpretGPUParams(detect_races=True),
+        block_sizes=MgpuBlockSizes(kv_tokens=64, num_splits=2), **args)
+    assert max_err(out, ref_ragged_paged_attention(q, k, v, meta, **args)) <= TOL["bfloat16"]
+    assert not gpu_interpret.get_races().races_found
