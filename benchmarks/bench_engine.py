@@ -270,8 +270,8 @@ def main():
     lo, hi = (16, 128) if args.quick else (16, 512)
     args.max_model_len = hi + max_new
 
-    from jaxserve.tokenizer.tokenizer import Tokenizer
     from jaxserve.default_model import default_model_path
+    from jaxserve.tokenizer.tokenizer import Tokenizer
     tok = Tokenizer.from_model(str(default_model_path()))
     prompts = make_prompts(tok, num, lo, hi)
     print(f"{num} prompts, {sum(map(len, prompts))} prompt tokens ({lo}-{hi}), "

@@ -118,7 +118,7 @@ async def _one(session, base, rng: random.Random, tally: Tally) -> None:
                     return
         tally.served += 1
         tally.latencies.append(time.perf_counter() - t0)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         if kind == "cancel":
             tally.cancels += 1
         else:

@@ -71,7 +71,7 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face `config.json` dict (transformers 4.x or 5.x layout)."""
         archs = hf.get("architectures") or []
         if not archs:
@@ -279,6 +279,6 @@ class EngineArgs:
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel)
 
-    def replace(self, **changes) -> "EngineArgs":
+    def replace(self, **changes) -> EngineArgs:
         return dataclasses.replace(self, **changes)
 

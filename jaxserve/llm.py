@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from jaxserve.config import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
@@ -139,7 +139,7 @@ class LLM:
         if self.llm_engine is not None:
             self.llm_engine.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,7 +8,6 @@ Host side, no jax. `Logprob` entries map token id -> Logprob for the sampled tok
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 @dataclass
@@ -17,12 +16,12 @@ class Logprob:
     decoded text."""
 
     logprob: float
-    rank: Optional[int] = None
-    decoded_token: Optional[str] = None
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 SampleLogprobs = list[dict[int, Logprob]]
-PromptLogprobs = list[Optional[dict[int, Logprob]]]
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -36,9 +35,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: Optional[float]
-    logprobs: Optional[SampleLogprobs]
-    finish_reason: Optional[str] = None
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
@@ -56,11 +55,11 @@ class RequestMetrics:
     """Timestamps (time.time() seconds) of one request's life."""
 
     arrival_time: float
-    last_token_time: Optional[float] = None
-    first_scheduled_time: Optional[float] = None
-    first_token_time: Optional[float] = None
-    time_in_queue: Optional[float] = None
-    finished_time: Optional[float] = None
+    last_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time_in_queue: float | None = None
+    finished_time: float | None = None
     # Not in vLLM's RequestMetrics: every gap between consecutive output tokens (seconds), so
     # the inter-token latency histogram sees each gap, not a per-request mean.
     inter_token_latencies: list[float] = field(default_factory=list, repr=False)
@@ -69,9 +68,9 @@ class RequestMetrics:
 class RequestOutput:
     """The output of one request so far (or the delta since the last one, in DELTA mode)."""
 
-    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
-                 prompt_logprobs: Optional[PromptLogprobs], outputs: list[CompletionOutput],
-                 finished: bool, metrics: Optional[RequestMetrics] = None,
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 prompt_logprobs: PromptLogprobs | None, outputs: list[CompletionOutput],
+                 finished: bool, metrics: RequestMetrics | None = None,
                  num_cached_tokens: int = 0) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -82,7 +81,7 @@ class RequestOutput:
         self.metrics = metrics
         self.num_cached_tokens = num_cached_tokens
 
-    def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Merge a later output of the same request into this one.
 
         aggregate=True appends deltas (text, tokens, logprobs) to the matching completion, which is

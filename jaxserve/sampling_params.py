@@ -7,11 +7,12 @@ field and its allowed range, so every entry point (LLM, server, batch) reports t
 from __future__ import annotations
 
 import copy
-import math
 import dataclasses
 import enum
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
 _SAMPLING_EPS = 1e-5
@@ -174,7 +175,7 @@ class SamplingParams:
             raise ValueError("best_of must equal n to use output_kind=DELTA")
 
     @classmethod
-    def from_optional(cls, **kwargs: Any) -> "SamplingParams":
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
         """Build from kwargs where None means "use the default" (the server's request bodies)."""
         keep_none = {"best_of", "seed", "stop", "stop_token_ids", "max_tokens", "logprobs",
                      "prompt_logprobs", "logit_bias", "extra_args"}
@@ -224,11 +225,11 @@ class SamplingParams:
         eos = frozenset() if self.ignore_eos else self._eos_token_ids
         return eos | frozenset(self.stop_token_ids)
 
-    def clone(self) -> "SamplingParams":
+    def clone(self) -> SamplingParams:
         """A deep copy (n > 1 children and per-request updates must not share lists/dicts)."""
         return copy.deepcopy(self)
 
-    def replace(self, **changes: Any) -> "SamplingParams":
+    def replace(self, **changes: Any) -> SamplingParams:
         """A validated copy with some fields changed; keeps the recorded EOS ids."""
         new = dataclasses.replace(self, **changes)
         new._eos_token_ids = self._eos_token_ids

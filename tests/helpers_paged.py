@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention import kv_cache as kvc
 from jaxserve.attention import AttentionMetadata
+from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 

@@ -30,7 +30,7 @@ def http_status(url: str, timeout: float = 5.0) -> int | None:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
-    except (urllib.error.URLError, ConnectionError, socket.timeout, OSError):
+    except (TimeoutError, urllib.error.URLError, ConnectionError, OSError):
         return None
 
 
@@ -44,7 +44,7 @@ class ServerProcess:
         self.health_seen: list[int] = []     # distinct /health statuses, in order
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 600.0) -> "ServerProcess":
+    def start(self, timeout: float = 600.0) -> ServerProcess:
         self._log = open(self.log_path, "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from jaxserve.server.batch import jsonl as batch_io
-from jaxserve.server.batch.runner import BatchRunner
 from jaxserve.server.batch.jsonl import JsonlWriter
+from jaxserve.server.batch.runner import BatchRunner
 
 REPO = Path(__file__).resolve().parent.parent
 

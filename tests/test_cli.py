@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from jaxserve.server.cli import main as cli
 from jaxserve.config import EngineArgs
+from jaxserve.server.cli import main as cli
 
 
 def parse(*argv):

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import engine_variant
+
 from jaxserve import SamplingParams
-from jaxserve.attention import kv_cache as kvc
 from jaxserve.attention import AttentionMetadata
+from jaxserve.attention import kv_cache as kvc
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import requests
-
 from server_fixtures import ServerProcess
 
 schemathesis = pytest.importorskip("schemathesis")

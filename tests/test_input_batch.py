@@ -9,12 +9,12 @@ import random
 
 import numpy as np
 import pytest
+from test_scheduler import VOCAB, add, make, next_token, reference_output
 
 from jaxserve.core.request import RequestStatus
-from jaxserve.core.scheduler import NewRequestData, SchedulerOutput, ScheduledRequest
+from jaxserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.input_batch import InputBatch
-from test_scheduler import VOCAB, add, make, next_token, reference_output
 
 
 class FakeWorker:

@@ -6,16 +6,14 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import gguf
 import numpy as np
 import pytest
-
-import gguf
 from gguf import GGMLQuantizationType as QT
+from helpers_paged import PagedRunner
 
 from jaxserve import default_model
 from jaxserve.loader.loader import ModelLoadError, load_model
-
-from helpers_paged import PagedRunner
 
 # A tiny llama: 2 layers, GQA 2 (so the k permutation must use the kv head count).
 TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

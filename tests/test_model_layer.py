@@ -169,6 +169,7 @@ def test_carried_cpu_tokens_of_the_dummy_tiny_llama_are_current():
     the CPU computes today (regenerate with `python benchmarks/make_cpu_tokens.py`)."""
     sys.path.insert(0, str(CONFIGS.parent))
     import make_cpu_tokens as m
+
     from jaxserve import LLM
     want = json.loads((Path(m.TINY) / "cpu_greedy.json").read_text())
     assert want["prompts"] == m.prompts()

@@ -23,11 +23,11 @@ pytestmark = pytest.mark.slow
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from helpers_paged import PagedRunner  # noqa: E402
+
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.default_model import default_model_path  # noqa: E402
 from jaxserve.loader.loader import load_hf_config, load_model  # noqa: E402
-
-from helpers_paged import PagedRunner  # noqa: E402
 
 # Default model: logits reach ~35 in magnitude; f32 on both sides measures ~7e-5.
 DEFAULT_LOGIT_ATOL = 1e-3

@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_paged_attention_kernel import CASES, Case, make_batch, max_err
 
 from jaxserve.pallas import paged_attention_mgpu as mgpu
 from jaxserve.pallas.paged_attention import ref_ragged_paged_attention
 from jaxserve.pallas.paged_attention_mgpu import MgpuBlockSizes, ragged_paged_attention_mgpu
-from test_paged_attention_kernel import CASES, Case, make_batch, max_err
 
 needs_mgpu = pytest.mark.skipif(
     not mgpu.MGPU_AVAILABLE,

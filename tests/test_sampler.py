@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.core.scheduler import NewRequestData
 from jaxserve.sample import penalties
-from jaxserve.sample.sampler import SamplingTensors, sample as _sample, score
+from jaxserve.sample.sampler import SamplingTensors, score
+from jaxserve.sample.sampler import sample as _sample
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.input_batch import InputBatch
 

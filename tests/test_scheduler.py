@@ -13,8 +13,8 @@ import pytest
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler
+from jaxserve.sampling_params import SamplingParams
 
 VOCAB = 50
 
@@ -182,7 +182,7 @@ def test_prefix_hit_counted_as_num_cached_tokens():
 
 def test_running_decodes_come_first_and_chunks_respect_budget():
     sched, runner = make(num_blocks=128, block_size=4, budget=16, max_model_len=256)
-    a = add(sched, "a", list(range(3)), max_tokens=50)
+    add(sched, "a", list(range(3)), max_tokens=50)
     step(sched, runner)                       # a's prompt, a now decodes
     b = add(sched, "b", list(range(100, 140)), max_tokens=3)
     c = add(sched, "c", list(range(200, 205)), max_tokens=3)

@@ -13,7 +13,6 @@ except ImportError:
     import httpx
 import openai
 import pytest
-
 from server_fixtures import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -368,8 +367,8 @@ def test_metrics_have_vllm_names_with_prefix(server):
 
 def test_inter_token_latency_histogram_sees_every_gap():
     """One observation per gap between output tokens (vLLM's histogram), not a per-request mean."""
-    from jaxserve.server.http.metrics import ServerMetrics
     from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from jaxserve.server.http.metrics import ServerMetrics
     m = ServerMetrics("m", lambda: None)
     metrics = RequestMetrics(arrival_time=100.0, first_token_time=100.5, last_token_time=103.5,
                              inter_token_latencies=[0.02, 0.03, 2.95])

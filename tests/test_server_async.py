@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
 from jaxserve.config import EngineArgs
+from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
 from jaxserve.engine.llm_engine import EngineStats
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams

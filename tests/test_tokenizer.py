@@ -220,7 +220,8 @@ def test_incremental_detokenization_flushes_incomplete_tail(gguf_tok):
 
 def test_incremental_detokenization_with_byte_fallback_tokens(tmp_path):
     """A SentencePiece-style vocabulary whose non-ASCII text falls back to <0x..> byte tokens."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for b in range(256):
@@ -280,7 +281,8 @@ def test_stop_buffer_holds_back_partial_stop_strings():
 
 
 def _tiny_hf_dir(path, chat_template=None, config_extra=None):
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -379,8 +381,8 @@ def test_gguf_sentencepiece_tokenizer_from_scores():
 
 def _write_tokenizer_gguf(path, model, pre, tokens, types, merges=None, scores=None):
     """A minimal llama GGUF holding tokenizer metadata and one tensor, enough for transformers."""
-    import numpy as np
     import gguf
+    import numpy as np
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
@@ -412,13 +414,15 @@ def _write_tokenizer_gguf(path, model, pre, tokens, types, merges=None, scores=N
 
 
 def _sentencepiece_gguf(path):
-    from tokenizers import Tokenizer as Backend, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers, trainers
 
     backend = Backend(models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"])
     backend.train_from_iterator(TEXTS * 3, trainer=trainer)
-    pieces = [p for p, _ in sorted(backend.get_vocab().items(), key=lambda kv: kv[1]) if p not in ("<unk>", "<s>", "</s>")]
+    by_id = sorted(backend.get_vocab().items(), key=lambda kv: kv[1])
+    pieces = [p for p, _ in by_id if p not in ("<unk>", "<s>", "</s>")]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]  # earlier pieces merge first
@@ -480,7 +484,8 @@ def test_tokenizer_module_imports_neither_jax_nor_torch():
     import subprocess
     import sys
 
-    code = "import sys, jaxserve.tokenizer.tokenizer; print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'torch'}))"
+    code = ("import sys, jaxserve.tokenizer.tokenizer; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'torch'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.stdout.strip() == "[]"

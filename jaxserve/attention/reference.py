@@ -36,7 +36,7 @@ class _Rows:
     ctx: jax.Array
     num: jax.Array
 
-    def padded(self, multiple: int, num_tokens: int) -> "_Rows":
+    def padded(self, multiple: int, num_tokens: int) -> _Rows:
         pad = (-self.seq.shape[0]) % multiple
         if not pad:
             return self

@@ -11,7 +11,7 @@ New blocks are taken from the head of the queue, so the head is the next evictio
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 
 class KVCacheBlock:
@@ -23,9 +23,9 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: Optional[int] = None
-        self.prev_free: Optional[KVCacheBlock] = None
-        self.next_free: Optional[KVCacheBlock] = None
+        self.block_hash: int | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, " \
@@ -104,7 +104,7 @@ class BlockPool:
         """Fraction of blocks in use (ref_cnt > 0); evictable cached blocks count as free."""
         return 1.0 - self.get_num_free_blocks() / self.num_blocks
 
-    def get_cached_block(self, block_hash: int) -> Optional[KVCacheBlock]:
+    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: int) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 import secrets
 import time
-from typing import Optional
 
 from jaxserve.outputs import RequestMetrics
 from jaxserve.sampling_params import SamplingParams
@@ -31,7 +30,7 @@ class RequestStatus(enum.IntEnum):
         """Works as `status.is_finished()` and as vLLM's `RequestStatus.is_finished(status)`."""
         return self > RequestStatus.PREEMPTED
 
-    def get_finished_reason(self) -> Optional[str]:
+    def get_finished_reason(self) -> str | None:
         """OpenAI finish_reason: "stop", "length", "abort", or None while not finished."""
         return _FINISHED_REASON.get(self)
 
@@ -59,9 +58,9 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams, arrival_time: Optional[float] = None,
-                 priority: int = 0, max_model_len: Optional[int] = None,
-                 sample_seed: Optional[int] = None) -> None:
+                 sampling_params: SamplingParams, arrival_time: float | None = None,
+                 priority: int = 0, max_model_len: int | None = None,
+                 sample_seed: int | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -87,10 +86,10 @@ class Request:
         else:
             self.max_tokens = 1 << 62
         # Timestamps for RequestMetrics (time.time()).
-        self.first_scheduled_time: Optional[float] = None
-        self.first_token_time: Optional[float] = None
-        self.last_token_time: Optional[float] = None
-        self.finished_time: Optional[float] = None
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
         self.token_gaps: list[float] = []      # seconds between consecutive output tokens
 
     @property
@@ -118,7 +117,7 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished()
 
-    def get_finished_reason(self) -> Optional[str]:
+    def get_finished_reason(self) -> str | None:
         return self.status.get_finished_reason()
 
     def metrics(self) -> RequestMetrics:

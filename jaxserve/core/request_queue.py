@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from typing import Iterator
+from collections.abc import Iterator
 
 from jaxserve.core.request import Request
 

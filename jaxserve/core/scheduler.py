@@ -18,8 +18,8 @@ Contract with the engine:
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
@@ -257,8 +257,8 @@ class Scheduler:
                            sampled: dict[str, list[int]]) -> list[Request]:
         """Advance each scheduled request by what was computed, append sampled tokens for the
         `sample` rows (several per row with speculative decoding; tokens after a stop are
-        dropped; every sample row needs at least one), finish and free stopped requests. Returns the requests that got tokens or
-        finished. Rows aborted since `schedule()` are skipped."""
+        dropped; every sample row needs at least one), finish and free stopped requests. Returns
+        the requests that got tokens or finished. Rows aborted since `schedule()` are skipped."""
         changed = []
         for row in scheduler_output.scheduled:
             request = self.requests.get(row.request_id)

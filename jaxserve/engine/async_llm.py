@@ -21,7 +21,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from jaxserve.config import EngineArgs
 from jaxserve.outputs import RequestOutput
@@ -57,7 +57,7 @@ class RequestStream:
     output, not one per token. An error replaces whatever is pending.
     """
 
-    def __init__(self, llm: "AsyncLLM", request_id: str,
+    def __init__(self, llm: AsyncLLM, request_id: str,
                  output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE):
         self.request_id = request_id
         self.finished = False

@@ -17,17 +17,17 @@ import jax
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.attention import resolve_backend
 from jaxserve.config import EngineArgs
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
+from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.loader.gguf import read_gguf
 from jaxserve.loader.loader import load_model, resolve_dtype
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.sharding.mesh import make_mesh
-from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.core.request import Request, RequestStatus
+from jaxserve.tokenizer.tokenizer import Tokenizer
 from jaxserve.worker.kv_sizing import num_kv_blocks
 from jaxserve.worker.model_runner import ModelRunner
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.core.scheduler import Scheduler
-from jaxserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("jaxserve")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.core.request import Request
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer, check_stop_strings
 

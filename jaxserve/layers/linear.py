@@ -8,7 +8,7 @@ file calls `linear(x, w, b)` and never branches on how its weights are stored.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -7,8 +7,8 @@ models/llama.py applies unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,7 @@ def resolve_dtype(dtype: str, platform: str | None = None):
     try:
         return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype]
     except KeyError:
-        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}") from None
 
 
 def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=None):

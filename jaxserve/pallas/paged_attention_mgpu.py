@@ -61,8 +61,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxserve.pallas.paged_attention import (MASK_VALUE, QUANTIZED_KV_DTYPES, _is_concrete,
-                                             validate_inputs, validate_metadata)
+from jaxserve.pallas.paged_attention import (
+    MASK_VALUE,
+    QUANTIZED_KV_DTYPES,
+    _is_concrete,
+    validate_inputs,
+    validate_metadata,
+)
 from jaxserve.pallas.paged_attention_decode import combine_splits
 from jaxserve.pallas.ragged_tiles import gather_q_tiles, plan_tiles, scatter_tiles
 
@@ -109,7 +114,8 @@ def _widen(x, dtype):
 def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv_lens_ref,
                       bt_ref, q_ref, k_ref, v_ref, *refs, sm_scale, block_size, kv_chunk, gp,
                       num_splits, sliding_window, soft_cap, quantized):
-    # GMEM: q_ref [K, NT, Qs, R, D] (Qs = 2 for f32 q: bf16 high and low parts); k_ref/v_ref [N, B, K, D] (cache dtype); bt_ref [S, M];
+    # GMEM: q_ref [K, NT, Qs, R, D] (Qs = 2 for f32 q: bf16 high and low parts);
+    #       k_ref/v_ref [N, B, K, D] (cache dtype); bt_ref [S, M];
     #       ks_ref/vs_ref [K, N, B] f32 (quantized only);
     #       acc_out [K, NT, P, R, D] f32; m_out/l_out [K, NT, P, R] f32.
     # SMEM: q_smem [Qs, R, D]; k_smem/v_smem [2, C, D] (cache dtype); p_smem [Qs, R, C];

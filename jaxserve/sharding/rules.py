@@ -9,7 +9,7 @@ and `w_down` need a sum across devices. Experts split over "ep".
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec

@@ -223,9 +223,11 @@ def _sentencepiece_tokenizer(data: GGUFTokenizerData) -> Tokenizer:
         scores = {t: s for t, s, ty in zip(data.tokens, data.scores, data.token_types) if ty in (1, 4, 5)}
         merges = generate_merges(vocab, scores)
     unk = data.tokens[data.unk_token_id] if data.unk_token_id is not None else None
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True, dropout=None))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True,
+                               dropout=None))
     prefix = data.add_space_prefix
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never", split=False)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
+                                                 split=False)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if prefix:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
@@ -259,7 +261,8 @@ def build_gguf_tokenizer(data: GGUFTokenizerData) -> Tokenizer:
     if user:
         tok.add_tokens(user)
     add_bos = data.add_bos_token if data.add_bos_token is not None else data.model == "llama"
-    set_bos_eos_post_processor(tok, data.bos_token_id if add_bos else None, data.eos_token_id if data.add_eos_token else None)
+    set_bos_eos_post_processor(tok, data.bos_token_id if add_bos else None,
+                               data.eos_token_id if data.add_eos_token else None)
     return tok
 
 

@@ -57,7 +57,7 @@ class Tokenizer:
     # ---- loading ---------------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_pretrained_dir(cls, path: str | os.PathLike) -> Tokenizer:
         """Load tokenizer.json, tokenizer_config.json and the chat template from an HF model dir."""
         path = os.fspath(path)
         tok_file = os.path.join(path, "tokenizer.json")
@@ -96,7 +96,7 @@ class Tokenizer:
         return cls(backend, **special, chat_template=chat_template, add_bos_token=adds_bos)
 
     @classmethod
-    def from_gguf(cls, path_or_reader) -> "Tokenizer":
+    def from_gguf(cls, path_or_reader) -> Tokenizer:
         """Rebuild the tokenizer described by a GGUF file (a path or an open `gguf.GGUFReader`)."""
         data = read_gguf_tokenizer(path_or_reader)
         backend = build_gguf_tokenizer(data)
@@ -112,7 +112,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def synthetic(cls, vocab_size: int, eos_token_id: int | None = None) -> "Tokenizer":
+    def synthetic(cls, vocab_size: int, eos_token_id: int | None = None) -> Tokenizer:
         """A word-level tokenizer whose tokens are "t0" .. "t{vocab_size-1}" (id i is "t{i}"),
         for `--load-format dummy` models that ship only a config.json: text prompts such as
         "t17 t42" encode to [17, 42], unknown words to 0, and outputs decode to such words."""
@@ -125,7 +125,7 @@ class Tokenizer:
                    chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
 
     @classmethod
-    def from_model(cls, model: str | os.PathLike) -> "Tokenizer":
+    def from_model(cls, model: str | os.PathLike) -> Tokenizer:
         """`model` is a .gguf file or an HF directory."""
         model = os.fspath(model)
         if os.path.isfile(model) and model.endswith(".gguf"):
@@ -164,7 +164,8 @@ class Tokenizer:
     def all_special_ids(self) -> list[int]:
         """Every added token marked special, plus the bos/eos/unk/pad ids."""
         ids = {i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
-        ids |= {i for i in (self.bos_token_id, self.eos_token_id, self.unk_token_id, self.pad_token_id) if i is not None}
+        named = (self.bos_token_id, self.eos_token_id, self.unk_token_id, self.pad_token_id)
+        ids |= {i for i in named if i is not None}
         return sorted(ids)
 
     def get_vocab(self) -> dict[str, int]:

@@ -25,7 +25,8 @@ import os
 import sys
 import uuid
 from collections import Counter
-from typing import IO, Iterator
+from collections.abc import Iterator
+from typing import IO
 
 # error.code of the line written for a repeated custom_id; resume counts these separately.
 DUPLICATE_CODE = "duplicate_custom_id"
@@ -89,7 +90,7 @@ class JsonlWriter:
         self.stream, self._close = stream, close
 
     @classmethod
-    def open(cls, path: str, append: bool) -> "JsonlWriter":
+    def open(cls, path: str, append: bool) -> JsonlWriter:
         if path == "-":
             return cls(sys.stdout, close=False)
         return cls(open(path, "a" if append else "w", encoding="utf-8"), close=True)

@@ -35,11 +35,11 @@ import asyncio
 import dataclasses
 import itertools
 import json
-import os
 import logging
+import os
 import sys
 import time
-from typing import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 
 from jaxserve.server.batch import jsonl as batch_io
 from jaxserve.server.batch.jsonl import DUPLICATE_CODE, JsonlWriter, ResumeState, error_body, output_line
@@ -300,8 +300,13 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 def engine_routes(serving) -> dict[str, Route]:
     """`/v1/completions` and `/v1/chat/completions` answered by the server's `OpenAIServing`:
     the same body validation, model check (404), prompt checks and response JSON as HTTP."""
-    from jaxserve.server.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                 OpenAIError, check_json_body, validate_request)
+    from jaxserve.server.openai.protocol import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        OpenAIError,
+        check_json_body,
+        validate_request,
+    )
 
     def route(model_cls, endpoint):
         async def answer(body: dict) -> dict:

@@ -20,7 +20,8 @@ import dataclasses
 import json
 import logging
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from jaxserve.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineArgs
 
@@ -341,7 +342,7 @@ def _version() -> str:
     return f"jaxserve {__version__}"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     parser = build_parser()

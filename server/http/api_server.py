@@ -8,24 +8,29 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
-import hmac
 import signal
 import time
-from typing import Optional
 
 from aiohttp import web
 from pydantic import BaseModel
 
 import jaxserve
-from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.config import EngineArgs
+from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.server.http.metrics import CONTENT_TYPE, ServerMetrics
-from jaxserve.server.openai.protocol import (check_json_body, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                      validate_request,
-                                      OpenAIError, TokenizeRequest)
 from jaxserve.server.http.openapi import openapi_document
+from jaxserve.server.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIError,
+    TokenizeRequest,
+    check_json_body,
+    validate_request,
+)
 from jaxserve.server.openai.serving import OpenAIServing
 
 logger = logging.getLogger("jaxserve.server")
@@ -39,9 +44,9 @@ class ServerArgs:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: Optional[str] = None
-    served_model_name: Optional[list[str]] = None
-    max_waiting_requests: Optional[int] = None
+    api_key: str | None = None
+    served_model_name: list[str] | None = None
+    max_waiting_requests: int | None = None
     response_role: str = "assistant"
     shutdown_timeout: float = 30.0
     max_request_body_bytes: int = 8 << 20
@@ -67,12 +72,12 @@ class Server:
         self.llm = AsyncLLM(engine_args, warmup=warmup,
                             max_waiting_requests=server_args.max_waiting_requests,
                             on_output=self._on_output)
-        self.serving: Optional[OpenAIServing] = None
-        self.metrics: Optional[ServerMetrics] = None
+        self.serving: OpenAIServing | None = None
+        self.metrics: ServerMetrics | None = None
         self.app = self._build_app()
-        self.runner: Optional[web.AppRunner] = None
+        self.runner: web.AppRunner | None = None
         self.stopping = False
-        self._stats_task: Optional[asyncio.Future] = None
+        self._stats_task: asyncio.Future | None = None
 
     def _on_output(self, out, arrival):
         if self.metrics is not None:

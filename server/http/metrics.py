@@ -8,7 +8,7 @@ and engine-wide counters are read from the engine loop's last `EngineStats` snap
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

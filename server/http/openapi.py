@@ -8,8 +8,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from jaxserve.server.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                             DetokenizeRequest, ErrorResponse, TokenizeRequest)
+from jaxserve.server.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    TokenizeRequest,
+)
 
 _REF = "#/components/schemas/{model}"
 _ERRORS = {"400": "invalid request", "401": "missing or wrong API key",

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 
 def _lp(value: float) -> float:
     return max(value, -9999.0)
@@ -51,7 +49,7 @@ def chat_logprobs(tok, token_ids: list[int], steps: list, top: int) -> dict:
     return {"content": content}
 
 
-def prompt_logprobs_json(prompt_logprobs) -> Optional[list]:
+def prompt_logprobs_json(prompt_logprobs) -> list | None:
     if prompt_logprobs is None:
         return None
     return [None if step is None else

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -85,7 +85,7 @@ def validate_request(model_cls: type[BaseModel], data: dict) -> BaseModel:
 class ErrorInfo(BaseModel):
     message: str
     type: str
-    param: Optional[str] = None
+    param: str | None = None
     code: int
 
 
@@ -106,38 +106,38 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: Optional[bool] = True
-    continuous_usage_stats: Optional[bool] = False
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
 
 
 class _SamplingFields(OpenAIBaseModel):
     """vLLM's extra sampling fields, accepted by both completion and chat requests."""
 
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     length_penalty: float = 1.0
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: Optional[int] = None
-    prompt_logprobs: Optional[int] = None
-    add_special_tokens: Optional[bool] = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    add_special_tokens: bool | None = None
     priority: int = 0
-    request_id: Optional[str] = None
+    request_id: str | None = None
 
     def _check_stream_options(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("Stream options can only be defined when `stream=True`.")
         return self
 
-    def _sampling(self, *, max_tokens: int, logprobs: Optional[int], stream: bool,
-                  temperature: Optional[float], top_p: Optional[float], n: Optional[int],
+    def _sampling(self, *, max_tokens: int, logprobs: int | None, stream: bool,
+                  temperature: float | None, top_p: float | None, n: int | None,
                   presence_penalty, frequency_penalty, seed, stop, logit_bias,
-                  prompt_logprobs: Optional[int]) -> SamplingParams:
+                  prompt_logprobs: int | None) -> SamplingParams:
         return SamplingParams.from_optional(
             n=n, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             repetition_penalty=self.repetition_penalty, temperature=temperature, top_p=top_p,
@@ -152,24 +152,24 @@ class _SamplingFields(OpenAIBaseModel):
 
 class CompletionRequest(_SamplingFields):
     # OpenAI fields, in the order of https://platform.openai.com/docs/api-reference/completions
-    model: Optional[str] = None
-    prompt: Union[list[int], list[list[int]], str, list[str]]
-    best_of: Optional[int] = None
-    echo: Optional[bool] = False
-    frequency_penalty: Optional[float] = 0.0
-    logit_bias: Optional[dict[str, float]] = None
-    logprobs: Optional[int] = None
-    max_tokens: Optional[int] = 16
+    model: str | None = None
+    prompt: list[int] | list[list[int]] | str | list[str]
+    best_of: int | None = None
+    echo: bool | None = False
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: int | None = None
+    max_tokens: int | None = 16
     n: int = 1
-    presence_penalty: Optional[float] = 0.0
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
-    suffix: Optional[str] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    user: Optional[str] = None
+    presence_penalty: float | None = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
 
     @model_validator(mode="after")
     def _validate(self):
@@ -194,32 +194,32 @@ class CompletionRequest(_SamplingFields):
 class ChatCompletionRequest(_SamplingFields):
     # OpenAI fields, in the order of https://platform.openai.com/docs/api-reference/chat/create
     messages: list[dict[str, Any]]
-    model: Optional[str] = None
-    frequency_penalty: Optional[float] = 0.0
-    logit_bias: Optional[dict[str, float]] = None
-    logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = 0
-    max_tokens: Optional[int] = None   # deprecated by OpenAI for max_completion_tokens
-    max_completion_tokens: Optional[int] = None
-    n: Optional[int] = 1
-    presence_penalty: Optional[float] = 0.0
-    response_format: Optional[dict[str, Any]] = None
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = "none"
-    parallel_tool_calls: Optional[bool] = False
-    user: Optional[str] = None
+    model: str | None = None
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+    max_tokens: int | None = None   # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: int | None = None
+    n: int | None = 1
+    presence_penalty: float | None = 0.0
+    response_format: dict[str, Any] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = "none"
+    parallel_tool_calls: bool | None = False
+    user: str | None = None
     # vLLM's chat extras
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template: Optional[str] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _validate(self):
@@ -248,7 +248,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError(f"tool_choice {choice!r} is not supported yet (it needs guided "
                              'decoding); use "none".')
 
-    def requested_max_tokens(self) -> Optional[int]:
+    def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
@@ -265,9 +265,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(OpenAIBaseModel):
-    model: Optional[str] = None
-    prompt: Optional[str] = None
-    messages: Optional[list[dict[str, Any]]] = None
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -280,15 +280,15 @@ class TokenizeRequest(OpenAIBaseModel):
 
 
 class DetokenizeRequest(OpenAIBaseModel):
-    model: Optional[str] = None
+    model: str | None = None
     tokens: list[int]
 
 
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
-    completion_tokens: Optional[int] = 0
-    prompt_tokens_details: Optional[dict[str, int]] = None
+    completion_tokens: int | None = 0
+    prompt_tokens_details: dict[str, int] | None = None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:

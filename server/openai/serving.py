@@ -15,14 +15,21 @@ import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Optional
+from collections.abc import AsyncIterator
 
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.openai.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
-from jaxserve.server.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                      OpenAIError, TokenizeRequest, model_card, usage)
+from jaxserve.server.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIError,
+    TokenizeRequest,
+    model_card,
+    usage,
+)
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -42,7 +49,7 @@ def random_id(prefix: str) -> str:
 class _Prompt:
     """One prompt after tokenization: its text (for echo) and token ids."""
 
-    def __init__(self, text: Optional[str], token_ids: list[int]):
+    def __init__(self, text: str | None, token_ids: list[int]):
         self.text = text
         self.token_ids = token_ids
 
@@ -60,13 +67,13 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.served_model_names[0] if self.served_model_names else self.engine.model_name
 
-    def check_model(self, name: Optional[str]) -> str:
+    def check_model(self, name: str | None) -> str:
         names = self.served_model_names or [self.engine.model_name]
         if name is None or name in names:
             return name or names[0]
         raise OpenAIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
 
-    def _check_prompt(self, token_ids: list[int], max_tokens: Optional[int]) -> int:
+    def _check_prompt(self, token_ids: list[int], max_tokens: int | None) -> int:
         """Validate one prompt; returns the default max_tokens (room left in the context)."""
         n, limit = len(token_ids), self.engine.max_model_len
         if n == 0:
@@ -88,7 +95,7 @@ class OpenAIServing:
                               param="max_tokens")
         return limit - n
 
-    def _check_logprobs(self, num: Optional[int], param: str) -> None:
+    def _check_logprobs(self, num: int | None, param: str) -> None:
         top = self.engine.max_logprobs
         if num is not None and not 0 <= num <= top:
             raise OpenAIError(400, f"`{param}` must be in [0, {top}], got {num} (the server's "
