@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from jaxserve.config import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.logger import configure_default_logging
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -32,6 +33,7 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         self.engine_args = EngineArgs(model=model, **kwargs)
+        configure_default_logging()
         self.llm_engine = LLMEngine(self.engine_args, warmup=warmup)
         self._counter = itertools.count()
 

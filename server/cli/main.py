@@ -345,6 +345,8 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    # jax's backend probing ("Unable to initialize backend 'tpu' ... libtpu.so") is INFO noise.
+    logging.getLogger("jax").setLevel(logging.WARNING)
     parser = build_parser()
     ns = parser.parse_args(argv)
     if not ns.command:
