@@ -54,6 +54,13 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[tuple]]
 
 
+def _replicated_like(weights) -> jax.sharding.Sharding:
+    sharding = jax.tree_util.tree_leaves(weights)[0].sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, *, dtype, backend: str, max_logprobs: int,
@@ -70,7 +77,10 @@ class ModelRunner:
                                        kv_dtype or dtype, quantized=kv_quantize is not None)
         self.input_batch = InputBatch(self.max_seqs, model_config.vocab_size)
         # [max_num_seqs, vocab] x 4 on the device: the penalties never change shape.
-        self.penalties = penalties.zeros(self.max_seqs, model_config.vocab_size)
+        # Replicated on the weights' mesh, as the step returns it: jit keys its cache on the
+        # sharding, so a single-device start would retrace the row write while serving.
+        self.penalties = jax.device_put(penalties.zeros(self.max_seqs, model_config.vocab_size),
+                                        _replicated_like(weights))
         model = get_model(model_config.architecture)
         self._model = model
         k = max_logprobs
