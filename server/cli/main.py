@@ -23,7 +23,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from jaxserve.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineArgs
+from jaxserve.config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_COMPILATION_CACHE_DIR,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    EngineArgs,
+)
 
 logger = logging.getLogger("jaxserve")
 
@@ -91,7 +98,7 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("attention_backend", "CompilationConfig", dict(choices=ATTENTION_BACKENDS,
                                                     help="Attention implementation.")),
     ("compilation_cache_dir", "CompilationConfig", dict(help="Persistent XLA compilation cache "
-                                                        "('' disables; default "
+                                                        "('' disables; the CLI's default: "
                                                         "~/.cache/jaxserve/xla).")),
 ]
 _SHORT = {"tensor_parallel_size": ["-tp"]}
@@ -133,6 +140,9 @@ def engine_args_from(ns: argparse.Namespace | dict, **overrides) -> EngineArgs:
     names = kwargs.get("served_model_name")
     if isinstance(names, (list, tuple)):
         kwargs["served_model_name"] = names[0] if names else None
+    # The CLI turns JAX's persistent compilation cache on (a process of its own); the Python
+    # API leaves jax.config alone unless asked.
+    kwargs.setdefault("compilation_cache_dir", DEFAULT_COMPILATION_CACHE_DIR)
     kwargs.update(overrides)
     return EngineArgs(**kwargs)
 
