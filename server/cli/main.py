@@ -207,6 +207,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                                                           "assistant).")
     fe.add_argument("--max-request-body-bytes", type=int, default=None,
                     help="Answer 413 to larger request bodies (default: 8 MiB).")
+    fe.add_argument("--shutdown-timeout", type=float, default=None,
+                    help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before "
+                         "aborting them (default: 30).")
     fe.add_argument("--disable-access-log", "--disable-uvicorn-access-log", action="store_true",
                     help="No log line per request.")
     fe.add_argument("--disable-log-stats", action="store_true",
@@ -240,7 +243,9 @@ def _serve(ns: argparse.Namespace) -> int:
                              allowed_origins=tuple(ns.allowed_origins or ()),
                              log_stats_interval=0.0 if ns.disable_log_stats else 10.0,
                              **({} if ns.max_request_body_bytes is None else
-                                {"max_request_body_bytes": ns.max_request_body_bytes}))
+                                {"max_request_body_bytes": ns.max_request_body_bytes}),
+                             **({} if ns.shutdown_timeout is None else
+                                {"shutdown_timeout": ns.shutdown_timeout}))
     logger.info("jaxserve serve %s: %s", engine_args.model or "(default model)",
                 describe_config(engine_args, server_args))
     return asyncio.run(serve(engine_args, server_args))
