@@ -208,6 +208,9 @@ class ParallelConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/jaxserve/xla"   # the CLI's; see EngineArgs
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Every engine knob, named as vLLM names it. `LLM(**kwargs)` and the CLI both build this."""
@@ -234,7 +237,9 @@ class EngineArgs:
     speculative_config: dict | None = None
     seed: int = 0
     load_format: str = "auto"   # "dummy": seeded random weights of config.json's shapes
-    compilation_cache_dir: str | None = None   # None: ~/.cache/jaxserve/xla; "" disables
+    # JAX's persistent compilation cache (process-wide jax.config): None or "" leaves jax.config
+    # alone; the jaxserve CLI passes ~/.cache/jaxserve/xla unless --compilation-cache-dir says.
+    compilation_cache_dir: str | None = None
     max_logprobs: int = 20
 
     def __post_init__(self):

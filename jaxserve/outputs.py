@@ -28,7 +28,7 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 class CompletionOutput:
     """One sample of a request.
 
-    finish_reason: None while running, else "stop", "length" or "abort".
+    finish_reason: None while running, else "stop", "length", "abort" or "error" (its step failed).
     stop_reason: the stop string or stop token id that ended it; None for EOS, length or running.
     """
 

@@ -52,6 +52,14 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped in CI, which must run every non-GPU test: {reason}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache():
+    """The test process uses JAX's persistent compilation cache, as the CLI does (an engine no
+    longer turns it on by itself), so warm reruns load programs instead of compiling them."""
+    from jaxserve.engine.llm_engine import enable_compilation_cache
+    enable_compilation_cache(None)
+
+
 @pytest.fixture(scope="session")
 def llm():
     from jaxserve import LLM

@@ -319,8 +319,12 @@ def test_add_request_rejects_bad_prompts():
     with pytest.raises(ValueError, match="empty"):
         add(sched, "empty", [])
     small, _ = make(max_model_len=64, num_blocks=2, block_size=4)
-    with pytest.raises(ValueError, match="KV blocks"):
+    with pytest.raises(ValueError, match="prompt .* longer than the whole KV cache") as info:
         add(small, "big", list(range(10)), max_tokens=10)
+    assert info.value.param == "prompt"
+    with pytest.raises(ValueError, match="KV blocks") as info:      # the prompt fits, the rest not
+        add(small, "long_output", list(range(6)), max_tokens=10)
+    assert info.value.param == "max_tokens" and not small.has_unfinished_requests()
     add(sched, "ok", [1])
     with pytest.raises(ValueError, match="already"):
         add(sched, "ok", [1])
@@ -359,3 +363,31 @@ def test_request_sample_seed_prefers_the_params_seed():
     assert Request("b", [1], SamplingParams(), sample_seed=99).sample_seed == 99
     assert Request("c", [1], SamplingParams(seed=-5 + 2**40)).sample_seed == (2**40 - 5) & 0xFFFFFFFF
     assert 0 <= Request("d", [1], SamplingParams()).sample_seed < 2**32
+
+
+def test_failed_step_finishes_its_rows_with_error_and_uncaches_what_it_would_have_written():
+    """A step that raised wrote no K/V: its requests end with "error", every hash it registered
+    is gone (also on a block a same-step request took as a hit), other requests go on, and the
+    cache is then read back correctly by the fake runner."""
+    sched, runner = make(num_blocks=32, block_size=4, budget=64)
+    prompt = list(range(10, 22))                      # 3 full blocks
+    other = add(sched, "other", [1, 2, 3, 4, 5], max_tokens=6)
+    step(sched, runner)                               # "other" is prefilled and running
+    add(sched, "a", prompt, max_tokens=3)
+    add(sched, "b", prompt + [7], max_tokens=3)   # same step: hits the blocks a just hashed
+    sched.finish_requests("other", RequestStatus.FINISHED_ABORTED)   # a finished id to resend
+    pool = sched.kv_cache_manager.block_pool
+    written_before = dict(pool.cached_block_hash_to_block)     # "other"'s first block
+    out = sched.schedule()
+    assert {r.request_id for r in out.scheduled} == {"a", "b"}
+    assert sched.get_request("b").num_computed_tokens == 12   # hits on blocks hashed this step
+    failed = sched.fail_step(out)                     # the runner raised: nothing was written
+    assert {r.request_id for r in failed} == {"a", "b"}
+    assert all(r.get_finished_reason() == "error" for r in failed)
+    assert pool.cached_block_hash_to_block == written_before
+    assert sched.kv_cache_usage == 0.0 and not sched.has_unfinished_requests()
+    assert other.request_id in sched.schedule().finished_request_ids   # resent to the worker
+    again = add(sched, "again", prompt, max_tokens=3)
+    run_all(sched, runner)                            # reads its context back: no stale hit
+    assert again.num_cached_tokens == 0
+    assert again.output_token_ids == reference_output(prompt, 3, 128)

@@ -162,14 +162,14 @@ class KVCacheManager:
     def uncache_uncomputed_blocks(self, request: Request) -> None:
         """Unregister the blocks this step's allocation hashed for the request, i.e. those at or
         past its first uncomputed token. Needed when a scheduled row is dropped from the step
-        (priority preemption): its K/V will never be written, so the hashes would lie. Only the
-        request holds such blocks: other requests take prefix hits only when admitted, after
-        every preemption of the step."""
+        (priority preemption) or its step raised: its K/V will never be written, so the hashes
+        would lie. Such a block can be shared only by a request admitted in the same step that
+        took it as a prefix hit (a hit on a block hashed earlier in the step); that request's
+        row is dropped or failed with it, so the hash goes whatever the block's ref count."""
         start = request.num_computed_tokens // self.block_size
         blocks = self.req_to_blocks.get(request.request_id, [])
         for block in blocks[start:]:
-            if block.ref_cnt == 1:
-                self.block_pool.uncache_block(block)
+            self.block_pool.uncache_block(block)
         if request.request_id in self.num_cached_blocks:
             self.num_cached_blocks[request.request_id] = min(
                 self.num_cached_blocks[request.request_id], start)

@@ -25,13 +25,15 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
 
     def is_finished(self) -> bool:
         """Works as `status.is_finished()` and as vLLM's `RequestStatus.is_finished(status)`."""
         return self > RequestStatus.PREEMPTED
 
     def get_finished_reason(self) -> str | None:
-        """OpenAI finish_reason: "stop", "length", "abort", or None while not finished."""
+        """OpenAI finish_reason: "stop", "length", "abort", "error", or None while not
+        finished."""
         return _FINISHED_REASON.get(self)
 
 
@@ -41,7 +43,17 @@ _FINISHED_REASON = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",     # its step raised (vLLM's FINISHED_ERROR)
 }
+
+
+class InvalidRequestError(ValueError):
+    """A request refused at admission; `param` names the request field at fault (the server
+    reports it in the OpenAI error's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class Request:

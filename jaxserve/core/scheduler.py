@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.core.request_queue import WaitingQueue
 from jaxserve.sampling_params import SamplingParams
 
@@ -91,26 +91,41 @@ class Scheduler:
 
     # --- requests in and out -----------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request. Rejects (ValueError) duplicates, empty prompts, prompts longer than
-        max_model_len, and requests that could not fit in the whole KV cache even alone (they
-        would otherwise wait forever)."""
+    def check_request(self, request: Request) -> None:
+        """Raise InvalidRequestError (a ValueError naming the field) unless `add_request` would
+        accept the request: a duplicate id, an empty prompt, a prompt longer than max_model_len,
+        or a request that could not fit in the whole KV cache even alone (it would otherwise be
+        preempted and recomputed forever). Changes nothing."""
         n = request.num_prompt_tokens
         if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already in the "
+                                      "scheduler", "request_id")
         if n == 0:
-            raise ValueError("The decoder prompt cannot be empty")
+            raise InvalidRequestError("The decoder prompt cannot be empty", "prompt")
         if n > self.config.max_model_len:
-            raise ValueError(f"The decoder prompt (length {n}) is longer than the maximum model "
-                             f"length of {self.config.max_model_len}.")
-        max_len = min(self.config.max_model_len, n + request.max_tokens)
-        max_len += self.config.num_speculative_tokens
+            raise InvalidRequestError(f"The decoder prompt (length {n}) is longer than the "
+                                      f"maximum model length of {self.config.max_model_len}.",
+                                      "prompt")
+        spec = self.config.num_speculative_tokens
+        capacity = self.kv_cache_manager.num_blocks * self.block_size
+        if -(-(n + spec) // self.block_size) > self.kv_cache_manager.num_blocks:
+            raise InvalidRequestError(
+                f"The prompt ({n} tokens) is longer than the whole KV cache can hold "
+                f"({self.kv_cache_manager.num_blocks} blocks of {self.block_size} tokens = "
+                f"{capacity} tokens); shorten the prompt or give the KV cache more memory",
+                "prompt")
+        max_len = min(self.config.max_model_len, n + request.max_tokens) + spec
         need = -(-max_len // self.block_size)
         if need > self.kv_cache_manager.num_blocks:
-            raise ValueError(f"request {request.request_id!r} may need {need} KV blocks of "
-                             f"{self.block_size} tokens but the cache has only "
-                             f"{self.kv_cache_manager.num_blocks}; lower max_tokens or "
-                             "max_model_len, or give the KV cache more memory")
+            raise InvalidRequestError(
+                f"request {request.request_id!r} may need {need} KV blocks of {self.block_size} "
+                f"tokens ({n} prompt tokens + max_tokens {request.max_tokens}) but the cache has "
+                f"only {self.kv_cache_manager.num_blocks}; lower max_tokens or max_model_len, or "
+                "give the KV cache more memory", "max_tokens")
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request after `check_request`."""
+        self.check_request(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -132,6 +147,28 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = finished_status
             self._free_request(request)
+
+    def fail_step(self, scheduler_output: SchedulerOutput) -> list[Request]:
+        """The step of `scheduler_output` raised before its results came back: finish every
+        request it scheduled with FINISHED_ERROR, after unregistering the prefix-cache hashes of
+        the blocks that step would have written (their K/V is unknown, so a later hit would read
+        garbage). Requests outside the step are untouched. The worker never acknowledged the
+        step, so its finished and preempted ids are handed to it again with the next one.
+        Returns the failed requests (finished, blocks freed)."""
+        failed = []
+        for row in scheduler_output.scheduled:
+            request = self.requests.get(row.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self.kv_cache_manager.uncache_uncomputed_blocks(request)
+            self.running.remove(request)
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free_request(request)
+            failed.append(request)
+        # Removing an id the worker does not hold is a no-op, so resending is safe.
+        self.finished_req_ids.extend(scheduler_output.finished_request_ids)
+        self.finished_req_ids.extend(scheduler_output.preempted_request_ids)
+        return failed
 
     def _free_request(self, request: Request) -> None:
         request.finished_time = time.time()

@@ -11,14 +11,15 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 
 import jax
 
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.attention import resolve_backend
-from jaxserve.config import EngineArgs
-from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler import Scheduler
+from jaxserve.config import DEFAULT_COMPILATION_CACHE_DIR, EngineArgs
+from jaxserve.core.request import InvalidRequestError, Request, RequestStatus
+from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.loader.gguf import read_gguf
@@ -46,10 +47,13 @@ class EngineStats:
 
 
 def enable_compilation_cache(directory: str | None) -> str | None:
-    """JAX's persistent compilation cache, so a second start loads programs instead of compiling."""
+    """JAX's persistent compilation cache, so a second start loads programs instead of compiling.
+    Process-wide (jax.config): the `jaxserve` CLI turns it on (default directory
+    DEFAULT_COMPILATION_CACHE_DIR); an engine does only when given `compilation_cache_dir`.
+    None: the default directory; "": do nothing."""
     if directory == "":
         return None
-    directory = directory or os.path.expanduser("~/.cache/jaxserve/xla")
+    directory = os.path.expanduser(directory or DEFAULT_COMPILATION_CACHE_DIR)
     os.makedirs(directory, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -66,7 +70,8 @@ class LLMEngine:
         self.model_path = model_path
         self.model_name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None
                                                      else args.model)
-        enable_compilation_cache(args.compilation_cache_dir)
+        if args.compilation_cache_dir:      # opt-in: jax.config is the whole process's
+            enable_compilation_cache(args.compilation_cache_dir)
         reader = read_gguf(model_path) if str(model_path).endswith(".gguf") else None
         dtype = resolve_dtype(args.dtype)
         self.mesh = make_mesh(args.tensor_parallel_size)
@@ -104,6 +109,11 @@ class LLMEngine:
             self._eos_ids.add(self.tokenizer.eos_token_id)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # Test hook: called with each non-empty SchedulerOutput just before the runner executes
+        # it; an exception it raises is handled as a failure of that model step.
+        self.fault_hook: Callable[[SchedulerOutput], None] | None = None
+        self.num_failed_steps = 0
+        self.last_step_error: Exception | None = None
         self.warmup_seconds = self.runner.warmup() if warmup else 0.0
         self.startup_seconds = time.perf_counter() - t0
         logger.info("engine ready in %.1f s (%d compiled model programs)", self.startup_seconds,
@@ -164,8 +174,14 @@ class LLMEngine:
                             max_model_len=self.max_model_len,
                             sample_seed=self._rng.getrandbits(32))
                     for cid, p in zip(ids, child_params)]
+        # Validate every child before adding any, so a refusal leaves nothing behind.
         for req in requests:
-            self.scheduler.add_request(req)   # validates fit; nothing else is added on error
+            if self.processor.has_child(req.request_id):
+                raise InvalidRequestError(f"request id {req.request_id!r} (child of "
+                                          f"{request_id!r}) is already in use", "request_id")
+            self.scheduler.check_request(req)
+        for req in requests:
+            self.scheduler.add_request(req)
         self.processor.add_request(request_id, text, token_ids, params, ids, child_params)
 
     def abort_request(self, request_ids) -> None:
@@ -181,12 +197,28 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self):
-        """One engine iteration; returns the RequestOutputs that have something new."""
+        """One engine iteration; returns the RequestOutputs that have something new.
+
+        When the model step raises, only the requests of that step fail (finish_reason
+        "error"); the engine keeps serving the rest. An error that leaves the runner unusable
+        (its KV cache gone), or any error in the host bookkeeping, is raised: the engine is dead.
+        """
         sched = self.scheduler.schedule()
         # Even an empty schedule goes to the runner: it carries the finished / preempted ids the
         # worker must drop from its input batch.
-        result = self.runner.execute(sched)
+        try:
+            if self.fault_hook is not None and not sched.is_empty:
+                self.fault_hook(sched)
+            result = self.runner.execute(sched)
+        except Exception as e:
+            if sched.is_empty or not self._runner_usable():
+                raise
+            return self._fail_step(sched, e)
         prompt_rows = [self.scheduler.get_request(r) for r in result.prompt_logprobs]
+        # Each chunk's entries score the prompt positions after its first token, in order.
+        first_pos = {row.request_id: row.num_computed_tokens + 1 for row in sched.scheduled}
+        prompt_lps = {rid: [(first_pos[rid] + j, entry) for j, entry in enumerate(entries)]
+                      for rid, entries in result.prompt_logprobs.items()}
         updated = self.scheduler.update_from_output(sched, result.sampled)
         for req in updated:
             new = len(result.sampled.get(req.request_id, ()))
@@ -195,10 +227,28 @@ class LLMEngine:
                 self.prompt_tokens_total += req.num_prompt_tokens
         seen = {r.request_id for r in updated}
         extra = [r for r in prompt_rows if r is not None and r.request_id not in seen]
-        outputs, stopped = self.processor.process(updated + extra, result.logprobs,
-                                                  result.prompt_logprobs)
+        outputs, stopped = self.processor.process(updated + extra, result.logprobs, prompt_lps)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self._pending:
+            outputs, self._pending = self._pending + outputs, []
+        return outputs
+
+    def _runner_usable(self) -> bool:
+        """False when the failed step consumed the donated KV cache (nothing can run again)."""
+        runner = self.runner
+        return runner is not None and not any(
+            x.is_deleted() for x in jax.tree_util.tree_leaves((runner.cache, runner.penalties)))
+
+    def _fail_step(self, sched, error: Exception):
+        """Finish the failed step's requests with "error" (uncaching the blocks it would have
+        written) and return their outputs."""
+        failed = self.scheduler.fail_step(sched)
+        self.num_failed_steps += 1
+        self.last_step_error = error
+        logger.error("a model step failed; finishing its %d request(s) with finish_reason "
+                     "'error': %r", len(failed), error, exc_info=error)
+        outputs, _ = self.processor.process(failed, {}, {})
         if self._pending:
             outputs, self._pending = self._pending + outputs, []
         return outputs

@@ -66,6 +66,10 @@ class OutputProcessor:
     def has(self, request_id: str) -> bool:
         return request_id in self._parents
 
+    def has_child(self, request_id: str) -> bool:
+        """Whether a request id is taken by a live child (n > 1 children are "{i}_{parent}")."""
+        return request_id in self._child_of
+
     def child_ids(self, request_id: str) -> list[str]:
         return list(self._parents[request_id].child_ids) if request_id in self._parents else []
 
@@ -78,8 +82,9 @@ class OutputProcessor:
 
     def process(self, updated: list[Request], logprobs: dict, prompt_logprobs: dict,
                 aborted: list[str] = ()) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to deliver and the child ids that a stop string finished (the
-        caller must finish them in the scheduler)."""
+        """prompt_logprobs: request id -> [(prompt position, (token, logprob, rank, top ids,
+        top logprobs))]. Returns the outputs to deliver and the child ids that a stop string
+        finished (the caller must finish them in the scheduler)."""
         stopped, touched = [], {}
         for req in updated:
             if req.request_id not in self._child_of:
@@ -88,11 +93,7 @@ class OutputProcessor:
             child.request = req
             new_ids = req.output_token_ids[child.num_tokens:]
             if req.request_id in prompt_logprobs and parent.prompt_logprobs is not None:
-                have = len(parent.prompt_logprobs)
-                for (tok, lp, rank, ids, vals) in prompt_logprobs[req.request_id]:
-                    if have < len(parent.prompt_token_ids):   # a resumed request repeats chunks
-                        parent.prompt_logprobs.append(self._logprob_entry(tok, lp, rank, ids, vals))
-                        have += 1
+                self._add_prompt_logprobs(parent, prompt_logprobs[req.request_id])
             if new_ids:
                 new_chars = self._add_tokens(child, new_ids, logprobs.get(req.request_id))
                 if child.finish_reason is None and child.params.stop:
@@ -117,6 +118,21 @@ class OutputProcessor:
             if out is not None:
                 outputs.append(out)
         return outputs, stopped
+
+    def _add_prompt_logprobs(self, parent: _Parent, entries) -> None:
+        """entries: [(prompt position, (token, logprob, rank, top ids, top logprobs))]. Each
+        lands at its position; a position already filled keeps its first entry (a request
+        preempted mid-prompt recomputes from position 0 and scores those positions again)."""
+        lps = parent.prompt_logprobs
+        for pos, (tok, lp, rank, ids, vals) in entries:
+            if not 0 < pos < len(parent.prompt_token_ids):
+                continue
+            while len(lps) < pos:          # never expected: chunks arrive in position order
+                lps.append(None)
+            if pos == len(lps):
+                lps.append(self._logprob_entry(tok, lp, rank, ids, vals))
+            elif lps[pos] is None:
+                lps[pos] = self._logprob_entry(tok, lp, rank, ids, vals)
 
     def _add_tokens(self, child: _Child, new_ids: list[int], lp) -> int:
         """Returns the number of new characters."""

@@ -23,7 +23,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from jaxserve.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineArgs
+from jaxserve.config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_COMPILATION_CACHE_DIR,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    EngineArgs,
+)
 
 logger = logging.getLogger("jaxserve")
 
@@ -91,7 +98,7 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("attention_backend", "CompilationConfig", dict(choices=ATTENTION_BACKENDS,
                                                     help="Attention implementation.")),
     ("compilation_cache_dir", "CompilationConfig", dict(help="Persistent XLA compilation cache "
-                                                        "('' disables; default "
+                                                        "('' disables; the CLI's default: "
                                                         "~/.cache/jaxserve/xla).")),
 ]
 _SHORT = {"tensor_parallel_size": ["-tp"]}
@@ -133,6 +140,9 @@ def engine_args_from(ns: argparse.Namespace | dict, **overrides) -> EngineArgs:
     names = kwargs.get("served_model_name")
     if isinstance(names, (list, tuple)):
         kwargs["served_model_name"] = names[0] if names else None
+    # The CLI turns JAX's persistent compilation cache on (a process of its own); the Python
+    # API leaves jax.config alone unless asked.
+    kwargs.setdefault("compilation_cache_dir", DEFAULT_COMPILATION_CACHE_DIR)
     kwargs.update(overrides)
     return EngineArgs(**kwargs)
 
@@ -197,6 +207,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                                                           "assistant).")
     fe.add_argument("--max-request-body-bytes", type=int, default=None,
                     help="Answer 413 to larger request bodies (default: 8 MiB).")
+    fe.add_argument("--shutdown-timeout", type=float, default=None,
+                    help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before "
+                         "aborting them (default: 30).")
     fe.add_argument("--disable-access-log", "--disable-uvicorn-access-log", action="store_true",
                     help="No log line per request.")
     fe.add_argument("--disable-log-stats", action="store_true",
@@ -230,7 +243,9 @@ def _serve(ns: argparse.Namespace) -> int:
                              allowed_origins=tuple(ns.allowed_origins or ()),
                              log_stats_interval=0.0 if ns.disable_log_stats else 10.0,
                              **({} if ns.max_request_body_bytes is None else
-                                {"max_request_body_bytes": ns.max_request_body_bytes}))
+                                {"max_request_body_bytes": ns.max_request_body_bytes}),
+                             **({} if ns.shutdown_timeout is None else
+                                {"shutdown_timeout": ns.shutdown_timeout}))
     logger.info("jaxserve serve %s: %s", engine_args.model or "(default model)",
                 describe_config(engine_args, server_args))
     return asyncio.run(serve(engine_args, server_args))

@@ -63,14 +63,16 @@ class Server:
     """One server: an AsyncLLM, its OpenAIServing, metrics and the aiohttp app."""
 
     def __init__(self, engine_args: EngineArgs, server_args: ServerArgs = ServerArgs(), *,
-                 warmup: bool = True):
+                 warmup: bool = True, engine=None):
+        """engine: an already built LLMEngine (or a stand-in with its interface) to serve
+        instead of building one from engine_args."""
         names = server_args.served_model_name
         if names:
             engine_args = engine_args.replace(served_model_name=names[0])
         self.engine_args = engine_args
         self.args = server_args
-        self.llm = AsyncLLM(engine_args, warmup=warmup,
-                            max_waiting_requests=server_args.max_waiting_requests,
+        self.llm = AsyncLLM(None if engine is not None else engine_args, engine=engine,
+                            warmup=warmup, max_waiting_requests=server_args.max_waiting_requests,
                             on_output=self._on_output)
         self.serving: OpenAIServing | None = None
         self.metrics: ServerMetrics | None = None
@@ -301,9 +303,11 @@ class Server:
             await self.runner.cleanup()
 
 
-async def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
-    """Run until SIGINT/SIGTERM; returns the exit code (0 after a graceful shutdown)."""
-    server = Server(engine_args, server_args)
+async def serve(engine_args: EngineArgs, server_args: ServerArgs, *, engine=None) -> int:
+    """Run until SIGINT/SIGTERM, then drain: no new requests (503), in-flight ones finish for up
+    to `server_args.shutdown_timeout` seconds, the rest are aborted. Returns the exit code (0
+    after a graceful shutdown). engine: see `Server`."""
+    server = Server(engine_args, server_args, engine=engine)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -177,9 +177,18 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported")
         return self._check_stream_options()
 
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt and its logprobs, no completion (what
+        log-likelihood evaluation harnesses send). As vLLM, the engine generates one token, which
+        the response leaves out."""
+        return bool(self.echo) and self.max_tokens == 0
+
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """default_max_tokens: what is left of max_model_len after the prompt."""
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        if self.echo_only:
+            max_tokens = 1
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = self.logprobs   # echo shows the prompt's logprobs too

@@ -11,6 +11,7 @@ runner both call these.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -18,7 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.openai.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from jaxserve.server.openai.protocol import (
@@ -125,7 +126,7 @@ class OpenAIServing:
                 request_id, {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
                 params, priority)
         except ValueError as e:
-            raise OpenAIError(400, str(e)) from None
+            raise OpenAIError(400, str(e), param=getattr(e, "param", None)) from None
         except (EngineOverloadedError, EngineDeadError) as e:
             raise OpenAIError(503, str(e)) from None
 
@@ -200,6 +201,7 @@ class OpenAIServing:
             prompt_tokens += len(out.prompt_token_ids)
             cached += out.num_cached_tokens
             for c in out.outputs:
+                c = _echo_only(c) if request.echo_only else c
                 completion_tokens += len(c.token_ids)
                 text, lp = c.text, None
                 if request.echo:
@@ -237,10 +239,13 @@ class OpenAIServing:
                 cached[i] = out.num_cached_tokens
                 if out.prompt_logprobs is not None:
                     prompt_lps[i] = out.prompt_logprobs
+                _check_not_failed(out)
                 for c in out.outputs:
                     idx = i * n + c.index
                     if idx in finished:
                         continue
+                    if request.echo_only:
+                        c = _echo_only(c)
                     text, ids, steps = c.text, list(c.token_ids), list(c.logprobs or [])
                     if request.echo and idx not in echoed:
                         echoed.add(idx)
@@ -366,6 +371,7 @@ class OpenAIServing:
                     first["usage"] = usage(0, 0)
                 yield sse(first)
             async for _, out in _merge(streams):
+                _check_not_failed(out)
                 prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
                 for c in out.outputs:
                     if c.index in finished:
@@ -428,6 +434,26 @@ class OpenAIServing:
 
 
 # -- helpers ----------------------------------------------------------------------------------
+def _echo_only(c: CompletionOutput) -> CompletionOutput:
+    """A choice of an `echo` + `max_tokens: 0` request: the generated token left out."""
+    done = c.finish_reason is not None
+    return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None
+                               else None, cumulative_logprob=None,
+                               finish_reason="length" if done else None, stop_reason=None)
+
+
+def _step_failed() -> OpenAIError:
+    return OpenAIError(500, "Internal server error: the engine step that computed this request "
+                            "failed (the server keeps serving; retry the request)",
+                       "InternalServerError")
+
+
+def _check_not_failed(out: RequestOutput) -> None:
+    """finish_reason "error" (the model step raised for this request) is a 500, as in vLLM."""
+    if any(c.finish_reason == "error" for c in out.outputs):
+        raise _step_failed()
+
+
 async def _collect_all(streams: list[RequestStream]) -> list[RequestOutput]:
     """The final output of each stream (FINAL_ONLY requests yield exactly one)."""
     async def last(stream: RequestStream) -> RequestOutput:
@@ -437,7 +463,10 @@ async def _collect_all(streams: list[RequestStream]) -> list[RequestOutput]:
         return final
 
     try:
-        return list(await asyncio.gather(*(last(s) for s in streams)))
+        finals = list(await asyncio.gather(*(last(s) for s in streams)))
+        for out in finals:
+            _check_not_failed(out)
+        return finals
     except EngineDeadError as e:
         raise OpenAIError(503, str(e)) from None
     finally:
