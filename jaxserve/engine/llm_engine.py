@@ -49,7 +49,8 @@ class EngineStats:
 def enable_compilation_cache(directory: str | None) -> str | None:
     """JAX's persistent compilation cache, so a second start loads programs instead of compiling.
     Process-wide (jax.config): the `jaxserve` CLI turns it on (default directory
-    DEFAULT_COMPILATION_CACHE_DIR); an engine does only when given `compilation_cache_dir`.
+    DEFAULT_COMPILATION_CACHE_DIR) and so does `LLM`; an engine alone only when given
+    `compilation_cache_dir`.
     None: the default directory; "": do nothing."""
     if directory == "":
         return None
