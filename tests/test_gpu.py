@@ -72,3 +72,38 @@ def test_engine_on_gpu_matches_cpu_tokens_and_reference_backend():
     print(f"pallas vs reference on GPU: {_agreement(got['pallas'], got['reference']):.3f}")
     assert _agreement(got["reference"], want["tokens"]) >= 0.9
     assert _agreement(got["pallas"], got["reference"]) >= 0.9
+
+
+def test_engine_on_mosaic_backend_matches_reference_backend_on_gpu():
+    """The Mosaic GPU kernel inside the engine against the XLA reference attention on the same
+    GPU, on the seeded dummy tiny Llama: f32 model with an int8 KV cache (the kernel splits f32 q
+    into bf16 parts: near-f32, tokens expected equal) and a bf16 model (bf16 rounding differs
+    between the paths and random weights have near-ties: agreement reported, loosely bounded).
+    On a Hopper GPU with jax >= 0.11, `auto` must pick the Mosaic kernel for the bf16 model."""
+    import jax
+    import make_cpu_tokens as m
+
+    from jaxserve import LLM
+    from jaxserve.attention.backend import current_platform
+    want = json.loads(Path(m.TINY, "cpu_greedy.json").read_text())
+    variants = {"f32 + int8 KV": dict(want["settings"], kv_cache_dtype="int8"),
+                "bf16": dict(want["settings"], dtype="bfloat16")}
+    platform = current_platform()
+    if not platform.hopper or platform.jax_version < (0, 11):
+        pytest.skip(f"Mosaic GPU needs Hopper and jax >= 0.11: {platform}")
+    agreement = {}
+    with jax.default_matmul_precision("highest"):
+        for label, settings in variants.items():
+            got = {}
+            for backend in ("reference", "mosaic", "auto"):
+                if backend == "auto" and label != "bf16":
+                    continue
+                with LLM(model=m.TINY, attention_backend=backend, **settings) as llm:
+                    if backend == "auto":
+                        assert llm.llm_engine.attention_backend == "mosaic"
+                        continue
+                    got[backend] = m.greedy(llm)
+            agreement[label] = _agreement(got["mosaic"], got["reference"])
+            print(f"mosaic vs reference on GPU, {label}: agreement {agreement[label]:.3f}")
+    assert agreement["f32 + int8 KV"] >= 0.9
+    assert agreement["bf16"] >= 0.5

@@ -14,8 +14,8 @@ import time
 
 import jax
 
+from jaxserve.attention import AttentionCase, select_backend
 from jaxserve.attention import kv_cache as kvc
-from jaxserve.attention import resolve_backend
 from jaxserve.config import EngineArgs
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
@@ -92,8 +92,11 @@ class LLMEngine:
                     "for %d tokens per request: %.2fx", blocks, args.block_size, tokens,
                     blocks * per_block / 2**30, self.max_model_len, tokens / self.max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        self.attention_backend = select_backend(
+            args.attention_backend, AttentionCase.of(cfg, dtype, kv_dtype, args.block_size))
+        logger.info("attention backend: %s (asked: %s)", self.attention_backend, args.attention_backend)
         self.runner = ModelRunner(cfg, weights, self.cache_config, self.scheduler_config,
-                                  dtype=dtype, backend=resolve_backend(args.attention_backend),
+                                  dtype=dtype, backend=self.attention_backend,
                                   max_logprobs=args.max_logprobs, kv_quantize=kv_quantize,
                                   kv_dtype=kv_dtype)
         self.processor = OutputProcessor(self.tokenizer)
