@@ -13,10 +13,12 @@ write) is compiled in `warmup()`, so no XLA compilation happens while serving.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -43,6 +45,29 @@ def _pow2_at_least(n: int, smallest: int = 16) -> int:
     while b < n:
         b *= 2
     return b
+
+
+PROMPT_LOGPROB_ROWS = 64    # tokens whose logits [rows, V] exist at once in a prompt-logprobs step
+
+
+def score_rows(logits_fn, hidden, rows, targets, k: int, chunk: int = PROMPT_LOGPROB_ROWS):
+    """Prompt logprobs for the tokens `rows` [T] (the scored token indices first, then T) of
+    hidden [T, E]: logits are computed `chunk` rows at a time for those tokens only (a loop
+    with as many trips as the real rows need), never for all T tokens. Returns `score`'s
+    (chosen [T], rank [T], top ids [T, k], top logprobs [T, k]); unscored tokens hold zeros."""
+    T = hidden.shape[0]
+    C = min(chunk, T)
+    rows = jnp.pad(rows, (0, (-T) % C), constant_values=T)
+    shapes = jax.eval_shape(lambda: score(logits_fn(hidden[:1]), targets[:1], k))
+    init = tuple(jnp.zeros((T,) + s.shape[1:], s.dtype) for s in shapes)
+
+    def body(i, out):
+        idx = jax.lax.dynamic_slice_in_dim(rows, i * C, C)          # [C]; T: padding
+        safe = jnp.minimum(idx, T - 1)
+        res = score(logits_fn(hidden[safe]), targets[safe], k)
+        return tuple(o.at[idx].set(r, mode="drop") for o, r in zip(out, res))
+
+    return jax.lax.fori_loop(0, (jnp.sum(rows < T) + C - 1) // C, body, init)
 
 
 @dataclasses.dataclass
@@ -79,12 +104,10 @@ class ModelRunner:
             hidden, cache = model.forward(weights, cache, x.tokens, x.positions, x.meta,
                                           cfg=model_config, backend=backend,
                                           kv_quantize=kv_quantize)
-            if x.prompt_targets is None:
-                logits, scores = model.compute_logits(weights, hidden[x.logit_rows]), None
-            else:   # every token's logits [T, V]: prompt logprobs, then the sampling rows
-                all_logits = model.compute_logits(weights, hidden)
-                scores = score(all_logits, x.prompt_targets, k)
-                logits = all_logits[x.logit_rows]
+            logits, scores = model.compute_logits(weights, hidden[x.logit_rows]), None
+            if x.prompt_targets is not None:
+                scores = score_rows(functools.partial(model.compute_logits, weights), hidden,
+                                    x.prompt_rows, x.prompt_targets, k)
             out = sample(logits, x.sampling, pen, k=k)
             pen = penalties.count_sampled(pen, x.sampling.slots, out.token_ids)
             return out, scores, cache, pen
