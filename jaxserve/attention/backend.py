@@ -144,9 +144,12 @@ def paged_attention(q, cache: kvc.KVCache, layer, meta: AttentionMetadata, *, ba
     args = (q, kvc.layer_view(cache.k), kvc.layer_view(cache.v), meta)
     opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **scales)
     if backend != "reference":
+        # the kernels take fp8 pages (a uint8 `codes` pool exists only on CPU: interpret mode)
+        args = (q, kvc.as_values(args[1], cache.codes), kvc.as_values(args[2], cache.codes), meta)
         return _kernel(backend)(*args, **opts), cache
-    out, (k, v, ks, vs) = ragged_paged_attention_ref(*args, **opts, return_pages=True)
+    out, (k, v, ks, vs) = ragged_paged_attention_ref(*args, **opts, return_pages=True,
+                                                     page_codes=cache.codes)
     shape, scale_shape = cache.k.shape, cache.k.shape[:-1]
     return out, kvc.KVCache(k.reshape(shape), v.reshape(shape),
                             None if ks is None else ks.reshape(scale_shape),
-                            None if vs is None else vs.reshape(scale_shape))
+                            None if vs is None else vs.reshape(scale_shape), cache.codes)

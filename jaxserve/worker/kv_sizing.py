@@ -39,7 +39,9 @@ def num_kv_blocks(args: EngineArgs, bytes_per_block: int, weight_bytes: int) -> 
 
 def allocate_kv_cache(model_config, num_blocks: int, block_size: int, dtype,
                       quantized: bool) -> kvc.KVCache:
-    """The zeroed pool, `[L, N, B, K, D]` per K and V (plus scales when quantized)."""
+    """The zeroed pool, `[L, N, B, K, D]` per K and V (plus scales when quantized). On CPU an fp8
+    pool is held as uint8 bit patterns (`KVCache.codes`): XLA:CPU would convert the whole pool
+    to f16 and back on every write (issue 11 item 8)."""
     return kvc.allocate(model_config.num_layers, num_blocks, block_size,
                         model_config.num_kv_heads, model_config.head_dim, dtype,
-                        quantized=quantized)
+                        quantized=quantized, fp8_as_bytes=jax.default_backend() == "cpu")
