@@ -107,3 +107,24 @@ def test_engine_on_mosaic_backend_matches_reference_backend_on_gpu():
             print(f"mosaic vs reference on GPU, {label}: agreement {agreement[label]:.3f}")
     assert agreement["f32 + int8 KV"] >= 0.9
     assert agreement["bf16"] >= 0.5
+
+
+def test_kv_pool_sized_by_profile_run_fills_the_utilization_target():
+    """No kv_cache_memory_bytes: the pool is gpu_memory_utilization of the device limit minus the
+    profiled peak (jaxserve/worker/kv_sizing.py), so after start-up the device holds about that
+    fraction (prints the figures)."""
+    import make_cpu_tokens as m
+
+    from jaxserve import LLM
+    from jaxserve.worker.kv_sizing import device_memory_stats
+    settings = dict(m.SETTINGS, kv_cache_memory_bytes=None, gpu_memory_utilization=0.5)
+    with LLM(model=m.TINY, warmup=False, **settings) as llm:
+        stats = device_memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            pytest.skip("this device reports no memory statistics")
+        used = stats["bytes_in_use"] / stats["bytes_limit"]
+        print(f"profile-sized pool: {llm.llm_engine.cache_config.num_blocks} blocks; device "
+              f"{stats['bytes_in_use'] / 2**30:.2f} of {stats['bytes_limit'] / 2**30:.2f} GiB in use "
+              f"({used:.1%}), peak {stats.get('peak_bytes_in_use', 0) / 2**30:.2f} GiB")
+        assert 0.35 <= used <= 0.52
+        assert len(m.greedy(llm)) == len(m.prompts())

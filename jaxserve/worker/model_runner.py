@@ -216,6 +216,25 @@ class ModelRunner:
             result[s.request_id] = entries
         return result
 
+    def profile_run(self) -> None:
+        """Run the largest token bucket's programs (with and without prompt logprobs) once on an
+        all-padding batch, for `kv_sizing.profile_peak_bytes`: XLA allocates a program's buffers
+        by shape, so the device's peak memory is what a real step of that bucket needs."""
+        T = self.buckets[-1]
+        for with_prompt_logprobs in (False, True):
+            x, _ = build_inputs([], self.input_batch, num_tokens=T, num_seqs=self._seq_bucket(T),
+                                num_blocks=self.num_blocks, block_size=self.block_size,
+                                max_blocks_per_seq=self.max_blocks_per_seq,
+                                with_prompt_logprobs=with_prompt_logprobs)
+            jax.block_until_ready(self.run_model(x))
+
+    def release(self) -> None:
+        """Free the pool and the penalty state now (a probe runner, before the real pool)."""
+        for x in jax.tree_util.tree_leaves((self.cache, self.penalties)):
+            x.delete()
+        self.cache = self.penalties = None
+        self._executables.clear()
+
     def warmup(self):
         """Compile every program a step can need: each token bucket with and without prompt
         logprobs, and the penalty-row write. Nothing big is executed; with a warm persistent
