@@ -95,15 +95,17 @@ def _mgpu_available() -> bool:
 
 
 @pytest.mark.skipif(not _mgpu_available(), reason="Mosaic GPU interpret mode needs jax >= 0.11")
-def test_engine_on_mosaic_backend_interpreted_matches_reference_tokens():
-    """The seeded dummy tiny Llama (f32 q, int8 KV: a case the kernel supports) through the whole
-    engine with the Mosaic GPU kernel in interpret mode: greedy tokens equal the reference
-    backend's. Small on purpose (the interpreter costs seconds per call)."""
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_engine_on_mosaic_backend_interpreted_matches_reference_tokens(kv):
+    """The seeded dummy tiny Llama (f32 q, int8 or fp8 KV: cases the kernel supports; the CPU fp8
+    pool is uint8 bit patterns, bitcast for the kernel) through the whole engine with the Mosaic
+    GPU kernel in interpret mode: greedy tokens equal the reference backend's. Small on purpose
+    (the interpreter costs seconds per call)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import make_cpu_tokens as m
 
     from jaxserve import LLM, SamplingParams
-    settings = dict(m.SETTINGS, kv_cache_dtype="int8", max_model_len=128, max_num_seqs=2,
+    settings = dict(m.SETTINGS, kv_cache_dtype=kv, max_model_len=128, max_num_seqs=2,
                     max_num_batched_tokens=32)
     prompts = [{"prompt_token_ids": p} for p in m.prompts()[1:3]]       # 17 and 40 tokens
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
