@@ -84,6 +84,8 @@ def num_kv_blocks(args: EngineArgs, bytes_per_block: int, weight_bytes: int, *,
         limit = (stats or {}).get("bytes_limit")
         if not limit:
             budget = int(CPU_KV_BUDGET_BYTES * util / 0.9)
+            logger.info("KV sizing: no device memory statistics (CPU): fixed budget %.2f GiB x "
+                        "%.2f / 0.9 = %.2f GiB", CPU_KV_BUDGET_BYTES / 2**30, util, budget / 2**30)
         else:
             peak = profile(probe_num_blocks) if profile is not None else None
             if peak is None:
