@@ -148,7 +148,7 @@ def main(argv=None) -> int:
           f"({params / 1e9:.2f} B params, {args.dtype}), {kind}, jax {jax.__version__}, "
           f"{datetime.date.today()}\n")
     print(f"Command: `python benchmarks/bench_gpu_e2e.py {' '.join(argv or sys.argv[1:])}`; "
-          f"attention backend {args.attention_backend}; "
+          f"attention backend {engine.attention_backend} (asked: {args.attention_backend}); "
           f"engine start {start_s:.0f} s (weights made on device, programs compiled).\n")
     print("| decode batch | context | step ms | tok/s | bytes/step GB | GB/s | % of HBM roofline |")
     print("|---:|---:|---:|---:|---:|---:|---:|")

@@ -13,7 +13,9 @@
 #   env        GPU name/memory/driver, Python, jax/jaxlib, devices, backend, missing deps
 #   gpu_tests  every test file with gpu-marked tests, `pytest -m gpu -q`
 #   kernels    benchmarks/bench_paged_attention.py, trimmed sweep (all columns)
-#   e2e        benchmarks/bench_gpu_e2e.py on a dummy Llama-3.1-8B (bf16)
+#   e2e        benchmarks/bench_gpu_e2e.py on a dummy Llama-3.1-8B (bf16), attention_backend auto
+#              (the Mosaic GPU kernel on Hopper with jax >= 0.11)
+#   e2e_triton the same decode steps with attention_backend pallas (the Triton kernel), if time is left
 # then a markdown block for benchmarks/RESULTS.md. Everything is tee'd to $OUT/ (the device
 # tool's folder) when set, else benchmarks/out/.
 #
@@ -101,8 +103,11 @@ if [ -n "${QUICK:-}" ]; then
 else
   stage kernels 130 $py benchmarks/bench_paged_attention.py --kv auto,fp8 --batches 1,32,256 \
     --contexts 512,8192
-  stage e2e 230 $py benchmarks/bench_gpu_e2e.py --batches 1,8,32,128,256 --num-prompts 128
+  stage e2e 200 $py benchmarks/bench_gpu_e2e.py --batches 1,8,32,128,256 --num-prompts 128
 fi
+# `auto` above is the Mosaic GPU kernel on Hopper; the same decode steps on the Triton kernel:
+stage e2e_triton 90 $py benchmarks/bench_gpu_e2e.py --attention-backend pallas --batches 1,64,256 \
+  --num-prompts 16 --output-len 16
 
 {
   echo
@@ -120,4 +125,6 @@ fi
   grep -E '^(device:|\|)' "$out/kernels.log" 2>/dev/null
   echo
   sed -n '/^### End to end/,$p' "$out/e2e.log" 2>/dev/null
+  echo
+  sed -n '/^### End to end/,$p' "$out/e2e_triton.log" 2>/dev/null
 } | tee "$out/results_block.md"

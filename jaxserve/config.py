@@ -17,7 +17,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
-ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton", "mosaic")
 
 
 @dataclass(frozen=True)

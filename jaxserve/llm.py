@@ -55,7 +55,7 @@ class LLM:
             return "LLM(shut down)"
         cfg = e.model_config
         return (f"LLM(model={e.model_name!r}, architecture={cfg.architecture}, "
-                f"layers={cfg.num_layers}, dtype={e.runner.cache.k.dtype}, "
+                f"layers={cfg.num_layers}, dtype={e.runner.cache.dtype}, "
                 f"max_model_len={e.max_model_len}, kv_blocks={e.cache_config.num_blocks}x"
                 f"{e.cache_config.block_size}, prefix_caching={e.cache_config.enable_prefix_caching})")
 

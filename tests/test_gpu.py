@@ -72,3 +72,59 @@ def test_engine_on_gpu_matches_cpu_tokens_and_reference_backend():
     print(f"pallas vs reference on GPU: {_agreement(got['pallas'], got['reference']):.3f}")
     assert _agreement(got["reference"], want["tokens"]) >= 0.9
     assert _agreement(got["pallas"], got["reference"]) >= 0.9
+
+
+def test_engine_on_mosaic_backend_matches_reference_backend_on_gpu():
+    """The Mosaic GPU kernel inside the engine against the XLA reference attention on the same
+    GPU, on the seeded dummy tiny Llama: f32 model with an int8 KV cache (the kernel splits f32 q
+    into bf16 parts: near-f32, tokens expected equal) and a bf16 model (bf16 rounding differs
+    between the paths and random weights have near-ties: agreement reported, loosely bounded).
+    On a Hopper GPU with jax >= 0.11, `auto` must pick the Mosaic kernel for the bf16 model."""
+    import jax
+    import make_cpu_tokens as m
+
+    from jaxserve import LLM
+    from jaxserve.attention.backend import current_platform
+    want = json.loads(Path(m.TINY, "cpu_greedy.json").read_text())
+    variants = {"f32 + int8 KV": dict(want["settings"], kv_cache_dtype="int8"),
+                "bf16": dict(want["settings"], dtype="bfloat16")}
+    platform = current_platform()
+    if not platform.hopper or platform.jax_version < (0, 11):
+        pytest.skip(f"Mosaic GPU needs Hopper and jax >= 0.11: {platform}")
+    agreement = {}
+    with jax.default_matmul_precision("highest"):
+        for label, settings in variants.items():
+            got = {}
+            for backend in ("reference", "mosaic", "auto"):
+                if backend == "auto" and label != "bf16":
+                    continue
+                with LLM(model=m.TINY, attention_backend=backend, **settings) as llm:
+                    if backend == "auto":
+                        assert llm.llm_engine.attention_backend == "mosaic"
+                        continue
+                    got[backend] = m.greedy(llm)
+            agreement[label] = _agreement(got["mosaic"], got["reference"])
+            print(f"mosaic vs reference on GPU, {label}: agreement {agreement[label]:.3f}")
+    assert agreement["f32 + int8 KV"] >= 0.9
+    assert agreement["bf16"] >= 0.5
+
+
+def test_kv_pool_sized_by_profile_run_fills_the_utilization_target():
+    """No kv_cache_memory_bytes: the pool is gpu_memory_utilization of the device limit minus the
+    profiled peak (jaxserve/worker/kv_sizing.py), so after start-up the device holds about that
+    fraction (prints the figures)."""
+    import make_cpu_tokens as m
+
+    from jaxserve import LLM
+    from jaxserve.worker.kv_sizing import device_memory_stats
+    settings = dict(m.SETTINGS, kv_cache_memory_bytes=None, gpu_memory_utilization=0.5)
+    with LLM(model=m.TINY, warmup=False, **settings) as llm:
+        stats = device_memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            pytest.skip("this device reports no memory statistics")
+        used = stats["bytes_in_use"] / stats["bytes_limit"]
+        print(f"profile-sized pool: {llm.llm_engine.cache_config.num_blocks} blocks; device "
+              f"{stats['bytes_in_use'] / 2**30:.2f} of {stats['bytes_limit'] / 2**30:.2f} GiB in use "
+              f"({used:.1%}), peak {stats.get('peak_bytes_in_use', 0) / 2**30:.2f} GiB")
+        assert 0.35 <= used <= 0.52
+        assert len(m.greedy(llm)) == len(m.prompts())

@@ -1,8 +1,19 @@
-"""The one switch between attention backends, and one layer's attention against the stacked cache."""
+"""The one switch between attention backends, and one layer's attention against the stacked cache.
+
+Backends (`attention_backend`):
+  reference  the plain-jnp path (jaxserve/attention/reference.py), the CPU default;
+  pallas     the Pallas Triton kernel (jaxserve/pallas/paged_attention.py), interpreted off GPU;
+             "triton" is the same backend;
+  mosaic     the Mosaic GPU kernel for Hopper (jaxserve/pallas/paged_attention_mgpu.py), jax >= 0.11,
+             interpreted off GPU;
+  auto       mosaic on a Hopper GPU (compute capability 9.x) with jax >= 0.11 when the kernel
+             supports the model's dtypes and shapes, else pallas on any other GPU, else reference.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 
@@ -10,19 +21,112 @@ from jaxserve.attention import kv_cache as kvc
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.attention.reference import ragged_paged_attention_ref
 
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("reference", "pallas", "mosaic")
+ALIASES = {"triton": "pallas"}
+MOSAIC_MIN_JAX = (0, 11)
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """What backend selection needs to know about where it runs (injectable in tests)."""
+    backend: str                            # jax.default_backend(): "cpu", "gpu", "tpu"
+    compute_capability: str | None = None   # CUDA "major.minor", e.g. "9.0" on H100/H200
+    jax_version: tuple[int, int] = (0, 0)
+
+    @property
+    def hopper(self) -> bool:
+        return self.backend == "gpu" and (self.compute_capability or "").split(".")[0] == "9"
+
+
+def _version(text: str) -> tuple[int, int]:
+    parts = [int("".join(c for c in p if c.isdigit()) or 0) for p in text.split(".")[:2]]
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+def current_platform() -> Platform:
+    backend = jax.default_backend()
+    cc = None
+    if backend == "gpu":
+        cc = getattr(jax.devices()[0], "compute_capability", None)
+        cc = None if cc is None else str(cc)
+    return Platform(backend, cc, _version(jax.__version__))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+    """The model's side of the choice: dtypes and shapes every attention call will have."""
+    q_dtype: object
+    kv_dtype: object
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @classmethod
+    def of(cls, model_config, dtype, kv_dtype, block_size: int) -> AttentionCase:
+        return cls(dtype, kv_dtype, model_config.num_heads, model_config.num_kv_heads,
+                   model_config.head_dim, block_size)
+
+
+def mosaic_problem(case: AttentionCase, platform: Platform) -> str | None:
+    """Why the Mosaic GPU kernel cannot serve `case` on `platform` (None: it can). Off GPU it runs
+    in Mosaic GPU's interpreter (tests); on a GPU it needs Hopper."""
+    if platform.jax_version < MOSAIC_MIN_JAX:
+        return (f"needs jax >= {'.'.join(map(str, MOSAIC_MIN_JAX))} (Mosaic GPU plgpu.kernel), this is "
+                f"jax {'.'.join(map(str, platform.jax_version))}")
+    if platform.backend == "gpu" and not platform.hopper:
+        return (f"needs a Hopper GPU (compute capability 9.x, wgmma), this GPU has compute capability "
+                f"{platform.compute_capability}")
+    if platform.backend not in ("gpu", "cpu"):
+        return f"runs on a GPU (or interpreted on CPU), not on {platform.backend}"
+    from jaxserve.pallas.paged_attention_mgpu import unsupported_reason
+    return unsupported_reason(case.q_dtype, case.kv_dtype, num_q_heads=case.num_q_heads,
+                              num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                              block_size=case.block_size)
+
+
+def select_backend(name: str, case: AttentionCase | None = None,
+                   platform: Platform | None = None) -> str:
+    """`attention_backend` -> "reference", "pallas" or "mosaic" for this case and platform.
+    Raises ValueError for an unknown name, or for "mosaic" where it cannot run (the reason named)."""
+    name = ALIASES.get(name, name)
+    if name != "auto" and name not in BACKENDS:
+        raise ValueError(f"attention_backend must be 'auto', {', '.join(map(repr, BACKENDS + tuple(ALIASES)))}; "
+                         f"got {name!r}")
+    if name in ("reference", "pallas"):
+        return name
+    platform = platform or current_platform()
+    problem = "no attention case given" if case is None else mosaic_problem(case, platform)
+    if name == "mosaic":
+        if problem:
+            raise ValueError(f"attention_backend='mosaic': the Mosaic GPU kernel {problem}")
+        return name
+    if platform.backend != "gpu":
+        return "reference"
+    if platform.hopper and not problem:
+        return "mosaic"
+    if platform.hopper:
+        logger.info("attention_backend auto: Triton kernel, not Mosaic GPU (%s)", problem)
+    return "pallas"
+
 
 def resolve_backend(name: str) -> str:
-    """"auto" -> the Pallas kernel on GPU, the jnp reference elsewhere."""
+    """`select_backend` without a case: "auto" -> the Triton kernel on GPU, the reference
+    elsewhere (kept for callers that know no model)."""
+    name = ALIASES.get(name, name)
     if name == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "reference"
-    if name not in ("reference", "pallas"):
-        raise ValueError(f"attention_backend must be 'auto', 'reference' or 'pallas', got {name!r}")
-    return name
+    return select_backend(name)
 
 
 def _kernel(backend: str):
     if backend == "reference":
         return ragged_paged_attention_ref
+    if backend == "mosaic":
+        from jaxserve.pallas import paged_attention_mgpu
+        return paged_attention_mgpu.ragged_paged_attention_mgpu
     from jaxserve.pallas import paged_attention
     return paged_attention.ragged_paged_attention
 
@@ -40,9 +144,12 @@ def paged_attention(q, cache: kvc.KVCache, layer, meta: AttentionMetadata, *, ba
     args = (q, kvc.layer_view(cache.k), kvc.layer_view(cache.v), meta)
     opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **scales)
     if backend != "reference":
+        # the kernels take fp8 pages (a uint8 `codes` pool exists only on CPU: interpret mode)
+        args = (q, kvc.as_values(args[1], cache.codes), kvc.as_values(args[2], cache.codes), meta)
         return _kernel(backend)(*args, **opts), cache
-    out, (k, v, ks, vs) = ragged_paged_attention_ref(*args, **opts, return_pages=True)
+    out, (k, v, ks, vs) = ragged_paged_attention_ref(*args, **opts, return_pages=True,
+                                                     page_codes=cache.codes)
     shape, scale_shape = cache.k.shape, cache.k.shape[:-1]
     return out, kvc.KVCache(k.reshape(shape), v.reshape(shape),
                             None if ks is None else ks.reshape(scale_shape),
-                            None if vs is None else vs.reshape(scale_shape))
+                            None if vs is None else vs.reshape(scale_shape), cache.codes)

@@ -24,6 +24,10 @@ class KVCache:
     v: jax.Array                    # [L, N, B, K, D]
     k_scale: jax.Array | None = None  # [L, N, B, K] f32, only for fp8/int8 caches
     v_scale: jax.Array | None = None  # [L, N, B, K] f32
+    # An fp8 dtype name when k/v are uint8 arrays holding that dtype's bit patterns (CPU pools:
+    # XLA:CPU has no fp8 scatter and converts the whole pool to f16 and back on every write,
+    # so such a pool is written and read as bytes and only the gathered pages are bitcast).
+    codes: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def num_layers(self) -> int:
@@ -41,6 +45,11 @@ class KVCache:
     def quantized(self) -> bool:
         return self.k_scale is not None
 
+    @property
+    def dtype(self) -> jnp.dtype:
+        """What the pages hold (the fp8 dtype of a uint8 `codes` pool)."""
+        return jnp.dtype(self.codes) if self.codes else self.k.dtype
+
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                     dtype, quantized: bool) -> int:
@@ -50,11 +59,28 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 
 
 def allocate(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-             head_dim: int, dtype, quantized: bool = False) -> KVCache:
+             head_dim: int, dtype, quantized: bool = False, fp8_as_bytes: bool = False) -> KVCache:
+    """The zeroed pool. `fp8_as_bytes`: an fp8 `dtype` is held as uint8 bit patterns (see
+    `KVCache.codes`; zero bytes are fp8 zeros)."""
     shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
     scales = (jnp.ones(shape[:-1], jnp.float32), jnp.ones(shape[:-1], jnp.float32)) \
         if quantized else (None, None)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), *scales)
+    codes = None
+    if fp8_as_bytes and jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1:
+        codes, dtype = jnp.dtype(dtype).name, jnp.uint8
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), *scales, codes=codes)
+
+
+def as_stored(x: jax.Array, codes: str | None) -> jax.Array:
+    """New K/V in the pool's element type (fp8 bit patterns for a `codes` pool)."""
+    if codes is None:
+        return x
+    return jax.lax.bitcast_convert_type(x.astype(codes), jnp.uint8)
+
+
+def as_values(pages: jax.Array, codes: str | None) -> jax.Array:
+    """Pages (or pages gathered from them) as the dtype they hold; bitcast only what is given."""
+    return pages if codes is None else jax.lax.bitcast_convert_type(pages, jnp.dtype(codes))
 
 
 def layer_view(x: jax.Array) -> jax.Array:
@@ -80,8 +106,9 @@ def write(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array,
         return flat.reshape(pages.shape)
 
     if quantize is None:
-        return KVCache(put(cache.k, k), put(cache.v, v), cache.k_scale, cache.v_scale)
+        return KVCache(put(cache.k, k), put(cache.v, v), cache.k_scale, cache.v_scale, cache.codes)
     kq, ks = quantize(k)
     vq, vs = quantize(v)
+    kq, vq = as_stored(kq, cache.codes), as_stored(vq, cache.codes)
     return KVCache(put(cache.k, kq), put(cache.v, vq), put(cache.k_scale, ks),
-                   put(cache.v_scale, vs))
+                   put(cache.v_scale, vs), cache.codes)

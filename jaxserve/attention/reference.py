@@ -77,7 +77,7 @@ def _tile_rows(meta: AttentionMetadata, num_tokens: int, tile: int) -> _Rows:
 
 
 def _attend_rows(qf, out, pages, tables, rows: _Rows, *, rows_per_step: int, chunk: int,
-                 sliding_window, soft_cap):
+                 sliding_window, soft_cap, page_codes=None):
     """Attention of `rows` of queries qf [T, K, G, D] (scaled, f32), written into out [T, K, G,
     D]. A loop over batches of `rows_per_step` rows (as many as there are real rows), each an
     online-softmax loop over `chunk` KV positions at a time (as many as its longest row needs):
@@ -93,7 +93,10 @@ def _attend_rows(qf, out, pages, tables, rows: _Rows, *, rows_per_step: int, chu
 
     def gather(x, scale, ids):
         # [K, W, C, D]: the kv head leads, so neither dot below transposes the gathered K/V
-        g = x[ids[None], :, heads].astype(jnp.float32)          # [K, W, C/B, B, D]
+        g = x[ids[None], :, heads]                               # [K, W, C/B, B, D]
+        if page_codes is not None:    # uint8 bit patterns of an fp8 dtype: bitcast what was gathered
+            g = jax.lax.bitcast_convert_type(g, jnp.dtype(page_codes))
+        g = g.astype(jnp.float32)
         if scale is not None:
             g = g * scale[ids[None], :, heads][..., None]
         return g.reshape(K, W, chunk, D)
@@ -143,13 +146,15 @@ def _attend_rows(qf, out, pages, tables, rows: _Rows, *, rows_per_step: int, chu
 
 def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, sm_scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None,
-                               k_scale=None, v_scale=None, return_pages: bool = False):
+                               k_scale=None, v_scale=None, return_pages: bool = False,
+                               page_codes: str | None = None):
     """q [T, H, D]; k_pages, v_pages [R, B, K, D]; scales [R, B, K] or None -> [T, H, D].
 
     `return_pages=True` also returns (k_pages, v_pages, k_scale, v_scale) as threaded through the
     loops. Inside the model's layer loop the caller must continue with those: if a loop only
     closed over the pages, the pages would stay live after it and XLA would copy the whole cache
     into the loop's state on every layer (measured: most of a CPU decode step).
+    `page_codes`: the pages are uint8 holding this fp8 dtype's bit patterns (`KVCache.codes`).
 
     Two groups of query rows, each an online-softmax loop over chunks of KV gathered from the
     pages: tokens of short chunks (decodes) one per row, sorted by context length; longer chunks
@@ -163,7 +168,7 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
     qf = (q.astype(jnp.float32) * sm_scale).reshape(T, K, H // K, D)
     out = jnp.zeros_like(qf)
     pages = (k_pages, v_pages, k_scale, v_scale)
-    opts = dict(chunk=chunk, sliding_window=sliding_window, soft_cap=soft_cap)
+    opts = dict(chunk=chunk, sliding_window=sliding_window, soft_cap=soft_cap, page_codes=page_codes)
     out, pages = _attend_rows(qf, out, pages, tables, _token_rows(meta, T),
                               rows_per_step=_TOKEN_ROWS, **opts)
     out, pages = _attend_rows(qf, out, pages, tables, _tile_rows(meta, T, min(_TILE, T)),

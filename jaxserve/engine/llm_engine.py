@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import jax
 
+from jaxserve.attention import AttentionCase, select_backend
 from jaxserve.attention import kv_cache as kvc
-from jaxserve.attention import resolve_backend
 from jaxserve.config import DEFAULT_COMPILATION_CACHE_DIR, EngineArgs
 from jaxserve.core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
@@ -27,7 +27,7 @@ from jaxserve.loader.loader import load_model, resolve_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sharding.mesh import make_mesh
 from jaxserve.tokenizer.tokenizer import Tokenizer
-from jaxserve.worker.kv_sizing import num_kv_blocks
+from jaxserve.worker.kv_sizing import num_kv_blocks, probe_blocks, profile_peak_bytes
 from jaxserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("jaxserve")
@@ -90,18 +90,27 @@ class LLMEngine:
         per_block = kvc.bytes_per_block(cfg.num_layers, args.block_size, cfg.num_kv_heads,
                                         cfg.head_dim, kv_dtype, kv_quantize is not None)
         weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(weights))
-        blocks = num_kv_blocks(args, per_block, weight_bytes)
-        self.cache_config = dataclasses.replace(args.cache_config(), num_blocks=blocks)
         self.scheduler_config = args.scheduler_config(self.max_model_len)
+        self.attention_backend = select_backend(
+            args.attention_backend, AttentionCase.of(cfg, dtype, kv_dtype, args.block_size))
+        logger.info("attention backend: %s (asked: %s)", self.attention_backend, args.attention_backend)
+
+        def make_runner(num_blocks: int) -> ModelRunner:
+            cache_config = dataclasses.replace(args.cache_config(), num_blocks=num_blocks)
+            return ModelRunner(cfg, weights, cache_config, self.scheduler_config, dtype=dtype,
+                               backend=self.attention_backend, max_logprobs=args.max_logprobs,
+                               kv_quantize=kv_quantize, kv_dtype=kv_dtype)
+
+        blocks = num_kv_blocks(args, per_block, weight_bytes,
+                               profile=lambda n: profile_peak_bytes(make_runner(n)),
+                               probe_num_blocks=probe_blocks(args, self.max_model_len))
+        self.cache_config = dataclasses.replace(args.cache_config(), num_blocks=blocks)
         tokens = blocks * args.block_size
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); maximum concurrency "
                     "for %d tokens per request: %.2fx", blocks, args.block_size, tokens,
                     blocks * per_block / 2**30, self.max_model_len, tokens / self.max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
-        self.runner = ModelRunner(cfg, weights, self.cache_config, self.scheduler_config,
-                                  dtype=dtype, backend=resolve_backend(args.attention_backend),
-                                  max_logprobs=args.max_logprobs, kv_quantize=kv_quantize,
-                                  kv_dtype=kv_dtype)
+        self.runner = make_runner(blocks)
         self.processor = OutputProcessor(self.tokenizer)
         self._rng = random.Random(args.seed)
         self._pending = []          # outputs produced outside step() (aborts)

@@ -329,35 +329,54 @@ def smem_bytes(rows: int, head_dim: int, kv_chunk: int, *, quantized: bool = Fal
             + rows * min(head_dim, OUT_COLS) * 4 + 2 * rows * 4 + 1024)
 
 
+def _static_problem(q_dtype, kv_dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                    block_size: int, kv_chunk: int) -> str | None:
+    """Why this kernel cannot run these shapes and dtypes (None: it can)."""
+    q_dtype, kv_dt = jnp.dtype(q_dtype), jnp.dtype(kv_dtype)
+    if q_dtype not in SUPPORTED_DTYPES:
+        return f"q dtype {q_dtype} not supported by the Mosaic GPU kernel yet (supported: bfloat16, float32)"
+    if kv_dt != jnp.dtype(jnp.bfloat16) and kv_dt not in QUANTIZED_KV_DTYPES:
+        return (f"KV cache dtype {kv_dt} not supported by the Mosaic GPU kernel yet (supported: bfloat16, "
+                f"or fp8/int8 with scales)")
+    H, K, D, B = num_q_heads, num_kv_heads, head_dim, block_size
+    if H // K > ROWS:
+        return f"GQA ratio H/K={H // K} exceeds {ROWS} (one wgmma tile of rows)"
+    if B % 8:
+        return f"block_size (k_cache.shape[1]) must be a multiple of 8, got {B}"
+    if kv_chunk % B or kv_chunk % 64 or not 64 <= kv_chunk <= 256:
+        # 64: narrower score tiles fail Mosaic GPU's layout inference (found by lowering C=32)
+        return f"kv_tokens={kv_chunk} must be a multiple of block_size {B} and of 64, in [64, 256]"
+    need = smem_bytes(ROWS, D, kv_chunk, quantized=kv_dt in QUANTIZED_KV_DTYPES, q_parts=q_parts(q_dtype))
+    if need > SMEM_BYTES:
+        return (f"kv_tokens={kv_chunk} with head_dim {D} and q {q_dtype} needs {need} bytes of shared memory, "
+                f"over the {SMEM_BYTES} a Hopper block has")
+    return None
+
+
 def validate_mgpu(q, k_cache, v_cache, *, kv_chunk: int, num_splits: int) -> None:
     """Limits of this kernel beyond the shared contract; raises ValueError naming the field."""
     if not MGPU_AVAILABLE:
         raise ValueError(f"ragged_paged_attention_mgpu needs jax >= 0.11 (Mosaic GPU "
                          f"plgpu.kernel with GPU interpret mode); this is jax {jax.__version__}")
-    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
-        raise ValueError(f"q dtype {q.dtype} not supported by the Mosaic GPU kernel yet "
-                         f"(supported: bfloat16, float32)")
-    kv_dt = jnp.dtype(k_cache.dtype)
-    if kv_dt != jnp.dtype(jnp.bfloat16) and kv_dt not in QUANTIZED_KV_DTYPES:
-        raise ValueError(f"KV cache dtype {k_cache.dtype} not supported by the Mosaic GPU kernel "
-                         f"yet (supported: bfloat16, or fp8/int8 with scales)")
     _, H, D = q.shape
     B, K = k_cache.shape[1:3]
-    if H // K > ROWS:
-        raise ValueError(f"GQA ratio H/K={H // K} exceeds {ROWS} (one wgmma tile of rows)")
-    if B % 8:
-        raise ValueError(f"block_size (k_cache.shape[1]) must be a multiple of 8, got {B}")
-    if kv_chunk % B or kv_chunk % 64 or not 64 <= kv_chunk <= 256:
-        # 64: narrower score tiles fail Mosaic GPU's layout inference (found by lowering C=32)
-        raise ValueError(f"kv_tokens={kv_chunk} must be a multiple of block_size {B} and of 64, "
-                         f"in [64, 256]")
+    problem = _static_problem(q.dtype, k_cache.dtype, H, K, D, B, kv_chunk)
+    if problem:
+        raise ValueError(problem)
     if not (isinstance(num_splits, numbers.Integral) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    need = smem_bytes(ROWS, D, kv_chunk, quantized=kv_dt in QUANTIZED_KV_DTYPES,
-                      q_parts=q_parts(q.dtype))
-    if need > SMEM_BYTES:
-        raise ValueError(f"kv_tokens={kv_chunk} with head_dim {D} and q {q.dtype} needs {need} "
-                         f"bytes of shared memory, over the {SMEM_BYTES} a Hopper block has")
+
+
+def unsupported_reason(q_dtype, kv_dtype, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                       block_size: int) -> str | None:
+    """Why the kernel with its default block sizes cannot serve a model of these shapes and
+    dtypes, or None when it can (the static half of `validate_mgpu`; no jax version check).
+    Backend selection asks this before any array exists."""
+    if head_dim not in DEFAULT_BLOCK_SIZES:
+        return f"head_dim {head_dim} not supported by the Mosaic GPU kernel (supported: " \
+               f"{', '.join(map(str, DEFAULT_BLOCK_SIZES))})"
+    return _static_problem(q_dtype, kv_dtype, num_q_heads, num_kv_heads, head_dim, block_size,
+                           _kv_chunk(q_dtype, block_size, DEFAULT_BLOCK_SIZES[head_dim]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -390,13 +409,23 @@ def default_num_splits(num_kv_heads: int, num_tiles: int, max_chunks: int) -> in
     return int(max(1, min(1 << (want - 1).bit_length(), MAX_SPLITS, max_chunks)))
 
 
+def _kv_chunk(q_dtype, block_size: int, bs: MgpuBlockSizes, tuned: bool = True) -> int:
+    """KV tokens per pipelined chunk: the table's (smaller for f32 q: two Q and P parts), at
+    least one page."""
+    kv_tokens = bs.kv_tokens
+    if tuned and q_parts(q_dtype) == 2:
+        kv_tokens = min(kv_tokens, F32_Q_KV_TOKENS)
+    return max(kv_tokens, block_size)
+
+
 def _plan(q, k_cache, meta, block_sizes):
     T, H, D = q.shape
     B, K = k_cache.shape[1:3]
+    if block_sizes is None and D not in DEFAULT_BLOCK_SIZES:
+        raise ValueError(f"head_dim {D} not supported by the Mosaic GPU kernel (supported: "
+                         f"{', '.join(map(str, DEFAULT_BLOCK_SIZES))})")
     bs = block_sizes or DEFAULT_BLOCK_SIZES[D]
-    if block_sizes is None and q_parts(q.dtype) == 2:   # two Q and P parts: smaller KV chunks
-        bs = dataclasses.replace(bs, kv_tokens=min(bs.kv_tokens, F32_Q_KV_TOKENS))
-    kv_chunk = max(bs.kv_tokens, B)
+    kv_chunk = _kv_chunk(q.dtype, B, bs, tuned=block_sizes is None)
     gp = 1 << (H // K - 1).bit_length()
     bq = ROWS // gp
     nt = max(1, min(T, -(-T // bq) + meta.kv_lens.shape[0]))

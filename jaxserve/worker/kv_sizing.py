@@ -2,34 +2,105 @@
 
 The engine asks `num_kv_blocks` once at start-up (after the weights are placed, so their bytes are
 known) and the runner calls `allocate_kv_cache` with the answer.
+
+On a device that reports memory statistics (GPU), the budget is measured, as vLLM's profile run
+does: a probe runner with a small pool runs the largest step program, with and without prompt
+logprobs (XLA sizes a program's buffers statically, so an all-padding batch of the largest token
+bucket needs what a real one does), and the device's `peak_bytes_in_use` afterwards is the
+weights plus the largest step's activations and workspace plus the probe's pool. The KV pool
+then takes
+
+    gpu_memory_utilization * bytes_limit - (peak - probe pool bytes)
+
+On CPU (no memory statistics) the pool is a fixed budget (`CPU_KV_BUDGET_BYTES`).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
 
 import jax
 
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import EngineArgs
 
+logger = logging.getLogger(__name__)
+
 CPU_KV_BUDGET_BYTES = 2 << 30    # the KV pool on CPU when no size is given
+UNMEASURED_HEADROOM = 2 << 30    # activations + workspace when a GPU reports a limit but no peak
 
 
-def num_kv_blocks(args: EngineArgs, bytes_per_block: int, weight_bytes: int) -> int:
-    """Blocks in the pool: `num_gpu_blocks_override`, else `kv_cache_memory_bytes`, else (CPU) a
-    fixed 2 GiB scaled by gpu_memory_utilization / 0.9, else (GPU) the device's limit times
-    gpu_memory_utilization minus the weights and 2 GiB for activations and XLA's workspace.
-    Raises ValueError when not one block fits."""
+@dataclasses.dataclass(frozen=True)
+class MemoryProfile:
+    """Figures of one profile run, in bytes."""
+    limit: int               # device bytes_limit
+    utilization: float       # gpu_memory_utilization
+    weights: int             # bytes of the placed weights
+    peak: int                # peak_bytes_in_use after the probe steps
+    probe_pool: int          # bytes of the probe's KV pool (resident during the probe)
+
+    @property
+    def activations(self) -> int:
+        """What the steps needed beyond weights and pool (activations, workspace, sampler state)."""
+        return max(0, self.peak - self.weights - self.probe_pool)
+
+    @property
+    def kv_budget(self) -> int:
+        return int(self.limit * self.utilization) - (self.peak - self.probe_pool)
+
+
+def device_memory_stats(device=None) -> dict | None:
+    """`device.memory_stats()` (None where the platform reports none, as XLA:CPU does)."""
+    device = device or jax.devices()[0]
+    try:
+        return device.memory_stats() or None
+    except Exception:   # noqa: BLE001 - some PJRT plugins raise instead of returning None
+        return None
+
+
+def probe_blocks(args: EngineArgs, max_model_len: int) -> int:
+    """The probe runner's pool: one sequence of max_model_len."""
+    return max(1, -(-max_model_len // args.block_size))
+
+
+def num_kv_blocks(args: EngineArgs, bytes_per_block: int, weight_bytes: int, *,
+                  profile: Callable[[int], int | None] | None = None, probe_num_blocks: int = 1,
+                  stats: dict | None = None) -> int:
+    """Blocks in the pool: `num_gpu_blocks_override`, else `kv_cache_memory_bytes`, else on a
+    device with memory statistics (`stats`, read from the device when not given) the profiled
+    budget (module docstring; `profile(probe_num_blocks)` runs the probe and returns the device's
+    peak bytes in use, or None when it cannot tell), else (CPU) a fixed 2 GiB scaled by
+    gpu_memory_utilization / 0.9. Raises ValueError when not one block fits."""
     if args.num_gpu_blocks_override:
         return args.num_gpu_blocks_override
+    util = args.gpu_memory_utilization
     if args.kv_cache_memory_bytes:
         budget = args.kv_cache_memory_bytes
-    elif jax.default_backend() == "cpu":
-        budget = int(CPU_KV_BUDGET_BYTES * args.gpu_memory_utilization / 0.9)
     else:
-        stats = jax.devices()[0].memory_stats() or {}
-        total = stats.get("bytes_limit", 16 << 30)
-        # Leave room for weights, activations of the largest step and XLA's workspace.
-        budget = int(total * args.gpu_memory_utilization) - weight_bytes - (2 << 30)
+        if stats is None and jax.default_backend() != "cpu":
+            stats = device_memory_stats()
+        limit = (stats or {}).get("bytes_limit")
+        if not limit:
+            budget = int(CPU_KV_BUDGET_BYTES * util / 0.9)
+            logger.info("KV sizing: no device memory statistics (CPU): fixed budget %.2f GiB x "
+                        "%.2f / 0.9 = %.2f GiB", CPU_KV_BUDGET_BYTES / 2**30, util, budget / 2**30)
+        else:
+            peak = profile(probe_num_blocks) if profile is not None else None
+            if peak is None:
+                budget = int(limit * util) - weight_bytes - UNMEASURED_HEADROOM
+                logger.info("KV sizing: device limit %.2f GiB x %.2f - weights %.2f GiB - %.1f GiB "
+                            "unmeasured headroom = %.2f GiB for the KV pool", limit / 2**30, util,
+                            weight_bytes / 2**30, UNMEASURED_HEADROOM / 2**30, budget / 2**30)
+            else:
+                p = MemoryProfile(int(limit), util, weight_bytes, int(peak), probe_num_blocks * bytes_per_block)
+                budget = p.kv_budget
+                logger.info("KV sizing (profile run): device limit %.2f GiB x %.2f = %.2f GiB; peak in "
+                            "use %.2f GiB (weights %.2f, largest step's activations and workspace "
+                            "%.2f, probe pool %.2f); KV pool %.2f GiB", limit / 2**30, util,
+                            limit * util / 2**30, p.peak / 2**30, weight_bytes / 2**30,
+                            p.activations / 2**30, p.probe_pool / 2**30, budget / 2**30)
     blocks = budget // bytes_per_block
     if blocks < 1:
         raise ValueError(f"no memory left for the KV cache (budget {budget} bytes); raise "
@@ -37,9 +108,22 @@ def num_kv_blocks(args: EngineArgs, bytes_per_block: int, weight_bytes: int) -> 
     return int(blocks)
 
 
+def profile_peak_bytes(runner) -> int | None:
+    """Run the runner's largest step programs (`ModelRunner.profile_run`), free its pool and
+    state, and return the device's peak bytes in use (None without memory statistics)."""
+    runner.profile_run()
+    stats = device_memory_stats()
+    runner.release()
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    return int(stats["peak_bytes_in_use"])
+
+
 def allocate_kv_cache(model_config, num_blocks: int, block_size: int, dtype,
                       quantized: bool) -> kvc.KVCache:
-    """The zeroed pool, `[L, N, B, K, D]` per K and V (plus scales when quantized)."""
+    """The zeroed pool, `[L, N, B, K, D]` per K and V (plus scales when quantized). On CPU an fp8
+    pool is held as uint8 bit patterns (`KVCache.codes`): XLA:CPU would convert the whole pool
+    to f16 and back on every write (issue 11 item 8)."""
     return kvc.allocate(model_config.num_layers, num_blocks, block_size,
                         model_config.num_kv_heads, model_config.head_dim, dtype,
-                        quantized=quantized)
+                        quantized=quantized, fp8_as_bytes=jax.default_backend() == "cpu")

@@ -13,10 +13,12 @@ write) is compiled in `warmup()`, so no XLA compilation happens while serving.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -43,6 +45,29 @@ def _pow2_at_least(n: int, smallest: int = 16) -> int:
     while b < n:
         b *= 2
     return b
+
+
+PROMPT_LOGPROB_ROWS = 64    # tokens whose logits [rows, V] exist at once in a prompt-logprobs step
+
+
+def score_rows(logits_fn, hidden, rows, targets, k: int, chunk: int = PROMPT_LOGPROB_ROWS):
+    """Prompt logprobs for the tokens `rows` [T] (the scored token indices first, then T) of
+    hidden [T, E]: logits are computed `chunk` rows at a time for those tokens only (a loop
+    with as many trips as the real rows need), never for all T tokens. Returns `score`'s
+    (chosen [T], rank [T], top ids [T, k], top logprobs [T, k]); unscored tokens hold zeros."""
+    T = hidden.shape[0]
+    C = min(chunk, T)
+    rows = jnp.pad(rows, (0, (-T) % C), constant_values=T)
+    shapes = jax.eval_shape(lambda: score(logits_fn(hidden[:1]), targets[:1], k))
+    init = tuple(jnp.zeros((T,) + s.shape[1:], s.dtype) for s in shapes)
+
+    def body(i, out):
+        idx = jax.lax.dynamic_slice_in_dim(rows, i * C, C)          # [C]; T: padding
+        safe = jnp.minimum(idx, T - 1)
+        res = score(logits_fn(hidden[safe]), targets[safe], k)
+        return tuple(o.at[idx].set(r, mode="drop") for o, r in zip(out, res))
+
+    return jax.lax.fori_loop(0, (jnp.sum(rows < T) + C - 1) // C, body, init)
 
 
 @dataclasses.dataclass
@@ -89,12 +114,10 @@ class ModelRunner:
             hidden, cache = model.forward(weights, cache, x.tokens, x.positions, x.meta,
                                           cfg=model_config, backend=backend,
                                           kv_quantize=kv_quantize)
-            if x.prompt_targets is None:
-                logits, scores = model.compute_logits(weights, hidden[x.logit_rows]), None
-            else:   # every token's logits [T, V]: prompt logprobs, then the sampling rows
-                all_logits = model.compute_logits(weights, hidden)
-                scores = score(all_logits, x.prompt_targets, k)
-                logits = all_logits[x.logit_rows]
+            logits, scores = model.compute_logits(weights, hidden[x.logit_rows]), None
+            if x.prompt_targets is not None:
+                scores = score_rows(functools.partial(model.compute_logits, weights), hidden,
+                                    x.prompt_rows, x.prompt_targets, k)
             out = sample(logits, x.sampling, pen, k=k)
             pen = penalties.count_sampled(pen, x.sampling.slots, out.token_ids)
             return out, scores, cache, pen
@@ -202,6 +225,25 @@ class ModelRunner:
                                     top_ids[r][:k], top_vals[r][:k]))
             result[s.request_id] = entries
         return result
+
+    def profile_run(self) -> None:
+        """Run the largest token bucket's programs (with and without prompt logprobs) once on an
+        all-padding batch, for `kv_sizing.profile_peak_bytes`: XLA allocates a program's buffers
+        by shape, so the device's peak memory is what a real step of that bucket needs."""
+        T = self.buckets[-1]
+        for with_prompt_logprobs in (False, True):
+            x, _ = build_inputs([], self.input_batch, num_tokens=T, num_seqs=self._seq_bucket(T),
+                                num_blocks=self.num_blocks, block_size=self.block_size,
+                                max_blocks_per_seq=self.max_blocks_per_seq,
+                                with_prompt_logprobs=with_prompt_logprobs)
+            jax.block_until_ready(self.run_model(x))
+
+    def release(self) -> None:
+        """Free the pool and the penalty state now (a probe runner, before the real pool)."""
+        for x in jax.tree_util.tree_leaves((self.cache, self.penalties)):
+            x.delete()
+        self.cache = self.penalties = None
+        self._executables.clear()
 
     def warmup(self):
         """Compile every program a step can need: each token bucket with and without prompt

@@ -3,8 +3,10 @@ the worker's input batch.
 
 T is the token bucket, S the sequence bucket (`min(T, max_num_seqs rounded up to a power of
 two)`), M the blocks per sequence. The prompt-logprobs variant (some row wants prompt logprobs)
-carries `prompt_targets` and computes logits for all T tokens; otherwise `prompt_targets` is
-None and only the S sampling rows get logits. The two variants are two compiled programs per
+carries `prompt_targets` and `prompt_rows` and computes logits for the S sampling rows and, a
+chunk of rows at a time, for the tokens listed in `prompt_rows` only (the tokens of chunks that
+want prompt logprobs and have a next prompt token); otherwise both are None and only the S
+sampling rows get logits. The two variants are two compiled programs per
 token bucket.
 """
 
@@ -28,6 +30,7 @@ class StepInputs:
     logit_rows: jax.Array          # [S] i32, token index of each sampling row's last token
     sampling: SamplingTensors      # [S] per field
     prompt_targets: jax.Array | None = None   # [T] i32, next prompt token of each token (0 pad)
+    prompt_rows: jax.Array | None = None      # [T] i32, tokens scored for prompt logprobs first, then T
 
 
 @dataclasses.dataclass
@@ -51,6 +54,8 @@ def build_inputs(scheduled, batch, *, num_tokens: int, num_seqs: int, num_blocks
     cu = np.zeros(S + 1, np.int32)
     logit_rows = np.zeros(S, np.int32)
     targets = np.zeros(T, np.int32) if with_prompt_logprobs else None
+    prompt_rows = np.full(T, T, np.int32) if with_prompt_logprobs else None
+    num_prompt_rows = 0
     offsets, sample_rows, sample_slots = [], {}, []
     start = 0
     for i, s in enumerate(scheduled):
@@ -72,10 +77,13 @@ def build_inputs(scheduled, batch, *, num_tokens: int, num_seqs: int, num_blocks
             nxt = pos + 1                            # the token each position predicts
             inside = nxt < len(prompt)
             targets[start:start + n][inside] = np.asarray(prompt, np.int32)[nxt[inside]]
+            scored = start + np.flatnonzero(inside).astype(np.int32)
+            prompt_rows[num_prompt_rows:num_prompt_rows + len(scored)] = scored
+            num_prompt_rows += len(scored)
         start += n
         cu[i + 1] = start
     cu[len(scheduled) + 1:] = start
     meta = AttentionMetadata(slots, tables, kv_lens, cu, np.array([len(scheduled)], np.int32))
     sampling = SamplingTensors(**batch.sampling_arrays(sample_slots, S))
-    inputs = StepInputs(tokens, positions, meta, logit_rows, sampling, targets)
+    inputs = StepInputs(tokens, positions, meta, logit_rows, sampling, targets, prompt_rows)
     return inputs, StepLayout(offsets, sample_rows)

@@ -259,7 +259,7 @@ class Server:
         cfg = engine.model_config
         blocks, bs = engine.cache_config.num_blocks, engine.cache_config.block_size
         logger.info("loaded %s (%s, %d layers, %s) from %s", names[0], cfg.architecture,
-                    cfg.num_layers, engine.runner.cache.k.dtype, engine.model_path)
+                    cfg.num_layers, engine.runner.cache.dtype, engine.model_path)
         logger.info("KV pool: %d blocks x %d tokens = %d tokens; max concurrency at "
                     "max_model_len %d: %.2fx", blocks, bs, blocks * bs, engine.max_model_len,
                     blocks * bs / engine.max_model_len)

@@ -1,0 +1,39 @@
+"""Prompt-logprob steps compute logits only for the tokens that want them (`score_rows`), with the
+same results as scoring every token's logits."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.sample.sampler import score
+from jaxserve.worker.model_runner import score_rows
+
+
+@pytest.mark.parametrize("T, scored, chunk", [(16, [3, 4, 5], 64), (200, list(range(20, 151)), 64),
+                                              (32, [], 8), (24, list(range(24)), 16)])
+def test_scored_rows_equal_scoring_every_token(T, scored, chunk):
+    rng = np.random.default_rng(T)
+    E, V, k = 32, 97, 3
+    hidden = jnp.asarray(rng.standard_normal((T, E)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((E, V)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, V, T), jnp.int32)
+    rows = np.full(T, T, np.int32)
+    rows[:len(scored)] = scored
+    calls = []
+
+    def logits_fn(h):
+        calls.append(h.shape[0])
+        return jnp.einsum("re,ev->rv", h, head, precision="highest")
+
+    got = jax.jit(lambda h, r, t: score_rows(logits_fn, h, r, t, k, chunk=chunk))(hidden, jnp.asarray(rows),
+                                                                                   targets)
+    want = score(jnp.einsum("re,ev->rv", hidden, head, precision="highest"), targets, k)
+    assert max(calls) <= min(chunk, T)          # never the [T, V] logits at once
+    mask = np.zeros(T, bool)
+    mask[scored] = True
+    for g, w in zip(got, want):
+        g, w = np.asarray(g), np.asarray(w)
+        np.testing.assert_allclose(g[mask], w[mask], rtol=1e-5, atol=1e-5)
+        assert not g[~mask].any()               # unscored tokens stay zero
