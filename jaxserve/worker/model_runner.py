@@ -15,14 +15,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from functools import partial
 
 import jax
 import numpy as np
 
+from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.models import get_model
 from jaxserve.sample import penalties
 from jaxserve.sample.sampler import sample, score
+from jaxserve.sharding.plan import ShardingPlan, single_device_plan
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.kv_sizing import allocate_kv_cache
 from jaxserve.worker.step_inputs import StepInputs, build_inputs
@@ -57,8 +60,10 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, *, dtype, backend: str, max_logprobs: int,
-                 kv_quantize=None, kv_dtype=None):
+                 kv_quantize=None, kv_dtype=None, plan: ShardingPlan | None = None):
         self.cfg = model_config
+        # How weights, KV pool and the step split over the devices (default: one device).
+        self.plan = plan = plan or single_device_plan(model_config)
         self.weights = weights
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks
@@ -66,11 +71,11 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-scheduler_config.max_model_len // self.block_size)
         self.buckets = token_buckets(scheduler_config.max_num_batched_tokens)
         self.max_logprobs = max_logprobs
-        self.cache = allocate_kv_cache(model_config, self.num_blocks, self.block_size,
-                                       kv_dtype or dtype, quantized=kv_quantize is not None)
+        self.cache = self._allocate_cache(kv_dtype or dtype, kv_quantize is not None)
         self.input_batch = InputBatch(self.max_seqs, model_config.vocab_size)
         # [max_num_seqs, vocab] x 4 on the device: the penalties never change shape.
-        self.penalties = penalties.zeros(self.max_seqs, model_config.vocab_size)
+        self.penalties = jax.device_put(penalties.zeros(self.max_seqs, model_config.vocab_size),
+                                        plan.replicated)
         model = get_model(model_config.architecture)
         self._model = model
         k = max_logprobs
@@ -78,19 +83,42 @@ class ModelRunner:
         def step(weights, cache, pen, x: StepInputs):
             hidden, cache = model.forward(weights, cache, x.tokens, x.positions, x.meta,
                                           cfg=model_config, backend=backend,
-                                          kv_quantize=kv_quantize)
+                                          kv_quantize=kv_quantize, plan=plan)
+
+            def logits_of(h):   # vocabulary-parallel head; the sampler reads whole rows
+                return jax.lax.with_sharding_constraint(model.compute_logits(weights, h),
+                                                        plan.replicated)
+
             if x.prompt_targets is None:
-                logits, scores = model.compute_logits(weights, hidden[x.logit_rows]), None
+                logits, scores = logits_of(hidden[x.logit_rows]), None
             else:   # every token's logits [T, V]: prompt logprobs, then the sampling rows
-                all_logits = model.compute_logits(weights, hidden)
+                all_logits = logits_of(hidden)
                 scores = score(all_logits, x.prompt_targets, k)
                 logits = all_logits[x.logit_rows]
             out = sample(logits, x.sampling, pen, k=k)
             pen = penalties.count_sampled(pen, x.sampling.slots, out.token_ids)
             return out, scores, cache, pen
 
-        self._step = jax.jit(step, donate_argnames=("cache", "pen"))
+        # Donated state leaves with the sharding it came in with, so the buffers are reused.
+        rep = plan.replicated
+        self._step = jax.jit(step, donate_argnames=("cache", "pen"),
+                             out_shardings=(rep, rep, self._cache_sharding(self.cache.quantized), rep))
         self._executables: dict[tuple[int, bool], jax.stages.Compiled] = {}
+
+    # -- the KV pool ---------------------------------------------------------------------------
+    def _cache_sharding(self, quantized: bool) -> kvc.KVCache:
+        pages = self.plan.sharding(kvc.KV_AXES)
+        scales = self.plan.sharding(kvc.SCALE_AXES) if quantized else None
+        return kvc.KVCache(pages, pages, scales, scales)
+
+    def _allocate_cache(self, dtype, quantized: bool) -> kvc.KVCache:
+        """The zeroed pool made on the devices, split on KV heads (never whole on one device)."""
+        cfg, plan = self.cfg, self.plan
+        if plan.tp == 1:
+            return allocate_kv_cache(cfg, self.num_blocks, self.block_size, dtype, quantized=quantized)
+        make = partial(kvc.allocate, cfg.num_layers, self.num_blocks, self.block_size,
+                       plan.cache_kv_heads(cfg.num_kv_heads), cfg.head_dim, dtype, quantized=quantized)
+        return jax.jit(make, out_shardings=self._cache_sharding(quantized))()
 
     # -- shapes -------------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
