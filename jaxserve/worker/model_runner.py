@@ -85,9 +85,12 @@ class ModelRunner:
                                           cfg=model_config, backend=backend,
                                           kv_quantize=kv_quantize, plan=plan)
 
-            def logits_of(h):   # vocabulary-parallel head; the sampler reads whole rows
-                return jax.lax.with_sharding_constraint(model.compute_logits(weights, h),
-                                                        plan.replicated)
+            def logits_of(h):
+                # Vocabulary-parallel head: each device scores its slice of the vocabulary, then
+                # the rows are gathered (not the head), so the sampler reads whole rows.
+                logits = jax.lax.with_sharding_constraint(model.compute_logits(weights, h),
+                                                          plan.sharding(("tokens", "vocab")))
+                return jax.lax.with_sharding_constraint(logits, plan.replicated)
 
             if x.prompt_targets is None:
                 logits, scores = logits_of(hidden[x.logit_rows]), None
