@@ -24,11 +24,12 @@ _CHILD = textwrap.dedent("""
     import json, re, sys
     import jax
     from jaxserve import LLM, SamplingParams
-    model, sizes, kwargs = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    runs = json.loads(sys.argv[1])
     assert len(jax.devices()) == 8
     PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
-    result = {}
-    for tp in sizes:
+    result = []
+    for run in runs:
+        model, tp, kwargs = run.pop("model"), run.pop("tp"), run
         with LLM(model=model or None, tensor_parallel_size=tp, max_model_len=128,
                  max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=32,
                  warmup=False, compilation_cache_dir="", **kwargs) as llm:
@@ -40,20 +41,21 @@ _CHILD = textwrap.dedent("""
             ops = {op: [m.group(1) for m in re.finditer(r"= (\\S+) " + op + r"(?:-start)?\\(", hlo)]
                    for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")}
             dev0 = lambda tree: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
-            result[tp] = dict(tokens=[o.outputs[0].token_ids for o in outs], ops=ops,
+            result.append(dict(tokens=[o.outputs[0].token_ids for o in outs], ops=ops,
                               weight_bytes=dev0(runner.weights), kv_bytes=dev0(runner.cache),
-                              weight_shapes=[list(x.shape) for x in jax.tree.leaves(runner.weights)])
+                               weight_shapes=[list(x.shape) for x in jax.tree.leaves(runner.weights)]))
     print("RESULT" + json.dumps(result))
 """)
 
 
-def _run(model: str, sizes, **kwargs) -> dict[int, dict]:
+def _run(runs: list[dict]) -> list[dict]:
+    """Each run: {"model": path or "" (the default model), "tp": size, **LLM kwargs}."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", _CHILD, model, json.dumps(sizes), json.dumps(kwargs)],
+    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(runs)],
                          capture_output=True, text=True, env=env, timeout=600)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
     assert out.returncode == 0 and lines, out.stderr[-4000:]
-    return {int(k): v for k, v in json.loads(lines[0][len("RESULT"):]).items()}
+    return json.loads(lines[0][len("RESULT"):])
 
 
 def _shape(hlo_type: str) -> list[int]:
@@ -73,23 +75,33 @@ def _check_collectives(r: dict, all_reduces: int, hidden: int, vocab: int):
     assert not ops["reduce-scatter"] and not ops["all-to-all"], ops
 
 
-def test_tensor_parallel_tiny_llama_matches_one_device(tmp_path):
+def test_tensor_parallel_tiny_llama_and_qwen3_match_one_device(tmp_path):
     """8 heads, 4 KV heads: TP 2 and 4 split the KV heads, TP 8 repeats each in the cache (two
-    devices per KV head). Same greedy tokens; wo and w_down all-reduce; bytes fall with TP."""
+    devices per KV head). Same greedy tokens as one device; wo and w_down all-reduce; bytes
+    fall with TP. Also: the Pallas kernel (interpret mode) inside the shard_map at TP 2 and 8,
+    and a Qwen3 (q/k norms) at TP 4."""
     cfg = json.loads((TINY / "config.json").read_text())
-    cfg.update(num_attention_heads=8, num_key_value_heads=4, head_dim=32)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    res = _run(str(tmp_path), [1, 2, 4, 8], load_format="dummy", seed=0, dtype="float32")
-    one = res[1]
+    cfg.update(num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+    llama, qwen3 = tmp_path / "llama", tmp_path / "qwen3"
+    for d, arch in ((llama, "LlamaForCausalLM"), (qwen3, "Qwen3ForCausalLM")):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(dict(cfg, architectures=[arch])))
+    dummy = dict(load_format="dummy", seed=0, dtype="float32")
+    res = _run([dict(model=str(llama), tp=tp, **dummy) for tp in (1, 2, 4, 8)]
+               + [dict(model=str(llama), tp=tp, attention_backend="pallas", **dummy) for tp in (2, 8)]
+               + [dict(model=str(qwen3), tp=tp, **dummy) for tp in (1, 4)])
+    one = res[0]
     assert not any(one["ops"].values())
-    for tp in (2, 4, 8):
-        r = res[tp]
+    for tp, r in zip((2, 4, 8), res[1:4]):
         assert r["tokens"] == one["tokens"], tp
         _check_collectives(r, 3, cfg["hidden_size"], cfg["vocab_size"])
         # whole on every device: the norms, and at TP 8 the K/V projections (their heads repeat)
-        kv_proj = 2 * cfg["num_hidden_layers"] * cfg["hidden_size"] * 4 * 32 * 4 if tp == 8 else 0
+        kv_proj = 2 * cfg["num_hidden_layers"] * cfg["hidden_size"] * 4 * 64 * 4 if tp == 8 else 0
         assert r["weight_bytes"] < (one["weight_bytes"] / tp + kv_proj) * 1.05, (tp, r["weight_bytes"])
         assert r["kv_bytes"] * min(tp, 4) == one["kv_bytes"], (tp, r["kv_bytes"])
+    assert res[4]["tokens"] == res[5]["tokens"] == one["tokens"]     # Pallas per device
+    assert res[7]["tokens"] == res[6]["tokens"]
+    _check_collectives(res[7], 3, cfg["hidden_size"], cfg["vocab_size"])
 
 
 def test_tensor_parallel_default_model_matches_one_device():
@@ -99,10 +111,8 @@ def test_tensor_parallel_default_model_matches_one_device():
     from jaxserve.default_model import default_model_path
     if not Path(default_model_path()).exists():
         pytest.skip("the default model is not available")
-    res = _run("", [1, 8])
-    one = res[1]
+    one, r = _run([dict(model="", tp=1), dict(model="", tp=8)])
     for tp in (8,):
-        r = res[tp]
         assert r["tokens"] == one["tokens"], tp
         _check_collectives(r, 2, 576, 49152)
         assert r["weight_bytes"] < one["weight_bytes"] * 0.8, (tp, r["weight_bytes"])
