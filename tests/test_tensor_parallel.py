@@ -108,9 +108,6 @@ def test_tensor_parallel_default_model_matches_one_device():
     """SmolLM2-135M: 9 heads and 3 KV heads split over none of 2, 4, 8, so attention is
     replicated (and its KV pool whole on each device); the MLP and vocabulary still split.
     TP 8 only: 2 and 4 take the same path (the plan test) and each size costs ~20 s here."""
-    from jaxserve.default_model import default_model_path
-    if not Path(default_model_path()).exists():
-        pytest.skip("the default model is not available")
     one, r = _run([dict(model="", tp=1), dict(model="", tp=8)])
     for tp in (8,):
         assert r["tokens"] == one["tokens"], tp
