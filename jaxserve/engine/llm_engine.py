@@ -89,7 +89,9 @@ class LLMEngine:
                                         cfg.head_dim, kv_dtype, kv_quantize is not None)
         weight_bytes = sum(x.addressable_shards[0].data.nbytes
                            for x in jax.tree_util.tree_leaves(weights))
-        blocks = num_kv_blocks(args, per_block, weight_bytes)
+        # Simulated CPU devices share the host's memory: there a budget covers all of them.
+        host_copies = self.mesh.size if jax.default_backend() == "cpu" else 1
+        blocks = num_kv_blocks(args, per_block * host_copies, weight_bytes)
         self.cache_config = dataclasses.replace(args.cache_config(), num_blocks=blocks)
         self.scheduler_config = args.scheduler_config(self.max_model_len)
         tokens = blocks * args.block_size
