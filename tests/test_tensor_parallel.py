@@ -33,10 +33,12 @@ _CHILD = textwrap.dedent("""
         with LLM(model=model or None, tensor_parallel_size=tp, max_model_len=128,
                  max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=32,
                  warmup=False, compilation_cache_dir="", **kwargs) as llm:
+            pages = llm.llm_engine.runner.cache.k
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                                 SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                 use_tqdm=False)
             runner = llm.llm_engine.runner
+            assert pages.is_deleted(), "the KV pool was copied, not donated"
             hlo = runner._executable(16, False).as_text()
             ops = {op: [m.group(1) for m in re.finditer(r"= (\\S+) " + op + r"(?:-start)?\\(", hlo)]
                    for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")}

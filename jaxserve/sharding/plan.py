@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.sharding.rules import RULES
+from jaxserve.sharding.rules import RULES, partition_spec
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,6 @@ class ShardingPlan:
         return self.mesh.shape["tp"]
 
     def spec(self, axes: Sequence[str]) -> PartitionSpec:
-        from jaxserve.sharding.rules import partition_spec
         return partition_spec(axes, self.rules)
 
     def sharding(self, axes: Sequence[str]) -> NamedSharding:
