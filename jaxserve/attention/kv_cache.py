@@ -12,9 +12,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-# Logical axis names, for the sharding rules (kv heads are split across tensor-parallel ranks).
-KV_AXES = ("layers", "kv_blocks", "kv_block_tokens", "kv_heads", "head_dim")
-SCALE_AXES = ("layers", "kv_blocks", "kv_block_tokens", "kv_heads")
+# Logical axis names, for the sharding rules (kv heads are split across tensor-parallel ranks; the
+# cache's own axis name, because with fewer KV heads than ranks the cache repeats them and the
+# K/V projections do not split).
+KV_AXES = ("layers", "kv_blocks", "kv_block_tokens", "kv_cache_heads", "head_dim")
+SCALE_AXES = ("layers", "kv_blocks", "kv_block_tokens", "kv_cache_heads")
 
 
 @jax.tree_util.register_dataclass

@@ -26,6 +26,7 @@ from jaxserve.loader.gguf import read_gguf
 from jaxserve.loader.loader import load_model, resolve_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sharding.mesh import make_mesh
+from jaxserve.sharding.plan import plan_for
 from jaxserve.tokenizer.tokenizer import Tokenizer
 from jaxserve.worker.kv_sizing import num_kv_blocks, probe_blocks, profile_peak_bytes
 from jaxserve.worker.model_runner import ModelRunner
@@ -87,9 +88,15 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({args.max_model_len}) is larger than the model's "
                              f"max_position_embeddings ({cfg.max_position_embeddings})")
         kv_quantize, kv_dtype = _kv_quantization(args.kv_cache_dtype, dtype)
-        per_block = kvc.bytes_per_block(cfg.num_layers, args.block_size, cfg.num_kv_heads,
+        self.plan = plan_for(cfg, self.mesh)
+        # Sized per device: a block costs its heads on one device, the budget is one device's.
+        per_block = kvc.bytes_per_block(cfg.num_layers, args.block_size,
+                                        self.plan.kv_heads_per_device(cfg.num_kv_heads),
                                         cfg.head_dim, kv_dtype, kv_quantize is not None)
-        weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(weights))
+        weight_bytes = sum(x.addressable_shards[0].data.nbytes
+                           for x in jax.tree_util.tree_leaves(weights))
+        # Simulated CPU devices share the host's memory: there a budget covers all of them.
+        host_copies = self.mesh.size if jax.default_backend() == "cpu" else 1
         self.scheduler_config = args.scheduler_config(self.max_model_len)
         self.attention_backend = select_backend(
             args.attention_backend, AttentionCase.of(cfg, dtype, kv_dtype, args.block_size))
@@ -99,9 +106,9 @@ class LLMEngine:
             cache_config = dataclasses.replace(args.cache_config(), num_blocks=num_blocks)
             return ModelRunner(cfg, weights, cache_config, self.scheduler_config, dtype=dtype,
                                backend=self.attention_backend, max_logprobs=args.max_logprobs,
-                               kv_quantize=kv_quantize, kv_dtype=kv_dtype)
+                               kv_quantize=kv_quantize, kv_dtype=kv_dtype, plan=self.plan)
 
-        blocks = num_kv_blocks(args, per_block, weight_bytes,
+        blocks = num_kv_blocks(args, per_block * host_copies, weight_bytes,
                                profile=lambda n: profile_peak_bytes(make_runner(n)),
                                probe_num_blocks=probe_blocks(args, self.max_model_len))
         self.cache_config = dataclasses.replace(args.cache_config(), num_blocks=blocks)
@@ -298,9 +305,8 @@ def _load_tokenizer(args: EngineArgs, model_path: str, reader, cfg) -> Tokenizer
 
 def _check_supported(args: EngineArgs) -> None:
     """Flags that are accepted by name (vLLM's surface) but whose feature has not landed yet."""
-    if args.tensor_parallel_size != 1 or args.enable_expert_parallel:
-        raise ValueError("tensor_parallel_size > 1 and enable_expert_parallel are not supported "
-                         "yet; run with tensor_parallel_size=1")
+    if args.enable_expert_parallel:
+        raise ValueError("enable_expert_parallel is not supported yet")
     if args.quantization is not None:
         raise ValueError(f"quantization={args.quantization!r} is not supported yet")
     if args.speculative_config:

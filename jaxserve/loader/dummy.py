@@ -14,7 +14,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.params import Param
 from jaxserve.models.registry import get_model
 from jaxserve.sharding.mesh import make_mesh
-from jaxserve.sharding.rules import named_sharding
+from jaxserve.sharding.plan import plan_for
 
 STD = 0.02
 
@@ -31,12 +31,12 @@ def dummy_weights(cfg: ModelConfig, dtype, mesh=None, seed: int = 0):
     """The model's weights pytree, filled from `seed`: the same seed and config give the same
     weights on any device count (each array's key is derived from its path)."""
     model = get_model(cfg.architecture)
-    mesh = mesh if mesh is not None else make_mesh()
+    plan = plan_for(cfg, mesh if mesh is not None else make_mesh())
     root = jax.random.key(seed)
     arrays = {}
     for p in model.declare(cfg):
         key = jax.random.fold_in(root, zlib.crc32(p.path.encode()))
         make = jax.jit(lambda k, p=p: _init(p, k, dtype),
-                       out_shardings=named_sharding(mesh, p.axes))
+                       out_shardings=plan.sharding(p.axes))
         arrays[p.path] = make(key)
     return model.build(cfg, arrays)

@@ -23,6 +23,7 @@ from jaxserve.layers.linear import DenseWeight, linear
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
 from jaxserve.models.params import Param
+from jaxserve.sharding.plan import ShardingPlan, embed_lookup, shard_attention
 
 
 @jax.tree_util.register_dataclass
@@ -110,7 +111,7 @@ def build(cfg: ModelConfig, arrays: dict[str, jax.Array]) -> Weights:
                    lm_head=get("lm_head"))
 
 
-def _layer(cfg: ModelConfig, backend: str, kv_quantize, carry, xs):
+def _layer(cfg: ModelConfig, backend: str, kv_quantize, plan: ShardingPlan | None, carry, xs):
     x, cache, cos, sin, meta = carry
     w, layer = xs
     T = x.shape[0]
@@ -125,9 +126,12 @@ def _layer(cfg: ModelConfig, backend: str, kv_quantize, carry, xs):
         k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    cache = kvc.write(cache, layer, k, v, meta.slot_mapping, kv_quantize)
-    o, cache = attention.paged_attention(q, cache, layer, meta, backend=backend, sm_scale=D ** -0.5,
-                                  sliding_window=cfg.sliding_window)
+    def attend(q, k, v, cache, layer, meta):     # one device's heads when tensor-parallel
+        cache = kvc.write(cache, layer, k, v, meta.slot_mapping, kv_quantize)
+        return attention.paged_attention(q, cache, layer, meta, backend=backend, sm_scale=D ** -0.5,
+                                         sliding_window=cfg.sliding_window)
+
+    o, cache = shard_attention(plan, attend, q, k, v, cache, layer, meta)
     x = x + linear(o.reshape(T, H * D), w.wo)
 
     h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
@@ -137,13 +141,14 @@ def _layer(cfg: ModelConfig, backend: str, kv_quantize, carry, xs):
 
 def forward(weights: Weights, cache: kvc.KVCache, tokens: jax.Array, positions: jax.Array,
             meta: attention.AttentionMetadata, *, cfg: ModelConfig, backend: str = "reference",
-            kv_quantize=None):
-    """tokens, positions [T] -> final hidden states [T, E] and the updated cache."""
-    x = weights.embed[tokens]
+            kv_quantize=None, plan: ShardingPlan | None = None):
+    """tokens, positions [T] -> final hidden states [T, E] and the updated cache. `plan` (None:
+    one device) says how heads and vocabulary split over the tensor-parallel devices."""
+    x = embed_lookup(plan, weights.embed, tokens)
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict))
     cos, sin = rope_cos_sin(positions, inv_freq)
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    body = partial(_layer, cfg, backend, kv_quantize)
+    body = partial(_layer, cfg, backend, kv_quantize, plan)
     (x, cache, *_), _ = jax.lax.scan(body, (x, cache, cos, sin, meta), (weights.layers, layer_ids))
     return rms_norm(x, weights.final_norm, cfg.rms_norm_eps), cache
 

@@ -4,7 +4,9 @@ table.
 
 Tensor parallelism (Megatron style): attention heads, KV heads, the MLP's inner dimension and
 the vocabulary split over "tp"; the embedding dimension stays whole, so only the outputs of `wo`
-and `w_down` need a sum across devices. Experts split over "ep".
+and `w_down` need a sum across devices. Experts split over "ep". This is the table for a model
+whose heads divide over the devices; `sharding/plan.py` adapts it to one model's head counts
+(KV heads of the weights vs. of the cache, replicated attention).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ RULES: tuple[tuple[str, str | None], ...] = (
     # the paged KV cache (jaxserve/attention/kv_cache.py)
     ("kv_blocks", None),
     ("kv_block_tokens", None),
+    ("kv_cache_heads", "tp"),
+    # activations
+    ("tokens", None),
 )
 LOGICAL_AXES = tuple(name for name, _ in RULES)
 

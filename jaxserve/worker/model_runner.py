@@ -13,18 +13,20 @@ write) is compiled in `warmup()`, so no XLA compilation happens while serving.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.models import get_model
 from jaxserve.sample import penalties
 from jaxserve.sample.sampler import sample, score
+from jaxserve.sharding.plan import ShardingPlan, single_device_plan
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.kv_sizing import allocate_kv_cache
 from jaxserve.worker.step_inputs import StepInputs, build_inputs
@@ -79,18 +81,13 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[tuple]]
 
 
-def _replicated_like(weights) -> jax.sharding.Sharding:
-    sharding = jax.tree_util.tree_leaves(weights)[0].sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return sharding
-
-
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, *, dtype, backend: str, max_logprobs: int,
-                 kv_quantize=None, kv_dtype=None):
+                 kv_quantize=None, kv_dtype=None, plan: ShardingPlan | None = None):
         self.cfg = model_config
+        # How weights, KV pool and the step split over the devices (default: one device).
+        self.plan = plan = plan or single_device_plan(model_config)
         self.weights = weights
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks
@@ -98,14 +95,11 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-scheduler_config.max_model_len // self.block_size)
         self.buckets = token_buckets(scheduler_config.max_num_batched_tokens)
         self.max_logprobs = max_logprobs
-        self.cache = allocate_kv_cache(model_config, self.num_blocks, self.block_size,
-                                       kv_dtype or dtype, quantized=kv_quantize is not None)
+        self.cache = self._allocate_cache(kv_dtype or dtype, kv_quantize is not None)
         self.input_batch = InputBatch(self.max_seqs, model_config.vocab_size)
         # [max_num_seqs, vocab] x 4 on the device: the penalties never change shape.
-        # Replicated on the weights' mesh, as the step returns it: jit keys its cache on the
-        # sharding, so a single-device start would retrace the row write while serving.
         self.penalties = jax.device_put(penalties.zeros(self.max_seqs, model_config.vocab_size),
-                                        _replicated_like(weights))
+                                        plan.replicated)
         model = get_model(model_config.architecture)
         self._model = model
         k = max_logprobs
@@ -113,17 +107,42 @@ class ModelRunner:
         def step(weights, cache, pen, x: StepInputs):
             hidden, cache = model.forward(weights, cache, x.tokens, x.positions, x.meta,
                                           cfg=model_config, backend=backend,
-                                          kv_quantize=kv_quantize)
-            logits, scores = model.compute_logits(weights, hidden[x.logit_rows]), None
+                                          kv_quantize=kv_quantize, plan=plan)
+
+            def logits_of(h):
+                # Vocabulary-parallel head: each device scores its slice of the vocabulary, then
+                # the rows are gathered (not the head), so the sampler reads whole rows.
+                logits = jax.lax.with_sharding_constraint(model.compute_logits(weights, h),
+                                                          plan.sharding(("tokens", "vocab")))
+                return jax.lax.with_sharding_constraint(logits, plan.replicated)
+
+            logits, scores = logits_of(hidden[x.logit_rows]), None
             if x.prompt_targets is not None:
-                scores = score_rows(functools.partial(model.compute_logits, weights), hidden,
-                                    x.prompt_rows, x.prompt_targets, k)
+                scores = score_rows(logits_of, hidden, x.prompt_rows, x.prompt_targets, k)
             out = sample(logits, x.sampling, pen, k=k)
             pen = penalties.count_sampled(pen, x.sampling.slots, out.token_ids)
             return out, scores, cache, pen
 
-        self._step = jax.jit(step, donate_argnames=("cache", "pen"))
+        # Donated state leaves with the sharding it came in with, so the buffers are reused.
+        rep = plan.replicated
+        self._step = jax.jit(step, donate_argnames=("cache", "pen"),
+                             out_shardings=(rep, rep, self._cache_sharding(self.cache.quantized), rep))
         self._executables: dict[tuple[int, bool], jax.stages.Compiled] = {}
+
+    # -- the KV pool ---------------------------------------------------------------------------
+    def _cache_sharding(self, quantized: bool) -> kvc.KVCache:
+        pages = self.plan.sharding(kvc.KV_AXES)
+        scales = self.plan.sharding(kvc.SCALE_AXES) if quantized else None
+        return kvc.KVCache(pages, pages, scales, scales)
+
+    def _allocate_cache(self, dtype, quantized: bool) -> kvc.KVCache:
+        """The zeroed pool made on the devices, split on KV heads (never whole on one device)."""
+        cfg, plan = self.cfg, self.plan
+        if plan.tp == 1:
+            return allocate_kv_cache(cfg, self.num_blocks, self.block_size, dtype, quantized=quantized)
+        make = partial(kvc.allocate, cfg.num_layers, self.num_blocks, self.block_size,
+                       plan.cache_kv_heads(cfg.num_kv_heads), cfg.head_dim, dtype, quantized=quantized)
+        return jax.jit(make, out_shardings=self._cache_sharding(quantized))()
 
     # -- shapes -------------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:

@@ -1,0 +1,137 @@
+"""How one model is split over a mesh's tensor-parallel axis: the rules table adapted to the
+model's head counts, and the few places where XLA must not be left to partition by itself
+(the paged attention call and the vocabulary-parallel embedding lookup), written as
+`jax.shard_map`s from logical axes. Model code receives a `ShardingPlan` and never names a mesh
+axis.
+
+Attention over `tp` devices, as vLLM does it:
+- heads split when `num_heads % tp == 0` and `num_kv_heads % tp == 0`;
+- when `tp % num_kv_heads == 0` (fewer KV heads than devices) the K/V projections stay
+  replicated and the KV cache holds each KV head `tp // num_kv_heads` times, so every device keeps
+  exactly the one KV head its query heads read;
+- otherwise (SmolLM2-135M's 9 heads and 3 KV heads over 2, 4 or 8 devices) attention is
+  replicated: every device computes all heads and holds the whole KV pool; the MLP and the
+  vocabulary are still split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.sharding.rules import RULES, partition_spec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """mesh: the device mesh. rules: logical axis -> mesh axis for this model.
+    kv_repeat: copies of each checkpoint KV head in the cache (> 1 only when KV heads < tp).
+    Hashable: jitted functions take it as a static argument."""
+
+    mesh: Mesh
+    rules: tuple[tuple[str, str | None], ...]
+    kv_repeat: int = 1
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.shape["tp"]
+
+    def spec(self, axes: Sequence[str]) -> PartitionSpec:
+        return partition_spec(axes, self.rules)
+
+    def sharding(self, axes: Sequence[str]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(axes))
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def mesh_axis(self, logical: str) -> str | None:
+        return dict(self.rules)[logical]
+
+    def cache_kv_heads(self, num_kv_heads: int) -> int:
+        """KV heads the cache holds in all (each device holds this / tp when they are split)."""
+        return num_kv_heads * self.kv_repeat
+
+    def kv_heads_per_device(self, num_kv_heads: int) -> int:
+        heads = self.cache_kv_heads(num_kv_heads)
+        return heads // self.tp if self.mesh_axis("kv_cache_heads") else heads
+
+
+def plan_for(cfg, mesh: Mesh) -> ShardingPlan:
+    """The plan for a model config (`jaxserve.config.ModelConfig`) on `mesh`. Raises ValueError
+    when the MLP size does not divide over the tensor-parallel devices."""
+    tp = mesh.shape["tp"]
+    rules = dict(RULES)
+    H, K, F, V = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size
+    if F % tp:
+        raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's intermediate_size "
+                         f"({F})")
+    if V % tp:
+        logger.warning("vocab_size %d does not divide over %d devices: embedding and lm_head are "
+                       "replicated", V, tp)
+        rules["vocab"] = None
+    kv_repeat = 1
+    if H % tp == 0 and K % tp == 0:
+        pass
+    elif H % tp == 0 and tp % K == 0:
+        rules["kv_heads"] = None          # K/V projections replicated; the cache repeats heads
+        kv_repeat = tp // K
+    else:
+        logger.warning("%d attention heads and %d KV heads do not split over %d devices: attention "
+                       "is replicated (MLP and vocabulary still split)", H, K, tp)
+        rules.update(q_heads=None, kv_heads=None, kv_cache_heads=None)
+    return ShardingPlan(mesh, tuple(rules.items()), kv_repeat)
+
+
+def single_device_plan(cfg) -> ShardingPlan:
+    from jaxserve.sharding.mesh import make_mesh
+    return plan_for(cfg, make_mesh(devices=jax.devices()[:1]))
+
+
+def shard_attention(plan: ShardingPlan | None, fn: Callable, q, k, v, cache, *args):
+    """Run `fn(q, k, v, cache, *args) -> (out, cache)` on each device's heads.
+
+    q [T, H, D], k, v [T, K, D] (replicated K heads are repeated here to the cache's count),
+    cache a KVCache split on its heads; `args` (layer index, attention metadata) replicated.
+    XLA does not partition Pallas calls, so the kernel only ever sees one device's heads; the
+    reference path goes the same way (no collective is needed: heads are independent)."""
+    if plan is not None and plan.kv_repeat > 1:
+        k, v = jnp.repeat(k, plan.kv_repeat, axis=1), jnp.repeat(v, plan.kv_repeat, axis=1)
+    if plan is None or plan.tp == 1:
+        return fn(q, k, v, cache, *args)
+    from jaxserve.attention import kv_cache as kvc
+    q_spec = plan.spec(("tokens", "q_heads", "head_dim"))
+    kv_spec = plan.spec(("tokens", "kv_cache_heads", "head_dim"))
+    pages, scales = plan.spec(kvc.KV_AXES), plan.spec(kvc.SCALE_AXES)
+    cache_spec = kvc.KVCache(pages, pages, *((scales, scales) if cache.quantized else (None, None)))
+    rest = tuple(jax.tree.map(lambda _: PartitionSpec(), a) for a in args)
+    mapped = jax.shard_map(fn, mesh=plan.mesh, in_specs=(q_spec, kv_spec, kv_spec, cache_spec, *rest),
+                           out_specs=(q_spec, cache_spec), check_vma=False)
+    return mapped(q, k, v, cache, *args)
+
+
+def embed_lookup(plan: ShardingPlan | None, table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """table [V, E] (split on V over tp), tokens [T] -> [T, E] replicated: each device looks up
+    the tokens in its vocabulary slice (zeros elsewhere) and one all-reduce sums them, so the
+    table is never gathered."""
+    axis = None if plan is None else plan.mesh_axis("vocab")
+    if axis is None or plan.tp == 1:
+        return table[tokens]
+
+    def local(tab, tok):
+        n = tab.shape[0]
+        idx = tok - jax.lax.axis_index(axis) * n
+        mine = (idx >= 0) & (idx < n)
+        rows = jnp.where(mine[:, None], tab[jnp.clip(idx, 0, n - 1)], 0)
+        return jax.lax.psum(rows, axis)
+
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.spec(("vocab", "embed")), PartitionSpec()),
+                         out_specs=PartitionSpec(), check_vma=False)(table, tokens)
