@@ -11,6 +11,8 @@ import itertools
 import time
 from collections.abc import Sequence
 
+import jax
+
 from jaxserve.config import DEFAULT_COMPILATION_CACHE_DIR, EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.logger import configure_default_logging
@@ -28,14 +30,16 @@ class LLM:
     Use as a context manager, or call `shutdown()`, to free the KV pool at once.
     Like `jaxserve serve`, `LLM` keeps compiled programs in the persistent compilation cache
     (`compilation_cache_dir`, default ~/.cache/jaxserve/xla) so a second start is fast; that is
-    jax's process-wide setting. `LLMEngine` alone changes nothing unless given a directory.
+    jax's process-wide setting, so a cache the program configured itself is left as it is.
+    `LLMEngine` alone changes nothing unless given a directory.
     """
 
     def __init__(self, model: str | None = None, *, warmup: bool = True, **kwargs):
         unknown = set(kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        kwargs.setdefault("compilation_cache_dir", DEFAULT_COMPILATION_CACHE_DIR)
+        if "compilation_cache_dir" not in kwargs and jax.config.jax_compilation_cache_dir is None:
+            kwargs["compilation_cache_dir"] = DEFAULT_COMPILATION_CACHE_DIR
         self.engine_args = EngineArgs(model=model, **kwargs)
         configure_default_logging()
         self.llm_engine = LLMEngine(self.engine_args, warmup=warmup)
