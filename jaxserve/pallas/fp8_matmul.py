@@ -1,0 +1,180 @@
+"""FP8 (e4m3) weight matmul: the jnp reference, the XLA path, and the quantisers they share.
+
+    y [M, N] = x [M, K] @ dequant(w [K, N] e4m3, w_scale)
+
+Weight scales (f32 multipliers, `w_f32 = w * scale`), told apart by the scale's shape:
+  per-tensor   [1, 1]
+  per-channel  [1, N]                       (one per output column)
+  blocks       [ceil(K / b), ceil(N / b)]   (b x b tiles, b = `block_size`, 128 in every
+                                              checkpoint seen: DeepSeek-V3, Qwen3-*-FP8)
+Activations:
+  W8A16: x stays bf16/f32; the weight is widened (exact) and the scale applied after the dot.
+  W8A8:  x is quantised to e4m3 per token (per-tensor / per-channel weights) or per 1 x b group
+         of K (block weights, DeepGEMM's scheme), `quantize_activations`; both operands fp8,
+         f32 accumulation, the two scales applied to the f32 result.
+Output: f32 from the reference; the activation dtype from `fp8_matmul`.
+
+`fp8_matmul(..., kernel="xla")` is the path for CPU and the fallback: per-tensor / per-channel
+is a dot on the fp8 operands with the scales around it, which XLA on Hopper rewrites into a
+cuBLASLt FP8 GEMM; block scales have no XLA FP8 GEMM, so the weight is dequantised into the
+activation dtype and multiplied there (the cost a Mosaic GPU kernel saves, see the issue).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8).max)      # 448
+BLOCK = 128
+_TINY = 1e-12                            # floor on scales: an all-zero row quantises to zeros
+
+
+def scale_kind(scale_shape: tuple[int, ...], n: int) -> str:
+    """"tensor", "channel" or "block" from the trailing two dims of a weight scale."""
+    rows, cols = scale_shape[-2:]
+    if rows == 1 and cols == 1 and n != 1:
+        return "tensor"
+    if rows == 1 and cols == n:
+        return "channel"
+    return "block"
+
+
+def expand_scale(scale: jax.Array, k: int, n: int, block_size: int = BLOCK) -> jax.Array:
+    """scale [..., r, c] -> [..., K, N] (blocks repeated, per-tensor / per-channel broadcast)."""
+    if scale.shape[-2] == 1 and scale.shape[-1] in (1, n):
+        return jnp.broadcast_to(scale, (*scale.shape[:-2], k, n))
+    s = jnp.repeat(jnp.repeat(scale, block_size, axis=-2), block_size, axis=-1)
+    return s[..., :k, :n]
+
+
+def dequantize(w: jax.Array, scale: jax.Array, dtype=jnp.float32, block_size: int = BLOCK):
+    """w [..., K, N] e4m3 and its scale -> the weight in `dtype` (product taken in f32)."""
+    k, n = w.shape[-2:]
+    return (w.astype(jnp.float32) * expand_scale(scale, k, n, block_size)).astype(dtype)
+
+
+def quantize_weight(w: jax.Array, granularity: str = "channel", block_size: int = BLOCK):
+    """w [..., K, N] float -> (e4m3 [..., K, N], f32 scale) with amax / 448 scales per tensor,
+    output channel or b x b block (partial edge blocks take their own amax)."""
+    w32 = w.astype(jnp.float32)
+    *lead, k, n = w.shape
+    if granularity == "tensor":
+        amax = jnp.max(jnp.abs(w32), axis=(-2, -1), keepdims=True)
+    elif granularity == "channel":
+        amax = jnp.max(jnp.abs(w32), axis=-2, keepdims=True)
+    elif granularity == "block":
+        kb, nb = math.ceil(k / block_size), math.ceil(n / block_size)
+        padded = jnp.pad(jnp.abs(w32), [(0, 0)] * len(lead) + [(0, kb * block_size - k),
+                                                               (0, nb * block_size - n)])
+        amax = padded.reshape(*lead, kb, block_size, nb, block_size).max(axis=(-3, -1))
+    else:
+        raise ValueError(f"granularity must be 'tensor', 'channel' or 'block', got {granularity!r}")
+    scale = jnp.maximum(amax / FP8_MAX, _TINY)
+    q = (w32 / expand_scale(scale, k, n, block_size)).clip(-FP8_MAX, FP8_MAX).astype(FP8)
+    return q, scale
+
+
+def quantize_activations(x: jax.Array, group: int | None = None):
+    """x [M, K] -> (e4m3 [M, K], f32 scale [M, 1]) per token, or [M, ceil(K / group)] per
+    1 x group slice of K when `group` is given (block-scaled weights)."""
+    x32 = x.astype(jnp.float32)
+    m, k = x.shape
+    if group is None:
+        scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / FP8_MAX, _TINY)
+        return (x32 / scale).clip(-FP8_MAX, FP8_MAX).astype(FP8), scale
+    g = math.ceil(k / group)
+    xp = jnp.pad(x32, ((0, 0), (0, g * group - k))).reshape(m, g, group)
+    scale = jnp.maximum(jnp.max(jnp.abs(xp), axis=-1) / FP8_MAX, _TINY)        # [M, G]
+    q = (xp / scale[..., None]).clip(-FP8_MAX, FP8_MAX).astype(FP8).reshape(m, g * group)
+    return q[:, :k], scale
+
+
+def ref_fp8_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, x_scale: jax.Array | None = None,
+                   block_size: int = BLOCK) -> jax.Array:
+    """The oracle: everything dequantised to f32, one f32 dot at HIGHEST precision.
+
+    x [M, K] float, or e4m3 with `x_scale` [M, 1] (per token) / [M, ceil(K / b)] (per group);
+    w [K, N] e4m3; w_scale as in the module docstring. Returns f32 [M, N]."""
+    k = x.shape[-1]
+    x32 = x.astype(jnp.float32)
+    if x_scale is not None:
+        x32 = x32 * (x_scale if x_scale.shape[-1] == 1 else
+                     jnp.repeat(x_scale, block_size, axis=-1)[:, :k])
+    return jnp.dot(x32, dequantize(w, w_scale, jnp.float32, block_size),
+                   precision=jax.lax.Precision.HIGHEST)
+
+
+def _check(x, w, w_scale, block_size):
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"x must be [M, K] and w [K, N], got {x.shape} and {w.shape}")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"x [M, K={x.shape[1]}] and w [K={w.shape[0]}, N] disagree on K")
+    if w.dtype != FP8:
+        raise ValueError(f"w must be float8_e4m3fn, got {w.dtype}")
+    k, n = w.shape
+    allowed = {(1, 1), (1, n), (math.ceil(k / block_size), math.ceil(n / block_size))}
+    if w_scale.shape not in allowed:
+        raise ValueError(f"w_scale shape {w_scale.shape} is none of per-tensor (1, 1), per-channel "
+                         f"(1, {n}) or {block_size}-blocks {allowed - {(1, 1), (1, n)}}")
+
+
+def fp8_matmul_xla(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activations: str = "dynamic",
+                   input_scale: jax.Array | None = None, block_size: int = BLOCK) -> jax.Array:
+    """x [M, K] (bf16/f16/f32) @ fp8 w [K, N] -> [M, N] in x.dtype, by XLA.
+
+    activations: "none" (W8A16), "dynamic" (e4m3 per token / per 1 x b group, computed here) or
+    "static" (one f32 `input_scale` from the checkpoint, W8A8)."""
+    _check(x, w, w_scale, block_size)
+    k, n = w.shape
+    out_dtype = x.dtype
+    acc = dict(preferred_element_type=jnp.float32)
+    if scale_kind(w_scale.shape, n) == "block":
+        if activations == "none":
+            xd = x
+        elif activations == "static":
+            xq = (x.astype(jnp.float32) / input_scale).clip(-FP8_MAX, FP8_MAX).astype(FP8)
+            xd = (xq.astype(jnp.float32) * input_scale).astype(out_dtype)
+        else:
+            xq, xs = quantize_activations(x, block_size)
+            xd = (xq.astype(jnp.float32) * jnp.repeat(xs, block_size, axis=-1)[:, :k]).astype(out_dtype)
+        # no XLA FP8 GEMM takes block scales: dequantise into the activation dtype and dot there
+        y = jnp.dot(xd, dequantize(w, w_scale, out_dtype, block_size), **acc)
+        return y.astype(out_dtype)
+    if activations == "none":
+        # e4m3 -> bf16/f32 is exact; the scale goes on the f32 result
+        y = jnp.dot(x, w.astype(out_dtype), **acc) * w_scale
+    else:
+        if activations == "static":
+            xs = jnp.reshape(input_scale, (1, 1)).astype(jnp.float32)
+            xq = (x.astype(jnp.float32) / xs).clip(-FP8_MAX, FP8_MAX).astype(FP8)
+        else:
+            xq, xs = quantize_activations(x)
+        y = jnp.dot(xq, w, **acc) * xs * w_scale       # fp8 x fp8 -> f32: cuBLASLt on Hopper
+    return y.astype(out_dtype)
+
+
+def fp8_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activations: str = "dynamic",
+               input_scale: jax.Array | None = None, block_size: int = BLOCK,
+               kernel: str = "xla") -> jax.Array:
+    """The public entry: x [..., K] @ fp8 w [K, N] -> [..., N] in x.dtype, by `kernel`
+    ("xla"; "pallas" = the Mosaic GPU kernel, Hopper only)."""
+    if activations not in ("none", "dynamic", "static"):
+        raise ValueError(f"activations must be 'none', 'dynamic' or 'static', got {activations!r}")
+    if activations == "static" and input_scale is None:
+        raise ValueError("activations='static' needs input_scale")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if kernel == "xla":
+        y = fp8_matmul_xla(x2, w, w_scale, activations=activations, input_scale=input_scale,
+                           block_size=block_size)
+    elif kernel == "pallas":
+        from jaxserve.pallas.fp8_matmul_mgpu import fp8_matmul_mgpu
+        y = fp8_matmul_mgpu(x2, w, w_scale, activations=activations, input_scale=input_scale,
+                            block_size=block_size)
+    else:
+        raise ValueError(f"kernel must be 'xla' or 'pallas', got {kernel!r}")
+    return y.reshape(*lead, w.shape[1])
