@@ -72,7 +72,7 @@ class LLMEngine:
         self.mesh = make_mesh(args.tensor_parallel_size)
         self.model_config, weights = load_model(model_path, dtype, gguf_reader=reader,
                                                 mesh=self.mesh, load_format=args.load_format,
-                                                seed=args.seed)
+                                                seed=args.seed, quantization=args.quantization)
         self.tokenizer = _load_tokenizer(args, model_path, reader, self.model_config)
         del reader
         cfg = self.model_config
@@ -241,8 +241,6 @@ def _check_supported(args: EngineArgs) -> None:
     if args.tensor_parallel_size != 1 or args.enable_expert_parallel:
         raise ValueError("tensor_parallel_size > 1 and enable_expert_parallel are not supported "
                          "yet; run with tensor_parallel_size=1")
-    if args.quantization is not None:
-        raise ValueError(f"quantization={args.quantization!r} is not supported yet")
     if args.speculative_config:
         raise ValueError("speculative_config is not supported yet")
 
