@@ -102,6 +102,22 @@ def test_fp8_weight_goes_through_linear_and_scan():
         np.testing.assert_allclose(ys[i], ref_fp8_matmul(x, q[i], s[i]), rtol=1e-5, atol=1e-5)
 
 
+def test_k_major_weights_give_the_same_result():
+    """The Mosaic GPU kernel's storage ([out, in]) through the XLA path, and what the loader makes
+    for kernel="pallas"."""
+    from jaxserve.loader.fp8 import quantize_array
+    w = jax.random.normal(jax.random.key(6), (2, 256, 384)) * 0.05
+    x = jax.random.normal(jax.random.key(7), (3, 256))
+    kn = quantize_array(w, kernel="xla")
+    nk = quantize_array(w, kernel="pallas")
+    assert (nk.kernel, nk.k_major, nk.w.shape, nk.shape) == ("pallas", True, (2, 384, 256), (2, 256, 384))
+    np.testing.assert_array_equal(nk.w, jnp.swapaxes(kn.w, -1, -2))
+    for act in ("none", "dynamic"):
+        a = Fp8Weight(kn.w[1], kn.scale[1], activations=act)
+        b = Fp8Weight(nk.w[1], nk.scale[1], activations=act, k_major=True)      # kernel "xla"
+        np.testing.assert_allclose(jax.jit(linear)(x, b), jax.jit(linear)(x, a), rtol=1e-6, atol=1e-6)
+
+
 # -- FP8 checkpoints --------------------------------------------------------------------------
 FORMATS = {
     "hf-fp8-block": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

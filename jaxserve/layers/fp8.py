@@ -20,7 +20,8 @@ KERNELS = ("auto", "xla", "pallas")
 
 @dataclasses.dataclass
 class Fp8Weight:
-    """w [..., in, out] float8_e4m3fn; stacked layers lead (`lax.scan` slices them off).
+    """w [..., in, out] float8_e4m3fn, or [..., out, in] when `k_major` (the layout the Mosaic GPU
+    kernel reads); stacked layers lead (`lax.scan` slices them off).
 
     scale: f32 multipliers [..., 1, 1] per tensor, [..., 1, out] per output channel, or
       [..., ceil(in / b), ceil(out / b)] per b x b block (b = block_size).
@@ -35,6 +36,7 @@ class Fp8Weight:
     activations: str = "dynamic"
     block_size: int = BLOCK
     kernel: str = "xla"
+    k_major: bool = False
 
     def __post_init__(self):
         if self.activations not in ACTIVATIONS:
@@ -44,7 +46,8 @@ class Fp8Weight:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.w.shape
+        """[..., in, out] whatever the storage layout."""
+        return (*self.w.shape[:-2], *self.w.shape[-2:][:: -1 if self.k_major else 1])
 
     @property
     def dtype(self):
@@ -52,7 +55,7 @@ class Fp8Weight:
 
     @property
     def granularity(self) -> str:
-        return scale_kind(self.scale.shape, self.w.shape[-1])
+        return scale_kind(self.scale.shape, self.shape[-1])
 
     @property
     def nbytes(self) -> int:
@@ -60,7 +63,7 @@ class Fp8Weight:
 
 
 jax.tree_util.register_dataclass(Fp8Weight, data_fields=["w", "scale", "input_scale"],
-                                 meta_fields=["activations", "block_size", "kernel"])
+                                 meta_fields=["activations", "block_size", "kernel", "k_major"])
 
 
 def resolve_kernel(name: str = "auto", device=None) -> str:
@@ -75,12 +78,12 @@ def resolve_kernel(name: str = "auto", device=None) -> str:
 
 
 def _kernel_available() -> bool:
-    from jaxserve.pallas import fp8_matmul as m
-    return hasattr(m, "fp8_matmul_mgpu")
+    from jaxserve.pallas.fp8_matmul import MGPU_AVAILABLE
+    return MGPU_AVAILABLE
 
 
 @register_linear(Fp8Weight)
 def _fp8(x: jax.Array, weight: Fp8Weight) -> jax.Array:
     return fp8_matmul(x, weight.w, weight.scale, activations=weight.activations,
                       input_scale=weight.input_scale, block_size=weight.block_size,
-                      kernel=weight.kernel)
+                      kernel=weight.kernel, k_major=weight.k_major)

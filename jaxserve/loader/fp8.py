@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
@@ -85,14 +86,17 @@ def has_fp8(scheme: Fp8Scheme, names, weight_name: str) -> bool:
     return _prefix(weight_name) + scheme.scale_suffix in names
 
 
-def read_fp8(scheme: Fp8Scheme, get: Callable[[str], np.ndarray], weight_name: str, k: int, n: int):
-    """One layer's (e4m3 w [in, out], f32 scale [r, c], input_scale [] or None) in the model's
-    layout from the checkpoint's [out, in] tensors."""
+def read_fp8(scheme: Fp8Scheme, get: Callable[[str], np.ndarray], weight_name: str, k: int, n: int,
+             k_major: bool = False):
+    """One layer's (e4m3 w [in, out] (or [out, in] when `k_major`), f32 scale [r, c], input_scale []
+    or None) from the checkpoint's [out, in] tensors."""
     prefix = _prefix(weight_name)
     w = np.asarray(get(weight_name))
     if w.dtype != ml_dtypes.float8_e4m3fn:
         raise ValueError(f"{weight_name} is {w.dtype}, expected float8_e4m3fn (F8_E4M3)")
-    w = w.T
+    if w.shape != (n, k):
+        raise ValueError(f"{weight_name} has shape {w.shape}, expected {(n, k)} from the model config")
+    w = w if k_major else w.T
     s = np.asarray(get(prefix + scheme.scale_suffix), np.float32)
     b = scheme.block_size
     if s.size == 1:
@@ -111,16 +115,25 @@ def read_fp8(scheme: Fp8Scheme, get: Callable[[str], np.ndarray], weight_name: s
 
 
 def stack_fp8(scheme: Fp8Scheme, get, names: list[str], k: int, n: int, data_sharding, kernel: str = "auto"):
-    """Per-layer FP8 tensors -> one stacked Fp8Weight [L, in, out] on the device."""
-    parts = [read_fp8(scheme, get, name, k, n) for name in names]
+    """Per-layer FP8 tensors -> one stacked Fp8Weight [L, in, out] on the device ([L, out, in]
+    for the Mosaic GPU kernel)."""
+    kernel = resolve_kernel(kernel)
+    k_major = kernel == "pallas"
+    parts = [read_fp8(scheme, get, name, k, n, k_major) for name in names]
     w = np.stack([p[0] for p in parts])
     s = np.stack([p[1] for p in parts])
     x_scale = np.stack([p[2] for p in parts]) if scheme.activations == "static" else None
     rep = NamedSharding(data_sharding.mesh, PartitionSpec())
-    return Fp8Weight(jax.device_put(w, data_sharding), jax.device_put(s, rep),
-                     None if x_scale is None else jax.device_put(x_scale, rep),
-                     activations=scheme.activations, block_size=scheme.block_size,
-                     kernel=resolve_kernel(kernel))
+    return Fp8Weight(jax.device_put(w, _swapped(data_sharding, w.ndim) if k_major else data_sharding),
+                     jax.device_put(s, rep), None if x_scale is None else jax.device_put(x_scale, rep),
+                     activations=scheme.activations, block_size=scheme.block_size, kernel=kernel,
+                     k_major=k_major)
+
+
+def _swapped(sharding: NamedSharding, ndim: int) -> NamedSharding:
+    """The sharding of the same array stored with its last two axes swapped."""
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec[:-2], spec[-1], spec[-2]))
 
 
 @jax.jit
@@ -131,11 +144,15 @@ def _quantize_channel(w):
 def quantize_array(w: jax.Array, *, activations: str = "none", kernel: str = "auto") -> Fp8Weight:
     """A full-precision matrix [..., in, out] -> Fp8Weight with per-output-channel scales, made on
     the array's devices (the data keeps the array's sharding; the scales are replicated)."""
+    kernel = resolve_kernel(kernel)
+    k_major = kernel == "pallas"
     q, s = _quantize_channel(w)
+    if k_major:
+        q = jnp.swapaxes(q, -1, -2)
     if isinstance(getattr(w, "sharding", None), NamedSharding):
-        q = jax.device_put(q, w.sharding)
+        q = jax.device_put(q, _swapped(w.sharding, w.ndim) if k_major else w.sharding)
         s = jax.device_put(s, NamedSharding(w.sharding.mesh, PartitionSpec()))
-    return Fp8Weight(q, s, activations=activations, kernel=resolve_kernel(kernel))
+    return Fp8Weight(q, s, activations=activations, kernel=kernel, k_major=k_major)
 
 
 def replace_dense(weights, fn: Callable[[str, DenseWeight], object]):

@@ -78,7 +78,8 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
                     continue
                 # an unstacked FP8 matrix (a quantised lm_head): dequantised to the model dtype
                 w, s, _ = fp8.read_fp8(fp8_scheme, get, p.checkpoint, k, n)
-                x = np.asarray(fp8.dequantize(w, s, jnp.float32, fp8_scheme.block_size)).astype(np_dtype)
+                from jaxserve.pallas.fp8_matmul import dequantize
+                x = np.asarray(dequantize(w, s, jnp.float32, fp8_scheme.block_size)).astype(np_dtype)
             except ValueError as e:
                 raise ModelLoadError(f"FP8 checkpoint: {e}") from None
         elif p.stacked:

@@ -22,10 +22,14 @@ activation dtype and multiplied there (the cost a Mosaic GPU kernel saves, see t
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)      # 448
@@ -123,11 +127,14 @@ def _check(x, w, w_scale, block_size):
 
 
 def fp8_matmul_xla(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activations: str = "dynamic",
-                   input_scale: jax.Array | None = None, block_size: int = BLOCK) -> jax.Array:
-    """x [M, K] (bf16/f16/f32) @ fp8 w [K, N] -> [M, N] in x.dtype, by XLA.
+                   input_scale: jax.Array | None = None, block_size: int = BLOCK,
+                   k_major: bool = False) -> jax.Array:
+    """x [M, K] (bf16/f16/f32) @ fp8 w [K, N] (or [N, K] when `k_major`) -> [M, N] in x.dtype, by XLA.
 
     activations: "none" (W8A16), "dynamic" (e4m3 per token / per 1 x b group, computed here) or
     "static" (one f32 `input_scale` from the checkpoint, W8A8)."""
+    if k_major:
+        w = w.T                  # a layout XLA's dot takes as it is; no copy in the compiled program
     _check(x, w, w_scale, block_size)
     k, n = w.shape
     out_dtype = x.dtype
@@ -159,9 +166,10 @@ def fp8_matmul_xla(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activation
 
 def fp8_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activations: str = "dynamic",
                input_scale: jax.Array | None = None, block_size: int = BLOCK,
-               kernel: str = "xla") -> jax.Array:
+               kernel: str = "xla", k_major: bool = False) -> jax.Array:
     """The public entry: x [..., K] @ fp8 w [K, N] -> [..., N] in x.dtype, by `kernel`
-    ("xla"; "pallas" = the Mosaic GPU kernel, Hopper only)."""
+    ("xla"; "pallas" = the Mosaic GPU kernel, Hopper only). `k_major`: w is stored [N, K], the
+    layout FP8 wgmma reads (the kernel would otherwise transpose the weight on every call)."""
     if activations not in ("none", "dynamic", "static"):
         raise ValueError(f"activations must be 'none', 'dynamic' or 'static', got {activations!r}")
     if activations == "static" and input_scale is None:
@@ -170,11 +178,170 @@ def fp8_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activations: s
     x2 = x.reshape(-1, x.shape[-1])
     if kernel == "xla":
         y = fp8_matmul_xla(x2, w, w_scale, activations=activations, input_scale=input_scale,
-                           block_size=block_size)
+                           block_size=block_size, k_major=k_major)
     elif kernel == "pallas":
-        from jaxserve.pallas.fp8_matmul_mgpu import fp8_matmul_mgpu
         y = fp8_matmul_mgpu(x2, w, w_scale, activations=activations, input_scale=input_scale,
-                            block_size=block_size)
+                            block_size=block_size, k_major=k_major)
     else:
         raise ValueError(f"kernel must be 'xla' or 'pallas', got {kernel!r}")
-    return y.reshape(*lead, w.shape[1])
+    return y.reshape(*lead, y.shape[-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# The Mosaic GPU kernel (Hopper; jax >= 0.11)
+# ----------------------------------------------------------------------------------------------
+try:  # Mosaic GPU's Pallas API as used here is jax >= 0.11 (plgpu.kernel + GPU interpret mode)
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    MGPU_AVAILABLE = hasattr(plgpu, "InterpretGPUParams") and hasattr(plgpu, "kernel")
+except ImportError:  # pragma: no cover - depends on the installed jax
+    plgpu = None
+    MGPU_AVAILABLE = False
+
+KSLICE = 128                     # K per pipeline step = the scale block: one scale pair per step
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Tiles:
+    """A program's output tile [tile_m, tile_n]; wgmma M is 64 per warpgroup (tile_m 64 or 128)."""
+
+    tile_m: int
+    tile_n: int
+
+
+DECODE_TILES = Fp8Tiles(64, 128)      # M <= 64: weight-bandwidth bound, many N programs
+PREFILL_TILES = Fp8Tiles(128, 128)    # larger M
+SHIPPED_TILES = (DECODE_TILES, PREFILL_TILES)
+
+
+def default_tiles(m: int) -> Fp8Tiles:
+    return DECODE_TILES if m <= 64 else PREFILL_TILES
+
+
+def _fp8_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, a_smem, b_smem, as_smem, bs_smem, o_smem, bar,
+                *, k_steps):
+    # GMEM: a_ref [Mp, Kp] e4m3; as_ref [Kb, Mp] f32 (row scales per K slice); b_ref [Np, Kp]
+    #       e4m3 (K-major, as FP8 wgmma needs); bs_ref [Kb, Np] f32 (column scales per K slice);
+    #       o_ref [Mp, Np] (the activation dtype).
+    # SMEM: a_smem [2, tm, 128]; b_smem [2, tn, 128]; as_smem [2, tm]; bs_smem [2, tn]; o_smem [tm, tn].
+    tm, tn = o_smem.shape
+    mi, ni = lax.axis_index("m"), lax.axis_index("n")
+    rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
+
+    def fetch(kb, slot):
+        ks = pl.ds(kb * KSLICE, KSLICE)
+        plgpu.copy_gmem_to_smem(a_ref.at[rows, ks], a_smem.at[slot], bar.at[slot])
+        plgpu.copy_gmem_to_smem(b_ref.at[cols, ks], b_smem.at[slot], bar.at[slot])
+        plgpu.copy_gmem_to_smem(as_ref.at[kb, rows], as_smem.at[slot], bar.at[slot])
+        plgpu.copy_gmem_to_smem(bs_ref.at[kb, cols], bs_smem.at[slot], bar.at[slot])
+
+    fetch(0, 0)
+    layout = plgpu.Layout.WGMMA
+
+    def body(kb, acc):
+        slot = lax.rem(kb, 2)
+        # the scale loads of slice kb - 1 (ordinary SMEM reads) must be ordered before the TMA
+        # that refills their slot: a proxy fence (the race detector flags it without one)
+        plgpu.commit_smem()
+
+        @pl.when(kb + 1 < k_steps)
+        def _():                                            # the next slice's copies fly meanwhile
+            fetch(kb + 1, 1 - slot)
+
+        plgpu.barrier_wait(bar.at[slot])
+
+        def mma(acc_ref):
+            plgpu.wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot].T)
+            return acc_ref[...]
+        part = pl.run_scoped(mma, plgpu.ACC((tm, tn), jnp.float32))        # [tm, tn] f32
+        # DeepGEMM's scheme: each 128-wide K slice's product scaled in f32 before it is summed
+        sa = plgpu.load(as_smem.at[slot], layout=layout.reduce(1))
+        sb = plgpu.load(bs_smem.at[slot], layout=layout.reduce(0))
+        scale = lax.broadcast_in_dim(sa, (tm, tn), [0]) * lax.broadcast_in_dim(sb, (tm, tn), [1])
+        return acc + part * scale
+
+    acc = lax.fori_loop(0, k_steps, body, plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), layout))
+    o_smem[...] = acc.astype(o_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _transforms(dtype, minor: int):
+    swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def smem_bytes(tiles: Fp8Tiles, out_dtype) -> int:
+    tm, tn = tiles.tile_m, tiles.tile_n
+    return 2 * (tm + tn) * KSLICE + 2 * 4 * (tm + tn) + tm * tn * jnp.dtype(out_dtype).itemsize
+
+
+def _pad_to(x, axis: int, multiple: int):
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, extra)
+    return jnp.pad(x, pad)
+
+
+def fp8_matmul_mgpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activations: str = "dynamic",
+                    input_scale: jax.Array | None = None, block_size: int = BLOCK,
+                    k_major: bool = False, tiles: Fp8Tiles | None = None, interpret=None) -> jax.Array:
+    """x [M, K] @ fp8 w [K, N] -> [M, N] in x.dtype by the Mosaic GPU kernel (W8A8: x is
+    quantised here per token, or per 1 x 128 group for block weights). Same contract as
+    `fp8_matmul_xla`; activations="none" (W8A16) is not a kernel case and goes to XLA.
+
+    The wrapper pads M to the tile, K to 128 and N to the tile (a padded weight is a copy:
+    shapes that need it belong to XLA in serving), and spreads both scales to one value per
+    128-wide K slice: rows [Kb, M] and columns [Kb, N], so the kernel has one scheme for
+    per-tensor, per-channel and block scales. `k_major`: w is stored [N, K] (no transpose here)."""
+    if not MGPU_AVAILABLE:
+        raise ValueError(f"fp8_matmul_mgpu needs jax >= 0.11 (Mosaic GPU plgpu.kernel); this is jax "
+                         f"{jax.__version__}")
+    w_nk = w if k_major else w.T                                                   # [N, K]
+    w = w_nk.T                                                                     # [K, N] view
+    _check(x, w, w_scale, block_size)
+    if activations == "none":
+        return fp8_matmul_xla(x, w_nk, w_scale, activations="none", block_size=block_size, k_major=True)
+    if block_size != KSLICE and scale_kind(w_scale.shape, w.shape[1]) == "block":
+        raise ValueError(f"block_size must be {KSLICE} for the kernel, got {block_size}")
+    m, k = x.shape
+    n = w.shape[1]
+    tiles = tiles or default_tiles(m)
+    out_dtype = x.dtype
+    kb = math.ceil(k / KSLICE)
+    block = scale_kind(w_scale.shape, n) == "block"
+    if activations == "static":
+        xs = jnp.reshape(input_scale, (1, 1)).astype(jnp.float32)
+        xq = (x.astype(jnp.float32) / xs).clip(-FP8_MAX, FP8_MAX).astype(FP8)
+        rows = jnp.broadcast_to(xs, (kb, m))
+    elif block:
+        xq, xs = quantize_activations(x, KSLICE)                                  # xs [M, Kb]
+        rows = xs.T
+    else:
+        xq, xs = quantize_activations(x)                                          # xs [M, 1]
+        rows = jnp.broadcast_to(xs.T, (kb, m))
+    if block:
+        cols = jnp.repeat(w_scale, block_size, axis=1)[:, :n]                     # [Kb, N]
+    else:
+        cols = jnp.broadcast_to(w_scale.astype(jnp.float32), (kb, n))
+    a = _pad_to(_pad_to(xq, 0, tiles.tile_m), 1, KSLICE)
+    b = _pad_to(_pad_to(w_nk, 0, tiles.tile_n), 1, KSLICE)                        # [Np, Kp] K-major
+    rows = _pad_to(rows.astype(jnp.float32), 1, tiles.tile_m)
+    cols = _pad_to(cols.astype(jnp.float32), 1, tiles.tile_n)
+    mp, np_ = a.shape[0], b.shape[0]
+    tm, tn = tiles.tile_m, tiles.tile_n
+    scratch = [plgpu.SMEM((2, tm, KSLICE), FP8, transforms=_transforms(FP8, KSLICE)),
+               plgpu.SMEM((2, tn, KSLICE), FP8, transforms=_transforms(FP8, KSLICE)),
+               plgpu.SMEM((2, tm), jnp.float32),
+               plgpu.SMEM((2, tn), jnp.float32),
+               plgpu.SMEM((tm, tn), out_dtype, transforms=_transforms(out_dtype, tn)),
+               plgpu.Barrier(num_arrivals=4, num_barriers=2)]
+    call = plgpu.kernel(
+        functools.partial(_fp8_kernel, k_steps=kb),
+        out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype), scratch_types=scratch,
+        grid=(mp // tm, np_ // tn), grid_names=("m", "n"), compiler_params=plgpu.CompilerParams(),
+        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+                   else plgpu.InterpretGPUParams() if interpret else None))
+    return call(a, rows, b, cols)[:m, :n]
