@@ -14,6 +14,8 @@
 #   gpu_tests  every test file with gpu-marked tests, `pytest -m gpu -q`
 #   kernels    benchmarks/bench_paged_attention.py, trimmed sweep (all columns)
 #   e2e        benchmarks/bench_gpu_e2e.py on a dummy Llama-3.1-8B (bf16)
+#   fp8        benchmarks/bench_fp8_matmul.py (4096^3 and decode M=1..128 at N=K=8192; 8192^3 when
+#              FP8_FULL=1); last, so it runs only on what the budget leaves (~60 s)
 # then a markdown block for benchmarks/RESULTS.md. Everything is tee'd to $OUT/ (the device
 # tool's folder) when set, else benchmarks/out/.
 #
@@ -103,6 +105,9 @@ else
     --contexts 512,8192
   stage e2e 230 $py benchmarks/bench_gpu_e2e.py --batches 1,8,32,128,256 --num-prompts 128
 fi
+fp8_sizes=4096
+[ -n "${FP8_FULL:-}" ] && fp8_sizes=4096,8192
+stage fp8 60 $py benchmarks/bench_fp8_matmul.py --sizes "$fp8_sizes" --iters 10
 
 {
   echo
@@ -120,4 +125,8 @@ fi
   grep -E '^(device:|\|)' "$out/kernels.log" 2>/dev/null
   echo
   sed -n '/^### End to end/,$p' "$out/e2e.log" 2>/dev/null
+  echo
+  echo "### FP8 matmul"
+  echo
+  grep -E '^(device:|\||###)' "$out/fp8.log" 2>/dev/null
 } | tee "$out/results_block.md"

@@ -136,17 +136,16 @@ def _swapped(sharding: NamedSharding, ndim: int) -> NamedSharding:
     return NamedSharding(sharding.mesh, PartitionSpec(*spec[:-2], spec[-1], spec[-2]))
 
 
-@jax.jit
-def _quantize_channel(w):
-    return quantize_weight(w, "channel")
+_quantize = jax.jit(quantize_weight, static_argnames=("granularity", "block_size"))
 
 
-def quantize_array(w: jax.Array, *, activations: str = "none", kernel: str = "auto") -> Fp8Weight:
-    """A full-precision matrix [..., in, out] -> Fp8Weight with per-output-channel scales, made on
-    the array's devices (the data keeps the array's sharding; the scales are replicated)."""
+def quantize_array(w: jax.Array, *, activations: str = "none", kernel: str = "auto",
+                   granularity: str = "channel") -> Fp8Weight:
+    """A full-precision matrix [..., in, out] -> Fp8Weight (per-output-channel scales unless told),
+    made on the array's devices (the data keeps the array's sharding; the scales are replicated)."""
     kernel = resolve_kernel(kernel)
     k_major = kernel == "pallas"
-    q, s = _quantize_channel(w)
+    q, s = _quantize(w, granularity)
     if k_major:
         q = jnp.swapaxes(q, -1, -2)
     if isinstance(getattr(w, "sharding", None), NamedSharding):
@@ -165,10 +164,11 @@ def replace_dense(weights, fn: Callable[[str, DenseWeight], object]):
     return jax.tree_util.tree_map_with_path(visit, weights, is_leaf=lambda x: isinstance(x, DenseWeight))
 
 
-def quantize_weights(weights, *, skip=SKIP_ON_THE_FLY, activations: str = "none", kernel: str = "auto"):
+def quantize_weights(weights, *, skip=SKIP_ON_THE_FLY, activations: str = "none", kernel: str = "auto",
+                     granularity: str = "channel"):
     """`--quantization fp8` on loaded weights: every DenseWeight but `skip` becomes an Fp8Weight."""
     return replace_dense(weights, lambda path, w: w if path in skip else
-                         quantize_array(w.w, activations=activations, kernel=kernel))
+                         quantize_array(w.w, activations=activations, kernel=kernel, granularity=granularity))
 
 
 def _path(keypath) -> str:
