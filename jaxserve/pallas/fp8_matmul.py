@@ -18,6 +18,18 @@ Output: f32 from the reference; the activation dtype from `fp8_matmul`.
 is a dot on the fp8 operands with the scales around it, which XLA on Hopper rewrites into a
 cuBLASLt FP8 GEMM; block scales have no XLA FP8 GEMM, so the weight is dequantised into the
 activation dtype and multiplied there (the cost a Mosaic GPU kernel saves, see the issue).
+
+`fp8_matmul(..., kernel="pallas")` is `fp8_matmul_mgpu`, a Mosaic GPU kernel for Hopper (jax >=
+0.11, entered through `plgpu.kernel`), W8A8 only (W8A16 goes to XLA): grid (M tiles, N tiles), one
+warpgroup per program; per 128-wide K slice a TMA copy of the x tile [tm, 128] and the K-major
+weight tile [tn, 128] into one of two SMEM slots (the next slice's copies fly while this one
+multiplies), an e4m3 x e4m3 wgmma with f32 accumulation; block scales are applied to each slice's
+product in registers (DeepGEMM's promotion), per-tensor / per-channel scales once at the end.
+Tiles: `DECODE_TILES` (64 x 128) for M <= 64, `PREFILL_TILES` (128 x 128) above.
+Status: interpret mode (with the race detector) and CUDA lowering pass on jax 0.11.2 (CPU); not
+yet compiled or timed on a GPU (tests/test_fp8_matmul_mgpu.py's `gpu` tests and
+benchmarks/bench_fp8_matmul.py do that). Untuned: no producer warpgroup, two slots, no
+persistent grid or multicast; `benchmarks/bench_fp8_matmul.py` is where tuning starts.
 """
 
 from __future__ import annotations
@@ -217,49 +229,77 @@ def default_tiles(m: int) -> Fp8Tiles:
     return DECODE_TILES if m <= 64 else PREFILL_TILES
 
 
-def _fp8_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, a_smem, b_smem, as_smem, bs_smem, o_smem, bar,
-                *, k_steps):
-    # GMEM: a_ref [Mp, Kp] e4m3; as_ref [Kb, Mp] f32 (row scales per K slice); b_ref [Np, Kp]
-    #       e4m3 (K-major, as FP8 wgmma needs); bs_ref [Kb, Np] f32 (column scales per K slice);
-    #       o_ref [Mp, Np] (the activation dtype).
+def _fp8_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, a_smem, b_smem, as_smem, bs_smem, o_smem, bar, scale_bar,
+                *, k_steps, per_slice):
+    # GMEM: a_ref [Mp, Kp] e4m3; b_ref [Np, Kp] e4m3 (K-major, as FP8 wgmma needs);
+    #       o_ref [Mp, Np] (the activation dtype);
+    #       per_slice (block weights): as_ref [Kb, Mp] / bs_ref [Kb, Np] f32, row / column scales
+    #       per 128-wide K slice; else as_ref [1, Mp] / bs_ref [1, Np], applied once at the end.
     # SMEM: a_smem [2, tm, 128]; b_smem [2, tn, 128]; as_smem [2, tm]; bs_smem [2, tn]; o_smem [tm, tn].
     tm, tn = o_smem.shape
     mi, ni = lax.axis_index("m"), lax.axis_index("n")
     rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
+    layout = plgpu.Layout.WGMMA
 
     def fetch(kb, slot):
         ks = pl.ds(kb * KSLICE, KSLICE)
         plgpu.copy_gmem_to_smem(a_ref.at[rows, ks], a_smem.at[slot], bar.at[slot])
         plgpu.copy_gmem_to_smem(b_ref.at[cols, ks], b_smem.at[slot], bar.at[slot])
-        plgpu.copy_gmem_to_smem(as_ref.at[kb, rows], as_smem.at[slot], bar.at[slot])
-        plgpu.copy_gmem_to_smem(bs_ref.at[kb, cols], bs_smem.at[slot], bar.at[slot])
+        if per_slice:
+            plgpu.copy_gmem_to_smem(as_ref.at[kb, rows], as_smem.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(bs_ref.at[kb, cols], bs_smem.at[slot], bar.at[slot])
 
-    fetch(0, 0)
-    layout = plgpu.Layout.WGMMA
-
-    def body(kb, acc):
-        slot = lax.rem(kb, 2)
-        # the scale loads of slice kb - 1 (ordinary SMEM reads) must be ordered before the TMA
-        # that refills their slot: a proxy fence (the race detector flags it without one)
-        plgpu.commit_smem()
-
-        @pl.when(kb + 1 < k_steps)
-        def _():                                            # the next slice's copies fly meanwhile
-            fetch(kb + 1, 1 - slot)
-
-        plgpu.barrier_wait(bar.at[slot])
-
-        def mma(acc_ref):
-            plgpu.wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot].T)
-            return acc_ref[...]
-        part = pl.run_scoped(mma, plgpu.ACC((tm, tn), jnp.float32))        # [tm, tn] f32
-        # DeepGEMM's scheme: each 128-wide K slice's product scaled in f32 before it is summed
+    def outer(slot):
+        """[tm, tn] product of the slot's row and column scales, in the WGMMA layout."""
         sa = plgpu.load(as_smem.at[slot], layout=layout.reduce(1))
         sb = plgpu.load(bs_smem.at[slot], layout=layout.reduce(0))
-        scale = lax.broadcast_in_dim(sa, (tm, tn), [0]) * lax.broadcast_in_dim(sb, (tm, tn), [1])
-        return acc + part * scale
+        return lax.broadcast_in_dim(sa, (tm, tn), [0]) * lax.broadcast_in_dim(sb, (tm, tn), [1])
 
-    acc = lax.fori_loop(0, k_steps, body, plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), layout))
+    if not per_slice:
+        plgpu.copy_gmem_to_smem(as_ref.at[0, rows], as_smem.at[0], scale_bar)
+        plgpu.copy_gmem_to_smem(bs_ref.at[0, cols], bs_smem.at[0], scale_bar)
+    fetch(0, 0)
+
+    if per_slice:
+        def body(kb, acc):
+            slot = lax.rem(kb, 2)
+            # the scale loads of slice kb - 1 (ordinary SMEM reads) must be ordered before the
+            # TMA that refills their slot: a proxy fence (the race detector flags it without one)
+            plgpu.commit_smem()
+
+            @pl.when(kb + 1 < k_steps)
+            def _():                                        # the next slice's copies fly meanwhile
+                fetch(kb + 1, 1 - slot)
+
+            plgpu.barrier_wait(bar.at[slot])
+
+            def mma(acc_ref):
+                plgpu.wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot].T)
+                return acc_ref[...]
+            part = pl.run_scoped(mma, plgpu.ACC((tm, tn), jnp.float32))    # [tm, tn] f32
+            # DeepGEMM's scheme: each 128-wide K slice's product scaled in f32 before it is summed
+            return acc + part * outer(slot)
+
+        acc = lax.fori_loop(0, k_steps, body, plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), layout))
+    else:
+        def mma_all(acc_ref):
+            def body(kb, carry):
+                slot = lax.rem(kb, 2)
+                plgpu.barrier_wait(bar.at[slot])
+                plgpu.wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot].T)
+                plgpu.wgmma_wait(1)                         # slice kb - 1's wgmma is done: its slot is free
+
+                @pl.when(kb + 1 < k_steps)
+                def _():                                    # refill it while slice kb multiplies
+                    fetch(kb + 1, 1 - slot)
+                return carry
+            lax.fori_loop(0, k_steps, body, None)
+            plgpu.wgmma_wait(0)
+            return acc_ref[...]
+        # one accumulator over all of K (the scales do not change along K): scaled once here
+        acc = pl.run_scoped(mma_all, plgpu.ACC((tm, tn), jnp.float32))
+        plgpu.barrier_wait(scale_bar)
+        acc = acc * outer(0)
     o_smem[...] = acc.astype(o_smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows, cols])
@@ -293,9 +333,10 @@ def fp8_matmul_mgpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activatio
     `fp8_matmul_xla`; activations="none" (W8A16) is not a kernel case and goes to XLA.
 
     The wrapper pads M to the tile, K to 128 and N to the tile (a padded weight is a copy:
-    shapes that need it belong to XLA in serving), and spreads both scales to one value per
-    128-wide K slice: rows [Kb, M] and columns [Kb, N], so the kernel has one scheme for
-    per-tensor, per-channel and block scales. `k_major`: w is stored [N, K] (no transpose here)."""
+    shapes that need it belong to XLA in serving). Block weights: both scales spread to one value
+    per 128-wide K slice (rows [Kb, M], columns [Kb, N]); each slice's wgmma result is scaled
+    and added in registers. Per-tensor / per-channel weights: one accumulator over all of K,
+    scaled once by the row (token) and column (channel) scales. `k_major`: w is stored [N, K] (no transpose here)."""
     if not MGPU_AVAILABLE:
         raise ValueError(f"fp8_matmul_mgpu needs jax >= 0.11 (Mosaic GPU plgpu.kernel); this is jax "
                          f"{jax.__version__}")
@@ -312,20 +353,22 @@ def fp8_matmul_mgpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activatio
     out_dtype = x.dtype
     kb = math.ceil(k / KSLICE)
     block = scale_kind(w_scale.shape, n) == "block"
+    # scales per K slice for block weights ([Kb, M] rows, [Kb, N] columns), else one row [1, M]
+    # and one column [1, N] applied after the whole K loop
     if activations == "static":
         xs = jnp.reshape(input_scale, (1, 1)).astype(jnp.float32)
         xq = (x.astype(jnp.float32) / xs).clip(-FP8_MAX, FP8_MAX).astype(FP8)
-        rows = jnp.broadcast_to(xs, (kb, m))
+        rows = jnp.broadcast_to(xs, (kb if block else 1, m))
     elif block:
         xq, xs = quantize_activations(x, KSLICE)                                  # xs [M, Kb]
         rows = xs.T
     else:
         xq, xs = quantize_activations(x)                                          # xs [M, 1]
-        rows = jnp.broadcast_to(xs.T, (kb, m))
+        rows = xs.T
     if block:
         cols = jnp.repeat(w_scale, block_size, axis=1)[:, :n]                     # [Kb, N]
     else:
-        cols = jnp.broadcast_to(w_scale.astype(jnp.float32), (kb, n))
+        cols = jnp.broadcast_to(w_scale.astype(jnp.float32), (1, n))
     a = _pad_to(_pad_to(xq, 0, tiles.tile_m), 1, KSLICE)
     b = _pad_to(_pad_to(w_nk, 0, tiles.tile_n), 1, KSLICE)                        # [Np, Kp] K-major
     rows = _pad_to(rows.astype(jnp.float32), 1, tiles.tile_m)
@@ -337,9 +380,10 @@ def fp8_matmul_mgpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activatio
                plgpu.SMEM((2, tm), jnp.float32),
                plgpu.SMEM((2, tn), jnp.float32),
                plgpu.SMEM((tm, tn), out_dtype, transforms=_transforms(out_dtype, tn)),
-               plgpu.Barrier(num_arrivals=4, num_barriers=2)]
+               plgpu.Barrier(num_arrivals=4 if block else 2, num_barriers=2),
+               plgpu.Barrier(num_arrivals=2)]
     call = plgpu.kernel(
-        functools.partial(_fp8_kernel, k_steps=kb),
+        functools.partial(_fp8_kernel, k_steps=kb, per_slice=block),
         out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype), scratch_types=scratch,
         grid=(mp // tm, np_ // tn), grid_names=("m", "n"), compiler_params=plgpu.CompilerParams(),
         interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
