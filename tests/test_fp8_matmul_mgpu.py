@@ -126,3 +126,18 @@ def test_interpret_finds_no_races_with_one_accumulator():
     assert not gpu_interpret.get_races().races_found
     np.testing.assert_allclose(np.asarray(y, np.float32), _reference(x, w, s, "dynamic"), rtol=2e-2,
                                atol=2e-2 * float(jnp.abs(y).max()))
+
+
+@needs_mgpu
+def test_stacked_pallas_weight_lowers_inside_scan():
+    """What the model does: `linear` on an Fp8Weight(kernel="pallas", K-major) sliced by lax.scan
+    over layers, bf16 activations, lowered for CUDA."""
+    from jaxserve.layers.fp8 import Fp8Weight
+    from jaxserve.layers.linear import linear
+
+    def model(x, w):
+        return jax.lax.scan(lambda h, wl: (linear(h, wl), None), x, w)[0]
+    w = Fp8Weight(jax.ShapeDtypeStruct((2, 512, 512), fm.FP8), jax.ShapeDtypeStruct((2, 4, 4), jnp.float32),
+                  activations="dynamic", kernel="pallas", k_major=True)
+    text = lower_for_cuda(jax.jit(model), jax.ShapeDtypeStruct((16, 512), jnp.bfloat16), w)
+    assert "mosaic_gpu" in text
