@@ -188,11 +188,15 @@ def _write_checkpoint(root: Path, fmt: str) -> dict[str, np.ndarray]:
 @jax.jit
 def _per_layer(x, weight):
     """For each layer of a stacked Fp8Weight: linear(x, w[l]), the dequantised w[l], and the
-    reference with the weight's activation quantisation."""
-    def one(w):
-        return (linear(x, w), dequantize(w.w, w.scale, block_size=w.block_size),
-                _ref(x, w.w, w.scale, w.activations, w.input_scale))
-    return jax.vmap(one)(weight)
+    reference with the weight's activation quantisation (a Python loop, not vmap: on Hopper the
+    weight's kernel is the Mosaic GPU one)."""
+    outs = []
+    for i in range(weight.w.shape[0]):
+        w = jax.tree.map(lambda a, i=i: a[i], weight)
+        w_kn = jnp.swapaxes(w.w, -1, -2) if w.k_major else w.w
+        outs.append((linear(x, w), dequantize(w_kn, w.scale, block_size=w.block_size),
+                     _ref(x, w_kn, w.scale, w.activations, w.input_scale)))
+    return jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -203,20 +207,21 @@ def test_fp8_checkpoint_loads_and_matches_dequantised_f32(tmp_path, fmt):
     cfg, weights = load_model(tmp_path / fmt, "float32")
     assert isinstance(weights.lm_head, DenseWeight) and weights.embed.dtype == jnp.float32
     x = jax.random.normal(jax.random.key(5), (9, 512), jnp.float32)
-    for path, name in zip(PATHS, LINEARS):
-        wt = getattr(weights.layers, path)
-        assert isinstance(wt, Fp8Weight) and wt.w.dtype == FP8, path
-        assert (wt.granularity, wt.activations) == (granularity, activations), path
-        w32 = np.stack([dense[f"model.layers.{i}.{name}"].T for i in range(cfg.num_layers)])  # [L, in, out]
-        xi = x[:, : w32.shape[1]]
-        y, deq, ref = _per_layer(xi, wt)
-        np.testing.assert_array_equal(deq, w32)
-        exact = np.einsum("mk,lkn->lmn", xi, w32)
-        if activations == "none":
-            np.testing.assert_allclose(y, exact, rtol=1e-4, atol=1e-4)
-        else:   # fp8 activations: the reference quantises them the same way; f32 is near
-            np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
-            assert float(_rel_err(y, exact)) < 0.05
+    with jax.default_matmul_precision("highest"):     # f32 oracle dots (not TF32 on a GPU)
+        for path, name in zip(PATHS, LINEARS):
+            wt = getattr(weights.layers, path)
+            assert isinstance(wt, Fp8Weight) and wt.w.dtype == FP8, path
+            assert (wt.granularity, wt.activations) == (granularity, activations), path
+            w32 = np.stack([dense[f"model.layers.{i}.{name}"].T for i in range(cfg.num_layers)])  # [L, in, out]
+            xi = x[:, : w32.shape[1]]
+            y, deq, ref = _per_layer(xi, wt)
+            np.testing.assert_array_equal(deq, w32)
+            exact = np.einsum("mk,lkn->lmn", xi, w32)
+            if activations == "none":
+                np.testing.assert_allclose(y, exact, rtol=1e-4, atol=1e-4)
+            else:   # fp8 activations: the reference quantises them the same way; f32 is near
+                np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+                assert float(_rel_err(y, exact)) < 0.05
 
 
 def test_unknown_quantization_method_is_a_load_error(tmp_path):
@@ -295,3 +300,21 @@ def test_dummy_weights_quantise_too(tmp_path):
     _, weights = load_model(TINY, "float32", load_format="dummy", quantization="fp8")
     assert isinstance(weights.layers.w_down, Fp8Weight) and weights.layers.w_down.granularity == "channel"
     assert isinstance(weights.lm_head, DenseWeight) and weights.lm_head.w.dtype == jnp.float32
+
+
+def test_checkpoint_weights_for_the_kernel_are_stored_k_major(tmp_path):
+    """kernel="pallas" (Hopper) keeps the checkpoint's [out, in] layout: no transpose per call."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxserve.loader import fp8
+    from jaxserve.loader.loader import _safetensors_getter, fp8_scheme_of, load_model
+    from jaxserve.sharding.mesh import make_mesh
+    _write_checkpoint(tmp_path / "ck", "hf-fp8-block")
+    _, weights = load_model(tmp_path / "ck", "float32")
+    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)]
+    rep = NamedSharding(make_mesh(), PartitionSpec())
+    w = fp8.stack_fp8(fp8_scheme_of(tmp_path / "ck"), _safetensors_getter(tmp_path / "ck"), names, 512, 256, rep,
+                      kernel="pallas")
+    assert (w.kernel, w.k_major, w.w.shape, w.shape) == ("pallas", True, (2, 256, 512), (2, 512, 256))
+    np.testing.assert_array_equal(w.w, jnp.swapaxes(weights.layers.w_down.w, -1, -2))
+    np.testing.assert_array_equal(w.scale, weights.layers.w_down.scale)
