@@ -30,6 +30,7 @@ CASES = [
     (70, 384, 256, "tensor", "static", "bfloat16"),
     (129, 128, 200, "block", "dynamic", "float32"),
     (300, 130, 128, "channel", "static", "float32"),
+    (64, 1000, 192, "block", "dynamic", "bfloat16"),      # more K slices than the decode tiles' slots
 ]
 
 
@@ -105,24 +106,32 @@ def test_compiled_matches_reference(case):
     np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=tol, atol=tol * float(jnp.abs(ref).max()))
 
 
+RACE_TILES = [fm.Fp8Tiles(64, 64, stages=2), fm.DECODE_TILES]
+
+
 @needs_mgpu
-def test_interpret_finds_no_races():
-    """The interpreter's race detector over several K slices (both SMEM slots, the prefetch of
-    slice k + 1 while slice k is multiplied)."""
+@pytest.mark.parametrize("tiles", RACE_TILES, ids=str)
+def test_interpret_finds_no_races(tiles):
+    """The interpreter's race detector over more K slices than slots (every slot refilled while
+    later slices are in flight). It tracks TMA copies and ordinary SMEM loads (the scales), not
+    wgmma operand reads (jax 0.11.2)."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
-    x, w, s = _inputs(64, 512, 128, "block", "bfloat16", seed=3)
+    x, w, s = _inputs(64, 1024, 128, "block", "bfloat16", seed=3)
     gpu_interpret.reset_gpu_interpret_mode_state()
-    fm.fp8_matmul_mgpu(x, w, s, interpret=fm.plgpu.InterpretGPUParams(detect_races=True)).block_until_ready()
+    y = fm.fp8_matmul_mgpu(x, w, s, tiles=tiles, interpret=fm.plgpu.InterpretGPUParams(detect_races=True))
     assert not gpu_interpret.get_races().races_found
+    np.testing.assert_allclose(np.asarray(y, np.float32), _reference(x, w, s, "dynamic"), rtol=2e-2,
+                               atol=2e-2 * float(jnp.abs(y).max()))
 
 
 @needs_mgpu
-def test_interpret_finds_no_races_with_one_accumulator():
+@pytest.mark.parametrize("tiles", RACE_TILES, ids=str)
+def test_interpret_finds_no_races_with_one_accumulator(tiles):
     """Per-channel weights: one accumulator over K, the refill of a slot after its wgmma's wait."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
-    x, w, s = _inputs(64, 512, 128, "channel", "bfloat16", seed=4)
+    x, w, s = _inputs(64, 1024, 128, "channel", "bfloat16", seed=4)
     gpu_interpret.reset_gpu_interpret_mode_state()
-    y = fm.fp8_matmul_mgpu(x, w, s, interpret=fm.plgpu.InterpretGPUParams(detect_races=True))
+    y = fm.fp8_matmul_mgpu(x, w, s, tiles=tiles, interpret=fm.plgpu.InterpretGPUParams(detect_races=True))
     assert not gpu_interpret.get_races().races_found
     np.testing.assert_allclose(np.asarray(y, np.float32), _reference(x, w, s, "dynamic"), rtol=2e-2,
                                atol=2e-2 * float(jnp.abs(y).max()))

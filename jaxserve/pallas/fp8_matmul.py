@@ -22,14 +22,14 @@ activation dtype and multiplied there (the cost a Mosaic GPU kernel saves, see t
 `fp8_matmul(..., kernel="pallas")` is `fp8_matmul_mgpu`, a Mosaic GPU kernel for Hopper (jax >=
 0.11, entered through `plgpu.kernel`), W8A8 only (W8A16 goes to XLA): grid (M tiles, N tiles), one
 warpgroup per program; per 128-wide K slice a TMA copy of the x tile [tm, 128] and the K-major
-weight tile [tn, 128] into one of two SMEM slots (the next slice's copies fly while this one
-multiplies), an e4m3 x e4m3 wgmma with f32 accumulation; block scales are applied to each slice's
+weight tile [tn, 128] into one of S SMEM slots (the next S - 1 slices' copies fly while this
+one multiplies), an e4m3 x e4m3 wgmma with f32 accumulation; block scales are applied to each slice's
 product in registers (DeepGEMM's promotion), per-tensor / per-channel scales once at the end.
-Tiles: `DECODE_TILES` (64 x 128) for M <= 64, `PREFILL_TILES` (128 x 128) above.
+Tiles: `DECODE_TILES` (64 x 64, 6 slots) for M <= 64, `PREFILL_TILES` (128 x 128, 4 slots) above.
 Status: interpret mode (with the race detector) and CUDA lowering pass on jax 0.11.2 (CPU); not
 yet compiled or timed on a GPU (tests/test_fp8_matmul_mgpu.py's `gpu` tests and
-benchmarks/bench_fp8_matmul.py do that). Untuned: no producer warpgroup, two slots, no
-persistent grid or multicast; `benchmarks/bench_fp8_matmul.py` is where tuning starts.
+benchmarks/bench_fp8_matmul.py do that). Untuned: no producer warpgroup, no persistent
+grid, split-K or multicast; `benchmarks/bench_fp8_matmul.py` is where tuning starts.
 """
 
 from __future__ import annotations
@@ -214,14 +214,24 @@ KSLICE = 128                     # K per pipeline step = the scale block: one sc
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Tiles:
-    """A program's output tile [tile_m, tile_n]; wgmma M is 64 per warpgroup (tile_m 64 or 128)."""
+    """A program's output tile [tile_m, tile_n] (wgmma M is 64 per warpgroup: tile_m 64 or 128)
+    and the number of SMEM slots the K loop cycles through (stages - 1 slices in flight)."""
 
     tile_m: int
     tile_n: int
+    stages: int = 4
+
+    def __post_init__(self):
+        if self.tile_m not in (64, 128) or self.tile_n % 64 or not 64 <= self.tile_n <= 256:
+            raise ValueError(f"tiles must be tile_m 64 or 128 and tile_n 64..256 (multiple of 64), got {self}")
+        if self.stages < 2:
+            raise ValueError(f"stages must be >= 2, got {self.stages}")
 
 
-DECODE_TILES = Fp8Tiles(64, 128)      # M <= 64: weight-bandwidth bound, many N programs
-PREFILL_TILES = Fp8Tiles(128, 128)    # larger M
+# Untuned until a GPU run (benchmarks/bench_fp8_matmul.py). Decode is weight-bandwidth bound:
+# 64-wide N tiles give N / 64 programs (128 for N = 8192 on 132 SMs) and 6 slices in flight.
+DECODE_TILES = Fp8Tiles(64, 64, stages=6)        # M <= 64
+PREFILL_TILES = Fp8Tiles(128, 128, stages=4)     # larger M
 SHIPPED_TILES = (DECODE_TILES, PREFILL_TILES)
 
 
@@ -235,8 +245,10 @@ def _fp8_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, a_smem, b_smem, as_smem, bs
     #       o_ref [Mp, Np] (the activation dtype);
     #       per_slice (block weights): as_ref [Kb, Mp] / bs_ref [Kb, Np] f32, row / column scales
     #       per 128-wide K slice; else as_ref [1, Mp] / bs_ref [1, Np], applied once at the end.
-    # SMEM: a_smem [2, tm, 128]; b_smem [2, tn, 128]; as_smem [2, tm]; bs_smem [2, tn]; o_smem [tm, tn].
+    # SMEM: a_smem [S, tm, 128]; b_smem [S, tn, 128]; as_smem [S, tm]; bs_smem [S, tn]; o_smem [tm, tn].
+    # Slot of K slice kb: kb % S; slices kb + 1 .. kb + S - 1 are in flight while kb multiplies.
     tm, tn = o_smem.shape
+    S = a_smem.shape[0]
     mi, ni = lax.axis_index("m"), lax.axis_index("n")
     rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
     layout = plgpu.Layout.WGMMA
@@ -258,18 +270,19 @@ def _fp8_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, a_smem, b_smem, as_smem, bs
     if not per_slice:
         plgpu.copy_gmem_to_smem(as_ref.at[0, rows], as_smem.at[0], scale_bar)
         plgpu.copy_gmem_to_smem(bs_ref.at[0, cols], bs_smem.at[0], scale_bar)
-    fetch(0, 0)
+    for j in range(min(S - 1, k_steps)):                    # the pipeline's first slices
+        fetch(j, j)
 
     if per_slice:
         def body(kb, acc):
-            slot = lax.rem(kb, 2)
+            slot = lax.rem(kb, S)
             # the scale loads of slice kb - 1 (ordinary SMEM reads) must be ordered before the
             # TMA that refills their slot: a proxy fence (the race detector flags it without one)
             plgpu.commit_smem()
 
-            @pl.when(kb + 1 < k_steps)
-            def _():                                        # the next slice's copies fly meanwhile
-                fetch(kb + 1, 1 - slot)
+            @pl.when(kb + S - 1 < k_steps)
+            def _():                                        # into slice kb - 1's slot, free now
+                fetch(kb + S - 1, lax.rem(kb + S - 1, S))
 
             plgpu.barrier_wait(bar.at[slot])
 
@@ -284,14 +297,14 @@ def _fp8_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, a_smem, b_smem, as_smem, bs
     else:
         def mma_all(acc_ref):
             def body(kb, carry):
-                slot = lax.rem(kb, 2)
+                slot = lax.rem(kb, S)
                 plgpu.barrier_wait(bar.at[slot])
                 plgpu.wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot].T)
                 plgpu.wgmma_wait(1)                         # slice kb - 1's wgmma is done: its slot is free
 
-                @pl.when(kb + 1 < k_steps)
+                @pl.when(kb + S - 1 < k_steps)
                 def _():                                    # refill it while slice kb multiplies
-                    fetch(kb + 1, 1 - slot)
+                    fetch(kb + S - 1, lax.rem(kb + S - 1, S))
                 return carry
             lax.fori_loop(0, k_steps, body, None)
             plgpu.wgmma_wait(0)
@@ -312,8 +325,8 @@ def _transforms(dtype, minor: int):
 
 
 def smem_bytes(tiles: Fp8Tiles, out_dtype) -> int:
-    tm, tn = tiles.tile_m, tiles.tile_n
-    return 2 * (tm + tn) * KSLICE + 2 * 4 * (tm + tn) + tm * tn * jnp.dtype(out_dtype).itemsize
+    tm, tn, S = tiles.tile_m, tiles.tile_n, tiles.stages
+    return S * (tm + tn) * KSLICE + S * 4 * (tm + tn) + tm * tn * jnp.dtype(out_dtype).itemsize
 
 
 def _pad_to(x, axis: int, multiple: int):
@@ -375,12 +388,13 @@ def fp8_matmul_mgpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activatio
     cols = _pad_to(cols.astype(jnp.float32), 1, tiles.tile_n)
     mp, np_ = a.shape[0], b.shape[0]
     tm, tn = tiles.tile_m, tiles.tile_n
-    scratch = [plgpu.SMEM((2, tm, KSLICE), FP8, transforms=_transforms(FP8, KSLICE)),
-               plgpu.SMEM((2, tn, KSLICE), FP8, transforms=_transforms(FP8, KSLICE)),
-               plgpu.SMEM((2, tm), jnp.float32),
-               plgpu.SMEM((2, tn), jnp.float32),
+    S = tiles.stages
+    scratch = [plgpu.SMEM((S, tm, KSLICE), FP8, transforms=_transforms(FP8, KSLICE)),
+               plgpu.SMEM((S, tn, KSLICE), FP8, transforms=_transforms(FP8, KSLICE)),
+               plgpu.SMEM((S, tm), jnp.float32),
+               plgpu.SMEM((S, tn), jnp.float32),
                plgpu.SMEM((tm, tn), out_dtype, transforms=_transforms(out_dtype, tn)),
-               plgpu.Barrier(num_arrivals=4 if block else 2, num_barriers=2),
+               plgpu.Barrier(num_arrivals=4 if block else 2, num_barriers=S),
                plgpu.Barrier(num_arrivals=2)]
     call = plgpu.kernel(
         functools.partial(_fp8_kernel, k_steps=kb, per_slice=block),
