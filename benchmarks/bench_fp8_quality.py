@@ -28,15 +28,15 @@ from jaxserve.loader.fp8 import SKIP_ON_THE_FLY, linear_weight_bytes, quantize_w
 SETTINGS = dict(max_model_len=256, max_num_batched_tokens=128, max_num_seqs=16, kv_cache_memory_bytes=96 << 20,
                 enable_prefix_caching=False, warmup=False)
 VARIANTS = {   # name -> quantize_weights kwargs
-    "fp8 (--quantization fp8: per-channel, W8A16)": dict(),
-    "per-channel, W8A8 dynamic per-token": dict(activations="dynamic"),
-    "128x128 blocks, W8A16": dict(granularity="block"),
+    "per-channel, W8A16 (--quantization fp8 on CPU)": dict(activations="none"),
+    "per-channel, W8A8 dynamic per-token (--quantization fp8 on Hopper)": dict(activations="dynamic"),
+    "128x128 blocks, W8A16": dict(granularity="block", activations="none"),
     "128x128 blocks, W8A8 per-1x128-group": dict(granularity="block", activations="dynamic"),
-    "per-tensor, W8A16": dict(granularity="tensor"),
-    "per-channel, W8A16, attention only (MLP kept)": dict(skip=SKIP_ON_THE_FLY + ("layers.w_gate", "layers.w_up",
-                                                                                  "layers.w_down")),
-    "per-channel, W8A16, MLP only (attention kept)": dict(skip=SKIP_ON_THE_FLY + ("layers.wq", "layers.wk",
-                                                                                 "layers.wv", "layers.wo")),
+    "per-tensor, W8A16": dict(granularity="tensor", activations="none"),
+    "per-channel, W8A16, attention only (MLP kept)": dict(activations="none", skip=SKIP_ON_THE_FLY + (
+        "layers.w_gate", "layers.w_up", "layers.w_down")),
+    "per-channel, W8A16, MLP only (attention kept)": dict(activations="none", skip=SKIP_ON_THE_FLY + (
+        "layers.wq", "layers.wk", "layers.wv", "layers.wo")),
 }
 
 

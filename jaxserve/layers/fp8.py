@@ -77,6 +77,20 @@ def resolve_kernel(name: str = "auto", device=None) -> str:
     return "pallas" if hopper and _kernel_available() else "xla"
 
 
+def default_activations(device=None) -> str:
+    """What `--quantization fp8` does with activations: "dynamic" (W8A8, e4m3 per token) where
+    the GPU has FP8 tensor cores (compute capability >= 8.9): an FP8 dot reads the 1-byte weight
+    as it is, while W8A16 there would widen it to a bf16 copy first (more bytes than bf16 weights).
+    "none" (W8A16) elsewhere: no FP8 math on CPU, and it is the more accurate of the two."""
+    device = device or jax.devices()[0]
+    cc = str(getattr(device, "compute_capability", "") or "0")
+    try:
+        fp8_cores = device.platform == "gpu" and tuple(int(v) for v in cc.split(".")[:2]) >= (8, 9)
+    except ValueError:
+        fp8_cores = False
+    return "dynamic" if fp8_cores else "none"
+
+
 def _kernel_available() -> bool:
     from jaxserve.pallas.fp8_matmul import MGPU_AVAILABLE
     return MGPU_AVAILABLE

@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.layers.fp8 import Fp8Weight, resolve_kernel
+from jaxserve.layers.fp8 import Fp8Weight, default_activations, resolve_kernel
 from jaxserve.layers.linear import DenseWeight
 from jaxserve.pallas.fp8_matmul import BLOCK, quantize_weight
 
@@ -139,11 +139,13 @@ def _swapped(sharding: NamedSharding, ndim: int) -> NamedSharding:
 _quantize = jax.jit(quantize_weight, static_argnames=("granularity", "block_size"))
 
 
-def quantize_array(w: jax.Array, *, activations: str = "none", kernel: str = "auto",
+def quantize_array(w: jax.Array, *, activations: str | None = None, kernel: str = "auto",
                    granularity: str = "channel") -> Fp8Weight:
     """A full-precision matrix [..., in, out] -> Fp8Weight (per-output-channel scales unless told),
-    made on the array's devices (the data keeps the array's sharding; the scales are replicated)."""
+    made on the array's devices (the data keeps the array's sharding; the scales are replicated).
+    activations None: `default_activations()` (W8A8 on GPUs with FP8 tensor cores, else W8A16)."""
     kernel = resolve_kernel(kernel)
+    activations = activations or default_activations()
     k_major = kernel == "pallas"
     q, s = _quantize(w, granularity)
     if k_major:
@@ -164,7 +166,7 @@ def replace_dense(weights, fn: Callable[[str, DenseWeight], object]):
     return jax.tree_util.tree_map_with_path(visit, weights, is_leaf=lambda x: isinstance(x, DenseWeight))
 
 
-def quantize_weights(weights, *, skip=SKIP_ON_THE_FLY, activations: str = "none", kernel: str = "auto",
+def quantize_weights(weights, *, skip=SKIP_ON_THE_FLY, activations: str | None = None, kernel: str = "auto",
                      granularity: str = "channel"):
     """`--quantization fp8` on loaded weights: every DenseWeight but `skip` becomes an Fp8Weight."""
     return replace_dense(weights, lambda path, w: w if path in skip else
