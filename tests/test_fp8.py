@@ -318,3 +318,20 @@ def test_checkpoint_weights_for_the_kernel_are_stored_k_major(tmp_path):
     assert (w.kernel, w.k_major, w.w.shape, w.shape) == ("pallas", True, (2, 256, 512), (2, 512, 256))
     np.testing.assert_array_equal(w.w, jnp.swapaxes(weights.layers.w_down.w, -1, -2))
     np.testing.assert_array_equal(w.scale, weights.layers.w_down.scale)
+
+
+def test_defaults_follow_the_device():
+    """W8A8 and the Mosaic GPU kernel on Hopper, W8A16 and XLA elsewhere."""
+    from types import SimpleNamespace
+
+    from jaxserve.layers.fp8 import default_activations
+    from jaxserve.pallas.fp8_matmul import MGPU_AVAILABLE
+    h100 = SimpleNamespace(platform="gpu", compute_capability="9.0")
+    a100 = SimpleNamespace(platform="gpu", compute_capability="8.0")
+    cpu = SimpleNamespace(platform="cpu")
+    assert [default_activations(d) for d in (h100, a100, cpu)] == ["dynamic", "none", "none"]
+    assert resolve_kernel("auto", h100) == ("pallas" if MGPU_AVAILABLE else "xla")
+    assert resolve_kernel("auto", a100) == resolve_kernel("auto", cpu) == "xla"
+    assert resolve_kernel("xla", h100) == "xla"
+    with pytest.raises(ValueError, match="fp8 kernel must be one of"):
+        resolve_kernel("triton")
