@@ -16,6 +16,9 @@
 #   e2e        benchmarks/bench_gpu_e2e.py on a dummy Llama-3.1-8B (bf16), attention_backend auto
 #              (the Mosaic GPU kernel on Hopper with jax >= 0.11)
 #   e2e_triton the same decode steps with attention_backend pallas (the Triton kernel), if time is left
+#   e2e        benchmarks/bench_gpu_e2e.py on a dummy Llama-3.1-8B (bf16)
+#   fp8        benchmarks/bench_fp8_matmul.py (4096^3 and decode M=1..128 at N=K=8192; 8192^3 when
+#              FP8_FULL=1); last, so it runs only on what the budget leaves (~60 s)
 # then a markdown block for benchmarks/RESULTS.md. Everything is tee'd to $OUT/ (the device
 # tool's folder) when set, else benchmarks/out/.
 #
@@ -108,6 +111,9 @@ fi
 # `auto` above is the Mosaic GPU kernel on Hopper; the same decode steps on the Triton kernel:
 stage e2e_triton 90 $py benchmarks/bench_gpu_e2e.py --attention-backend pallas --batches 1,64,256 \
   --num-prompts 16 --output-len 16
+fp8_sizes=4096
+[ -n "${FP8_FULL:-}" ] && fp8_sizes=4096,8192
+stage fp8 60 $py benchmarks/bench_fp8_matmul.py --sizes "$fp8_sizes" --iters 10
 
 {
   echo
@@ -127,4 +133,7 @@ stage e2e_triton 90 $py benchmarks/bench_gpu_e2e.py --attention-backend pallas -
   sed -n '/^### End to end/,$p' "$out/e2e.log" 2>/dev/null
   echo
   sed -n '/^### End to end/,$p' "$out/e2e_triton.log" 2>/dev/null
+  echo "### FP8 matmul"
+  echo
+  grep -E '^(device:|\||###)' "$out/fp8.log" 2>/dev/null
 } | tee "$out/results_block.md"

@@ -79,7 +79,7 @@ class LLMEngine:
         self.mesh = make_mesh(args.tensor_parallel_size)
         self.model_config, weights = load_model(model_path, dtype, gguf_reader=reader,
                                                 mesh=self.mesh, load_format=args.load_format,
-                                                seed=args.seed)
+                                                seed=args.seed, quantization=args.quantization)
         self.tokenizer = _load_tokenizer(args, model_path, reader, self.model_config)
         del reader
         cfg = self.model_config
@@ -307,8 +307,9 @@ def _check_supported(args: EngineArgs) -> None:
     """Flags that are accepted by name (vLLM's surface) but whose feature has not landed yet."""
     if args.enable_expert_parallel:
         raise ValueError("enable_expert_parallel is not supported yet")
-    if args.quantization is not None:
-        raise ValueError(f"quantization={args.quantization!r} is not supported yet")
+    if args.quantization is not None and args.tensor_parallel_size != 1:
+        raise ValueError("quantization='fp8' with tensor_parallel_size > 1 is not supported yet "
+                         "(the FP8 weights are not sharded); use one of them")
     if args.speculative_config:
         raise ValueError("speculative_config is not supported yet")
 

@@ -42,7 +42,8 @@ def resolve_dtype(dtype: str, platform: str | None = None):
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}") from None
 
 
-def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=None):
+def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=None, *,
+             quantization: str | None = None, fp8_scheme=None):
     """Read every declared array through `get` (Hugging Face names and layouts), stack the
     per-layer ones, cast to `dtype` and place each with the sharding its logical axes get on
     `mesh` (default: one device). Returns the model's weights pytree.
@@ -51,11 +52,17 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
     cut from the per-layer checkpoint tensors and only that slice travels to the device; the
     stacked, cast array is never assembled whole on the host. The per-layer tensors of the
     array being placed are read once and kept until its last shard is cut (GGUF dequantizes
-    whole tensors, so reading them once per device made TP 8 loads 7x slower)."""
+    whole tensors, so reading them once per device made TP 8 loads 7x slower).
+
+    Linear layers become `Fp8Weight`s (jaxserve/loader/fp8.py) when `fp8_scheme` (an FP8
+    checkpoint's format) finds their scales, or when `quantization="fp8"` quantises them here."""
     model = get_model(cfg.architecture)
     mesh = mesh if mesh is not None else make_mesh()
     plan = plan_for(cfg, mesh)
     np_dtype = np.dtype(jnp.dtype(dtype))
+    names = getattr(get, "names", ())
+    if fp8_scheme is not None or quantization == "fp8":
+        from jaxserve.loader import fp8
 
     reads: dict[str, np.ndarray] = {}     # this array's checkpoint tensors, by name
 
@@ -81,34 +88,73 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
             x[j] = tensor(p.checkpoint_name(i), p.shape[1:], p.transpose)[index[1:]]
         return x
 
-    arrays = {}
+    arrays, quantized = {}, {}
     for p in model.declare(cfg):
-        done: dict[tuple, np.ndarray] = {}
+        sharding = plan.sharding(p.axes)
+        if p.dense and fp8_scheme is not None and fp8.has_fp8(fp8_scheme, names, p.checkpoint_name(0)):
+            k, n = p.shape[-2:]
+            try:
+                if p.stacked:
+                    w = fp8.stack_fp8(fp8_scheme, get, [p.checkpoint_name(i) for i in range(p.shape[0])],
+                                      k, n, sharding)
+                    quantized[p.path], arrays[p.path] = w, w.w
+                    continue
+                # an unstacked FP8 matrix (a quantised lm_head): dequantised to the model dtype
+                w, s, _ = fp8.read_fp8(fp8_scheme, get, p.checkpoint, k, n)
+                from jaxserve.pallas.fp8_matmul import dequantize
+                x = np.asarray(dequantize(w, s, jnp.float32, fp8_scheme.block_size)).astype(np_dtype)
+            except ValueError as e:
+                raise ModelLoadError(f"FP8 checkpoint: {e}") from None
+            arrays[p.path] = jax.device_put(x, sharding)
+        else:
+            done: dict[tuple, np.ndarray] = {}
 
-        def cb(index, p=p, done=done):
-            key = tuple((s.start, s.stop) for s in index)
-            if key not in done:
-                done[key] = shard(p, index)
-            return done[key]
+            def cb(index, p=p, done=done):
+                key = tuple((s.start, s.stop) for s in index)
+                if key not in done:
+                    done[key] = shard(p, index)
+                return done[key]
 
-        arrays[p.path] = jax.make_array_from_callback(p.shape, plan.sharding(p.axes), cb)
-        reads.clear()
-    return model.build(cfg, arrays)
+            arrays[p.path] = jax.make_array_from_callback(p.shape, sharding, cb)
+            reads.clear()
+        if p.dense and quantization == "fp8" and p.path not in fp8.SKIP_ON_THE_FLY:
+            quantized[p.path] = fp8.quantize_array(arrays[p.path])
+            arrays[p.path] = quantized[p.path].w      # the full-precision copy is dropped here
+    weights = model.build(cfg, arrays)
+    if quantized:
+        weights = fp8.replace_dense(weights, lambda path, w: quantized.get(path, w))
+    return weights
 
 
 def load_hf_config(path: Path) -> ModelConfig:
+    hf = _hf_json(path)
+    try:
+        return ModelConfig.from_hf(hf)
+    except ValueError as e:   # unsupported architecture, missing or out-of-range field
+        raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
+
+
+def _hf_json(path: Path) -> dict:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(f"{path} has no config.json; expected a Hugging Face model directory "
                              "(config.json + *.safetensors) or a .gguf file")
     try:
-        hf = json.loads(cfg_file.read_text())
+        return json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from None
+
+
+def fp8_scheme_of(path: Path):
+    """The FP8 format of a Hugging Face directory's checkpoint (loader/fp8.py), or None."""
+    hf = _hf_json(path)
+    if not hf.get("quantization_config"):
+        return None
+    from jaxserve.loader.fp8 import scheme_of
     try:
-        return ModelConfig.from_hf(hf)
-    except ValueError as e:   # unsupported architecture, missing or out-of-range field
-        raise ModelLoadError(f"{cfg_file}: {e}") from None
+        return scheme_of(hf)
+    except ValueError as e:
+        raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
 
 
 def _safetensors_getter(path: Path) -> Callable[[str], np.ndarray]:
@@ -141,19 +187,36 @@ def _safetensors_getter(path: Path) -> Callable[[str], np.ndarray]:
         if name not in where:
             raise ModelLoadError(f"tensor {name} is missing from the safetensors files in {path}")
         try:
+            if handles[where[name]].get_slice(name).get_dtype() == "F8_E4M3":
+                return _read_f8_e4m3(path / where[name], name)   # numpy has no fp8 for safetensors
             return handles[where[name]].get_tensor(name)
         except Exception as e:
             raise ModelLoadError(f"cannot read tensor {name} from {path / where[name]}: "
                                  f"corrupt safetensors file ({e})") from None
+    get.names = frozenset(where)
     return get
 
 
+def _read_f8_e4m3(file: Path, name: str) -> np.ndarray:
+    """One F8_E4M3 tensor of a safetensors file as ml_dtypes.float8_e4m3fn, read from the
+    format's JSON header (8-byte length, header, then the raw data)."""
+    import ml_dtypes
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(n))[name]
+        start, end = info["data_offsets"]
+        f.seek(8 + n + start)
+        data = f.read(end - start)
+    return np.frombuffer(data, ml_dtypes.float8_e4m3fn).reshape(info["shape"])
+
+
 def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh=None,
-               load_format: str = "auto", seed: int = 0):
+               load_format: str = "auto", seed: int = 0, quantization: str | None = None):
     """Load a Hugging Face directory or a .gguf file -> (ModelConfig, weights). `dtype` is a name
     or a jnp dtype; `gguf_reader` an already open reader of the file (parsing a GGUF header
     takes seconds); `load_format="dummy"` reads only `config.json` and makes seeded random
-    weights of its shapes."""
+    weights of its shapes. `quantization="fp8"` stores the linear layers (not lm_head) in e4m3
+    with per-channel scales; FP8 checkpoints are detected from config.json either way."""
     path = Path(model)
     if not path.exists():
         raise ModelLoadError(_not_a_local_path(str(model)))
@@ -164,18 +227,27 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
         logger.info("dummy weights (seed %d) for %s (%s, %d layers, hidden %d) as %s", seed,
                     path, cfg.architecture, cfg.num_layers, cfg.hidden_size,
                     jnp.dtype(jdtype).name)
-        return cfg, dummy_weights(cfg, jdtype, mesh, seed)
+        weights = dummy_weights(cfg, jdtype, mesh, seed)
+        if quantization == "fp8":
+            from jaxserve.loader.fp8 import quantize_weights
+            weights = quantize_weights(weights)
+        return cfg, weights
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf file")
         from jaxserve.loader import gguf as gguf_loader
         cfg, get = gguf_loader.open_gguf(path, gguf_reader)
+        scheme = None
     else:
         cfg = load_hf_config(path)
+        scheme = fp8_scheme_of(path)
         get = _safetensors_getter(path)
-    logger.info("loading %s (%s, %d layers, hidden %d) as %s", path, cfg.architecture,
-                cfg.num_layers, cfg.hidden_size, jnp.dtype(jdtype).name)
-    return cfg, assemble(cfg, get, jdtype, mesh)
+    logger.info("loading %s (%s, %d layers, hidden %d) as %s%s", path, cfg.architecture,
+                cfg.num_layers, cfg.hidden_size, jnp.dtype(jdtype).name,
+                f", linear layers fp8 ({scheme.method} checkpoint)" if scheme else
+                ", linear layers quantised to fp8" if quantization == "fp8" else "")
+    return cfg, assemble(cfg, get, jdtype, mesh, quantization=None if scheme else quantization,
+                         fp8_scheme=scheme)
 
 
 def _not_a_local_path(name: str) -> str:

@@ -1,0 +1,74 @@
+"""FP8 weight quality on the default model: `--quantization fp8` and its variants against the
+unquantised weights, in one run (CPU is fine; f32 activations).
+
+Per variant: held-out perplexity and its ratio to unquantised, greedy agreement teacher-forced
+(the unquantised engine's 32-token greedy continuations of tests/test_kv_cache_dtypes.py's prompts
+fed back; fraction of positions whose argmax is the same token, as in that test), and the linear
+layers' device bytes against the same matrices in bf16. Variants are made from the loaded weights
+(jaxserve.loader.fp8.quantize_weights) and swapped into one engine, so the model loads once.
+
+    python benchmarks/bench_fp8_quality.py
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_kv_cache_dtypes import HELD_OUT, PROMPTS  # noqa: E402  (one fixed prompt set)
+
+from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.layers.linear import DenseWeight  # noqa: E402
+from jaxserve.loader.fp8 import SKIP_ON_THE_FLY, linear_weight_bytes, quantize_weights  # noqa: E402
+
+SETTINGS = dict(max_model_len=256, max_num_batched_tokens=128, max_num_seqs=16, kv_cache_memory_bytes=96 << 20,
+                enable_prefix_caching=False, warmup=False)
+VARIANTS = {   # name -> quantize_weights kwargs
+    "per-channel, W8A16 (--quantization fp8 on CPU)": dict(activations="none"),
+    "per-channel, W8A8 dynamic per-token (--quantization fp8 on Hopper)": dict(activations="dynamic"),
+    "128x128 blocks, W8A16": dict(granularity="block", activations="none"),
+    "128x128 blocks, W8A8 per-1x128-group": dict(granularity="block", activations="dynamic"),
+    "per-tensor, W8A16": dict(granularity="tensor", activations="none"),
+    "per-channel, W8A16, attention only (MLP kept)": dict(activations="none", skip=SKIP_ON_THE_FLY + (
+        "layers.w_gate", "layers.w_up", "layers.w_down")),
+    "per-channel, W8A16, MLP only (attention kept)": dict(activations="none", skip=SKIP_ON_THE_FLY + (
+        "layers.wq", "layers.wk", "layers.wv", "layers.wo")),
+}
+
+
+def perplexity(llm) -> float:
+    held = llm.generate(HELD_OUT, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    return math.exp(-np.mean([e[t].logprob for e, t in zip(held.prompt_logprobs[1:], held.prompt_token_ids[1:])]))
+
+
+def main() -> None:
+    llm = LLM(**SETTINGS)
+    runner = llm.llm_engine.runner
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    runs = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
+    base_ppl, base = perplexity(llm), runner.weights
+    bf16_bytes = sum(x.size * 2 for w in jax.tree_util.tree_leaves(base, is_leaf=lambda x: isinstance(x, DenseWeight))
+                     if isinstance(w, DenseWeight) and w is not base.lm_head for x in [w.w])
+    print(f"unquantised perplexity {base_ppl:.3f}; linear weights in bf16 would be {bf16_bytes} bytes\n")
+    print("| variant | perplexity | ratio | teacher-forced agreement | linear bytes / bf16 |")
+    print("|---|---:|---:|---:|---:|")
+    for name, kw in VARIANTS.items():
+        runner.weights = quantize_weights(base, **kw)
+        runner._executables.clear()          # a new weights pytree: compile its programs afresh
+        forced = llm.generate([{"prompt_token_ids": p + g} for p, g in runs],
+                              SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+        ppl = perplexity(llm)
+        agree = sum(step[tok].rank == 1 for (p, g), o in zip(runs, forced)
+                    for step, tok in zip(o.prompt_logprobs[len(p):], g))
+        total = sum(len(g) for _, g in runs)
+        ratio = linear_weight_bytes(runner.weights) / bf16_bytes
+        print(f"| {name} | {ppl:.3f} | {ppl / base_ppl:.4f} | {agree / total:.3f} | {ratio:.3f} |", flush=True)
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""`Fp8Weight`: an e4m3 matrix with its scales, a weight type for `linear`.
+
+Built by the loader (`--quantization fp8` on a full-precision checkpoint, or an FP8 checkpoint);
+model code calls `linear(x, w)` as for a `DenseWeight`. The matmul itself is
+`jaxserve.pallas.fp8_matmul.fp8_matmul` (its docstring defines the scale layouts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxserve.layers.linear import register_linear
+from jaxserve.pallas.fp8_matmul import BLOCK, fp8_matmul, scale_kind
+
+ACTIVATIONS = ("none", "dynamic", "static")
+KERNELS = ("auto", "xla", "pallas")
+
+
+@dataclasses.dataclass
+class Fp8Weight:
+    """w [..., in, out] float8_e4m3fn, or [..., out, in] when `k_major` (the layout the Mosaic GPU
+    kernel reads); stacked layers lead (`lax.scan` slices them off).
+
+    scale: f32 multipliers [..., 1, 1] per tensor, [..., 1, out] per output channel, or
+      [..., ceil(in / b), ceil(out / b)] per b x b block (b = block_size).
+    input_scale: [...] f32 static activation scale (compressed-tensors W8A8), else None.
+    activations: "none" (W8A16), "dynamic" (e4m3 per token / per 1 x b group) or "static".
+    kernel: "xla" or "pallas" (resolved from "auto" when the weight is made).
+    """
+
+    w: jax.Array
+    scale: jax.Array
+    input_scale: jax.Array | None = None
+    activations: str = "dynamic"
+    block_size: int = BLOCK
+    kernel: str = "xla"
+    k_major: bool = False
+
+    def __post_init__(self):
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
+        if self.kernel not in ("xla", "pallas"):
+            raise ValueError(f"kernel must be 'xla' or 'pallas' once resolved, got {self.kernel!r}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """[..., in, out] whatever the storage layout."""
+        return (*self.w.shape[:-2], *self.w.shape[-2:][:: -1 if self.k_major else 1])
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+    @property
+    def granularity(self) -> str:
+        return scale_kind(self.scale.shape, self.shape[-1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.w, self.scale, self.input_scale) if a is not None)
+
+
+jax.tree_util.register_dataclass(Fp8Weight, data_fields=["w", "scale", "input_scale"],
+                                 meta_fields=["activations", "block_size", "kernel", "k_major"])
+
+
+def resolve_kernel(name: str = "auto", device=None) -> str:
+    """"auto": the Mosaic GPU kernel on Hopper (compute capability 9.x), XLA elsewhere."""
+    if name not in KERNELS:
+        raise ValueError(f"fp8 kernel must be one of {KERNELS}, got {name!r}")
+    if name != "auto":
+        return name
+    device = device or jax.devices()[0]
+    hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+    return "pallas" if hopper and _kernel_available() else "xla"
+
+
+def default_activations(device=None) -> str:
+    """What `--quantization fp8` does with activations: "dynamic" (W8A8, e4m3 per token) where
+    the GPU has FP8 tensor cores (compute capability >= 8.9): an FP8 dot reads the 1-byte weight
+    as it is, while W8A16 there would widen it to a bf16 copy first (more bytes than bf16 weights).
+    "none" (W8A16) elsewhere: no FP8 math on CPU, and it is the more accurate of the two."""
+    device = device or jax.devices()[0]
+    cc = str(getattr(device, "compute_capability", "") or "0")
+    try:
+        fp8_cores = device.platform == "gpu" and tuple(int(v) for v in cc.split(".")[:2]) >= (8, 9)
+    except ValueError:
+        fp8_cores = False
+    return "dynamic" if fp8_cores else "none"
+
+
+def _kernel_available() -> bool:
+    from jaxserve.pallas.fp8_matmul import MGPU_AVAILABLE
+    return MGPU_AVAILABLE
+
+
+@register_linear(Fp8Weight)
+def _fp8(x: jax.Array, weight: Fp8Weight) -> jax.Array:
+    return fp8_matmul(x, weight.w, weight.scale, activations=weight.activations,
+                      input_scale=weight.input_scale, block_size=weight.block_size,
+                      kernel=weight.kernel, k_major=weight.k_major)

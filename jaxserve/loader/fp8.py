@@ -1,0 +1,190 @@
+"""FP8 weights at load time: `--quantization fp8` on a full-precision checkpoint, and FP8
+checkpoints detected from `config.json`'s `quantization_config`.
+
+Formats read (tensor names next to each linear layer's `<prefix>.weight`, stored e4m3 [out, in]):
+  HF "fp8" (DeepSeek-V3, Qwen3-*-FP8): `weight_block_size: [128, 128]` and `weight_scale_inv`
+      [ceil(out/128), ceil(in/128)] (a multiplier, despite the name); without a block size, a
+      per-tensor `weight_scale`; `activation_scheme` "dynamic", or "static" with `input_scale`.
+  compressed-tensors "float-quantized": `weight_scale` [out, 1] (strategy "channel") or [1]
+      ("tensor"), [ceil(out/b), ceil(in/b)] ("block"); `input_activations` absent (W8A16),
+      dynamic (per token) or static (`input_scale` [1]).
+Modules the checkpoint leaves unquantised (no scale tensor: lm_head, `ignore`d layers) stay
+`DenseWeight`. Embeddings and norms are never quantised; `--quantization fp8` also skips lm_head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxserve.layers.fp8 import Fp8Weight, default_activations, resolve_kernel
+from jaxserve.layers.linear import DenseWeight
+from jaxserve.pallas.fp8_matmul import BLOCK, quantize_weight
+
+SKIP_ON_THE_FLY = ("lm_head",)     # vLLM's default: the head keeps the model dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Scheme:
+    """How a checkpoint's FP8 linear layers are stored (parsed from quantization_config)."""
+
+    method: str                      # "fp8" (HF) or "compressed-tensors"
+    scale_suffix: str                # "weight_scale_inv" or "weight_scale"
+    activations: str                 # "none", "dynamic" or "static"
+    block_size: int = BLOCK
+
+
+def scheme_of(hf_config: dict) -> Fp8Scheme | None:
+    """The FP8 scheme of a config.json, None when it has no quantization_config; raises
+    ValueError for quantization methods jaxserve cannot read."""
+    q = hf_config.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"quantization_config.fmt must be 'e4m3', got {q.get('fmt')!r}")
+        block = q.get("weight_block_size")
+        act = q.get("activation_scheme", "dynamic")
+        if act not in ("dynamic", "static"):
+            raise ValueError(f"quantization_config.activation_scheme must be dynamic or static, got {act!r}")
+        if block is not None:
+            if len(block) != 2 or block[0] != block[1]:
+                raise ValueError(f"quantization_config.weight_block_size must be square [b, b], got {block}")
+            return Fp8Scheme("fp8", "weight_scale_inv", act, int(block[0]))
+        return Fp8Scheme("fp8", "weight_scale", act)
+    if method == "compressed-tensors":
+        groups = list((q.get("config_groups") or {}).values())
+        if len(groups) != 1:
+            raise ValueError(f"compressed-tensors: exactly one config group is supported, got {len(groups)}")
+        wq, aq = groups[0].get("weights") or {}, groups[0].get("input_activations")
+        if wq.get("type") != "float" or wq.get("num_bits") != 8:
+            raise ValueError(f"compressed-tensors: only 8-bit float weights are supported, got {wq}")
+        if wq.get("strategy") not in ("tensor", "channel", "block"):
+            raise ValueError(f"compressed-tensors: weight strategy must be tensor, channel or block, got "
+                             f"{wq.get('strategy')!r}")
+        block = (wq.get("block_structure") or [BLOCK, BLOCK])[0]
+        act = "none" if not aq else ("dynamic" if aq.get("dynamic") else "static")
+        return Fp8Scheme("compressed-tensors", "weight_scale", act, int(block))
+    raise ValueError(f"quantization_config.quant_method {method!r} is not supported; jaxserve reads "
+                     "'fp8' and 'compressed-tensors' (FP8) checkpoints")
+
+
+def _prefix(weight_name: str) -> str:
+    if not weight_name.endswith(".weight"):
+        raise ValueError(f"{weight_name} is not a '.weight' tensor")
+    return weight_name[: -len("weight")]
+
+
+def has_fp8(scheme: Fp8Scheme, names, weight_name: str) -> bool:
+    return _prefix(weight_name) + scheme.scale_suffix in names
+
+
+def read_fp8(scheme: Fp8Scheme, get: Callable[[str], np.ndarray], weight_name: str, k: int, n: int,
+             k_major: bool = False):
+    """One layer's (e4m3 w [in, out] (or [out, in] when `k_major`), f32 scale [r, c], input_scale []
+    or None) from the checkpoint's [out, in] tensors."""
+    prefix = _prefix(weight_name)
+    w = np.asarray(get(weight_name))
+    if w.dtype != ml_dtypes.float8_e4m3fn:
+        raise ValueError(f"{weight_name} is {w.dtype}, expected float8_e4m3fn (F8_E4M3)")
+    if w.shape != (n, k):
+        raise ValueError(f"{weight_name} has shape {w.shape}, expected {(n, k)} from the model config")
+    w = w if k_major else w.T
+    s = np.asarray(get(prefix + scheme.scale_suffix), np.float32)
+    b = scheme.block_size
+    if s.size == 1:
+        s = s.reshape(1, 1)
+    elif s.ndim == 2 and s.shape == (n, 1):                          # per output channel
+        s = s.T
+    elif s.ndim == 2 and s.shape == (-(-n // b), -(-k // b)):       # blocks, [out/b, in/b]
+        s = s.T
+    else:
+        raise ValueError(f"{prefix}{scheme.scale_suffix} has shape {s.shape}; expected [1], [{n}, 1] or "
+                         f"[{-(-n // b)}, {-(-k // b)}] for a [{n}, {k}] weight")
+    x_scale = None
+    if scheme.activations == "static":
+        x_scale = np.asarray(get(prefix + "input_scale"), np.float32).reshape(())
+    return w, np.ascontiguousarray(s), x_scale
+
+
+def stack_fp8(scheme: Fp8Scheme, get, names: list[str], k: int, n: int, data_sharding, kernel: str = "auto"):
+    """Per-layer FP8 tensors -> one stacked Fp8Weight [L, in, out] on the device ([L, out, in]
+    for the Mosaic GPU kernel)."""
+    kernel = resolve_kernel(kernel)
+    k_major = kernel == "pallas"
+    parts = [read_fp8(scheme, get, name, k, n, k_major) for name in names]
+    w = np.stack([p[0] for p in parts])
+    s = np.stack([p[1] for p in parts])
+    x_scale = np.stack([p[2] for p in parts]) if scheme.activations == "static" else None
+    rep = NamedSharding(data_sharding.mesh, PartitionSpec())
+    return Fp8Weight(jax.device_put(w, _swapped(data_sharding, w.ndim) if k_major else data_sharding),
+                     jax.device_put(s, rep), None if x_scale is None else jax.device_put(x_scale, rep),
+                     activations=scheme.activations, block_size=scheme.block_size, kernel=kernel,
+                     k_major=k_major)
+
+
+def _swapped(sharding: NamedSharding, ndim: int) -> NamedSharding:
+    """The sharding of the same array stored with its last two axes swapped."""
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec[:-2], spec[-1], spec[-2]))
+
+
+_quantize = jax.jit(quantize_weight, static_argnames=("granularity", "block_size"))
+
+
+def quantize_array(w: jax.Array, *, activations: str | None = None, kernel: str = "auto",
+                   granularity: str = "channel") -> Fp8Weight:
+    """A full-precision matrix [..., in, out] -> Fp8Weight (per-output-channel scales unless told),
+    made on the array's devices (the data keeps the array's sharding; the scales are replicated).
+    activations None: `default_activations()` (W8A8 on GPUs with FP8 tensor cores, else W8A16)."""
+    kernel = resolve_kernel(kernel)
+    activations = activations or default_activations()
+    k_major = kernel == "pallas"
+    q, s = _quantize(w, granularity)
+    if k_major:
+        q = jnp.swapaxes(q, -1, -2)
+    if isinstance(getattr(w, "sharding", None), NamedSharding):
+        q = jax.device_put(q, _swapped(w.sharding, w.ndim) if k_major else w.sharding)
+        s = jax.device_put(s, NamedSharding(w.sharding.mesh, PartitionSpec()))
+    return Fp8Weight(q, s, activations=activations, kernel=kernel, k_major=k_major)
+
+
+def replace_dense(weights, fn: Callable[[str, DenseWeight], object]):
+    """Map every DenseWeight of a model pytree through `fn(param_path, weight)`; param paths are
+    the declaration's ("layers.wq", "lm_head"), from the pytree's attribute keys."""
+    def visit(keypath, leaf):
+        if not isinstance(leaf, DenseWeight):
+            return leaf
+        return fn(_path(keypath), leaf)
+    return jax.tree_util.tree_map_with_path(visit, weights, is_leaf=lambda x: isinstance(x, DenseWeight))
+
+
+def quantize_weights(weights, *, skip=SKIP_ON_THE_FLY, activations: str | None = None, kernel: str = "auto",
+                     granularity: str = "channel"):
+    """`--quantization fp8` on loaded weights: every DenseWeight but `skip` becomes an Fp8Weight."""
+    return replace_dense(weights, lambda path, w: w if path in skip else
+                         quantize_array(w.w, activations=activations, kernel=kernel, granularity=granularity))
+
+
+def _path(keypath) -> str:
+    return ".".join(str(getattr(k, "name", k)) for k in keypath)
+
+
+def linear_weight_bytes(weights, skip=SKIP_ON_THE_FLY) -> int:
+    """Bytes on the device of the linear layers' weights (data and scales), `skip` excluded."""
+    total = 0
+
+    def visit(keypath, leaf):
+        nonlocal total
+        if isinstance(leaf, (DenseWeight, Fp8Weight)) and _path(keypath) not in skip:
+            total += sum(a.nbytes for a in jax.tree_util.tree_leaves(leaf))
+        return leaf
+    jax.tree_util.tree_map_with_path(visit, weights, is_leaf=lambda x: isinstance(x, (DenseWeight, Fp8Weight)))
+    return total
