@@ -335,3 +335,9 @@ def test_defaults_follow_the_device():
     assert resolve_kernel("xla", h100) == "xla"
     with pytest.raises(ValueError, match="fp8 kernel must be one of"):
         resolve_kernel("triton")
+
+
+def test_fp8_with_tensor_parallel_is_refused_until_fp8_weights_are_sharded():
+    from jaxserve import LLM
+    with pytest.raises(ValueError, match="quantization='fp8' with tensor_parallel_size > 1"):
+        LLM(quantization="fp8", tensor_parallel_size=2)
