@@ -111,25 +111,14 @@ RACE_TILES = [fm.Fp8Tiles(64, 64, stages=2), fm.DECODE_TILES]
 
 @needs_mgpu
 @pytest.mark.parametrize("tiles", RACE_TILES, ids=str)
-def test_interpret_finds_no_races(tiles):
+@pytest.mark.parametrize("scales,seed", [("block", 3), ("channel", 4)])
+def test_interpret_finds_no_races(tiles, scales, seed):
     """The interpreter's race detector over more K slices than slots (every slot refilled while
-    later slices are in flight). It tracks TMA copies and ordinary SMEM loads (the scales), not
-    wgmma operand reads (jax 0.11.2)."""
+    later slices are in flight): block scales promote per K slice; per-channel weights use one
+    accumulator over K, a slot refilled after its wgmma's wait. It tracks TMA copies and ordinary
+    SMEM loads (the scales), not wgmma operand reads (jax 0.11.2)."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
-    x, w, s = _inputs(64, 1024, 128, "block", "bfloat16", seed=3)
-    gpu_interpret.reset_gpu_interpret_mode_state()
-    y = fm.fp8_matmul_mgpu(x, w, s, tiles=tiles, interpret=fm.plgpu.InterpretGPUParams(detect_races=True))
-    assert not gpu_interpret.get_races().races_found
-    np.testing.assert_allclose(np.asarray(y, np.float32), _reference(x, w, s, "dynamic"), rtol=2e-2,
-                               atol=2e-2 * float(jnp.abs(y).max()))
-
-
-@needs_mgpu
-@pytest.mark.parametrize("tiles", RACE_TILES, ids=str)
-def test_interpret_finds_no_races_with_one_accumulator(tiles):
-    """Per-channel weights: one accumulator over K, the refill of a slot after its wgmma's wait."""
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
-    x, w, s = _inputs(64, 1024, 128, "channel", "bfloat16", seed=4)
+    x, w, s = _inputs(64, 1024, 128, scales, "bfloat16", seed=seed)
     gpu_interpret.reset_gpu_interpret_mode_state()
     y = fm.fp8_matmul_mgpu(x, w, s, tiles=tiles, interpret=fm.plgpu.InterpretGPUParams(detect_races=True))
     assert not gpu_interpret.get_races().races_found
