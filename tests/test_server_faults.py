@@ -126,7 +126,7 @@ class _ServableFake(FakeEngine):
         super().__init__(tokens=tokens)
         self.model_path = "fake"
         self.model_config.architecture, self.model_config.num_layers = "Fake", 0
-        self.runner = SimpleNamespace(cache=SimpleNamespace(k=SimpleNamespace(dtype="f32")),
+        self.runner = SimpleNamespace(cache=SimpleNamespace(dtype="f32"),
                                       compiled_programs=[])
         self.cache_config = SimpleNamespace(num_blocks=1, block_size=16)
         self.warmup_seconds = 0.0
@@ -144,7 +144,8 @@ async def _sigterm_while_streaming(tokens: int, shutdown_timeout: float):
     server = asyncio.ensure_future(serve(EngineArgs(), args, engine=_ServableFake(tokens)))
     url = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as session:
-        for _ in range(200):
+        deadline = time.monotonic() + 60      # a loaded CI machine can be slow to bind
+        while time.monotonic() < deadline and not server.done():
             try:
                 async with session.get(url + "/health") as r:
                     if r.status == 200:
@@ -152,6 +153,8 @@ async def _sigterm_while_streaming(tokens: int, shutdown_timeout: float):
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.02)
+        if server.done():
+            server.result()                   # serve() ended early: raise what it raised
         body = {"prompt": "hi", "max_tokens": 5, "stream": True}
         async with session.post(url + "/v1/completions", json=body) as r:
             assert r.status == 200

@@ -111,7 +111,8 @@ def shard_attention(plan: ShardingPlan | None, fn: Callable, q, k, v, cache, *ar
     q_spec = plan.spec(("tokens", "q_heads", "head_dim"))
     kv_spec = plan.spec(("tokens", "kv_cache_heads", "head_dim"))
     pages, scales = plan.spec(kvc.KV_AXES), plan.spec(kvc.SCALE_AXES)
-    cache_spec = kvc.KVCache(pages, pages, *((scales, scales) if cache.quantized else (None, None)))
+    cache_spec = kvc.KVCache(pages, pages, *((scales, scales) if cache.quantized else (None, None)),
+                             codes=cache.codes)
     rest = tuple(jax.tree.map(lambda _: PartitionSpec(), a) for a in args)
     mapped = jax.shard_map(fn, mesh=plan.mesh, in_specs=(q_spec, kv_spec, kv_spec, cache_spec, *rest),
                            out_specs=(q_spec, cache_spec), check_vma=False)

@@ -126,14 +126,16 @@ class ModelRunner:
         # Donated state leaves with the sharding it came in with, so the buffers are reused.
         rep = plan.replicated
         self._step = jax.jit(step, donate_argnames=("cache", "pen"),
-                             out_shardings=(rep, rep, self._cache_sharding(self.cache.quantized), rep))
+                             out_shardings=(rep, rep, self._cache_sharding(self.cache.quantized, self.cache.codes),
+                                            rep))
         self._executables: dict[tuple[int, bool], jax.stages.Compiled] = {}
 
     # -- the KV pool ---------------------------------------------------------------------------
-    def _cache_sharding(self, quantized: bool) -> kvc.KVCache:
+    def _cache_sharding(self, quantized: bool, codes: str | None) -> kvc.KVCache:
+        """The pool's shardings as a KVCache pytree (`codes` is static metadata: it must match)."""
         pages = self.plan.sharding(kvc.KV_AXES)
         scales = self.plan.sharding(kvc.SCALE_AXES) if quantized else None
-        return kvc.KVCache(pages, pages, scales, scales)
+        return kvc.KVCache(pages, pages, scales, scales, codes=codes)
 
     def _allocate_cache(self, dtype, quantized: bool) -> kvc.KVCache:
         """The zeroed pool made on the devices, split on KV heads (never whole on one device)."""
@@ -141,8 +143,10 @@ class ModelRunner:
         if plan.tp == 1:
             return allocate_kv_cache(cfg, self.num_blocks, self.block_size, dtype, quantized=quantized)
         make = partial(kvc.allocate, cfg.num_layers, self.num_blocks, self.block_size,
-                       plan.cache_kv_heads(cfg.num_kv_heads), cfg.head_dim, dtype, quantized=quantized)
-        return jax.jit(make, out_shardings=self._cache_sharding(quantized))()
+                       plan.cache_kv_heads(cfg.num_kv_heads), cfg.head_dim, dtype, quantized=quantized,
+                       fp8_as_bytes=jax.default_backend() == "cpu")
+        codes = jax.eval_shape(make).codes
+        return jax.jit(make, out_shardings=self._cache_sharding(quantized, codes))()
 
     # -- shapes -------------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
