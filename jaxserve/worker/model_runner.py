@@ -162,8 +162,11 @@ class ModelRunner:
     def prepare(self, scheduled, with_prompt_logprobs: bool):
         """Host arrays for one step -> (StepInputs, StepLayout)."""
         T = self.bucket_for(sum(len(s.token_ids) for s in scheduled))
-        return build_inputs(scheduled, self.input_batch, num_tokens=T,
-                            num_seqs=self._seq_bucket(T), num_blocks=self.num_blocks,
+        return self._build(scheduled, T, with_prompt_logprobs)
+
+    def _build(self, scheduled, num_tokens: int, with_prompt_logprobs: bool):
+        return build_inputs(scheduled, self.input_batch, num_tokens=num_tokens,
+                            num_seqs=self._seq_bucket(num_tokens), num_blocks=self.num_blocks,
                             block_size=self.block_size,
                             max_blocks_per_seq=self.max_blocks_per_seq,
                             with_prompt_logprobs=with_prompt_logprobs)
@@ -175,11 +178,7 @@ class ModelRunner:
         exe = self._executables.get(key)
         if exe is None:
             t0 = time.perf_counter()
-            x, _ = build_inputs([], self.input_batch, num_tokens=num_tokens,
-                                num_seqs=self._seq_bucket(num_tokens), num_blocks=self.num_blocks,
-                                block_size=self.block_size,
-                                max_blocks_per_seq=self.max_blocks_per_seq,
-                                with_prompt_logprobs=with_prompt_logprobs)
+            x, _ = self._build([], num_tokens, with_prompt_logprobs)   # shapes only
             spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
             exe = self._step.lower(self.weights, self.cache, self.penalties, spec).compile()
             self._executables[key] = exe
