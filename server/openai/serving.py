@@ -10,7 +10,6 @@ runner both call these.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -31,6 +30,7 @@ from jaxserve.server.openai.protocol import (
     model_card,
     usage,
 )
+from jaxserve.server.openai.streams import check_not_failed, collect_all, merge_streams
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -190,7 +190,7 @@ class OpenAIServing:
         created = int(time.time())
         if request.stream:
             return self._completion_stream(request, model, base_id, created, prompts, streams)
-        finals = await _collect_all(streams)
+        finals = await collect_all(streams)
         return self._completion_response(request, model, base_id, created, prompts, finals)
 
     def _completion_response(self, request, model, rid, created, prompts, finals) -> dict:
@@ -234,12 +234,12 @@ class OpenAIServing:
         prompt_tokens, cached = {}, {}
         prompt_lps: dict[int, list] = {}
         try:
-            async for i, out in _merge(streams):
+            async for i, out in merge_streams(streams):
                 prompt_tokens[i] = len(out.prompt_token_ids)
                 cached[i] = out.num_cached_tokens
                 if out.prompt_logprobs is not None:
                     prompt_lps[i] = out.prompt_logprobs
-                _check_not_failed(out)
+                check_not_failed(out)
                 for c in out.outputs:
                     idx = i * n + c.index
                     if idx in finished:
@@ -321,7 +321,7 @@ class OpenAIServing:
         created = int(time.time())
         if request.stream:
             return self._chat_stream(request, model, base_id, created, streams)
-        (out,) = await _collect_all(streams)
+        (out,) = await collect_all(streams)
         return self._chat_response(request, model, base_id, created, out)
 
     def _echo_prefix(self, request: ChatCompletionRequest) -> str:
@@ -370,8 +370,8 @@ class OpenAIServing:
                 if continuous:
                     first["usage"] = usage(0, 0)
                 yield sse(first)
-            async for _, out in _merge(streams):
-                _check_not_failed(out)
+            async for _, out in merge_streams(streams):
+                check_not_failed(out)
                 prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
                 for c in out.outputs:
                     if c.index in finished:
@@ -440,66 +440,6 @@ def _echo_only(c: CompletionOutput) -> CompletionOutput:
     return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None
                                else None, cumulative_logprob=None,
                                finish_reason="length" if done else None, stop_reason=None)
-
-
-def _step_failed() -> OpenAIError:
-    return OpenAIError(500, "Internal server error: the engine step that computed this request "
-                            "failed (the server keeps serving; retry the request)",
-                       "InternalServerError")
-
-
-def _check_not_failed(out: RequestOutput) -> None:
-    """finish_reason "error" (the model step raised for this request) is a 500, as in vLLM."""
-    if any(c.finish_reason == "error" for c in out.outputs):
-        raise _step_failed()
-
-
-async def _collect_all(streams: list[RequestStream]) -> list[RequestOutput]:
-    """The final output of each stream (FINAL_ONLY requests yield exactly one)."""
-    async def last(stream: RequestStream) -> RequestOutput:
-        final = None
-        async for out in stream:
-            final = out
-        return final
-
-    try:
-        finals = list(await asyncio.gather(*(last(s) for s in streams)))
-        for out in finals:
-            _check_not_failed(out)
-        return finals
-    except EngineDeadError as e:
-        raise OpenAIError(503, str(e)) from None
-    finally:
-        for s in streams:
-            s.close()
-
-
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several request streams as (stream index, output); closes them all on exit."""
-    if len(streams) == 1:
-        try:
-            async for out in streams[0]:
-                yield 0, out
-        finally:
-            streams[0].close()
-        return
-    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                i = pending.pop(task)
-                try:
-                    out = task.result()
-                except StopAsyncIteration:
-                    continue
-                pending[asyncio.ensure_future(streams[i].__anext__())] = i
-                yield i, out
-    finally:
-        for task in pending:
-            task.cancel()
-        for s in streams:
-            s.close()
 
 
 def _flatten_content(message: dict, index: int) -> dict:
