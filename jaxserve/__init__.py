@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": ("jaxserve.llm", "LLM"),
     "SamplingParams": ("jaxserve.sampling_params", "SamplingParams"),
+    "StructuredOutputsParams": ("jaxserve.sampling_params", "StructuredOutputsParams"),
     "RequestOutput": ("jaxserve.outputs", "RequestOutput"),
     "CompletionOutput": ("jaxserve.outputs", "CompletionOutput"),
     "EngineArgs": ("jaxserve.config", "EngineArgs"),

@@ -31,6 +31,50 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's `StructuredOutputsParams`): exactly one of `json` (a
+    JSON schema, dict or JSON text), `regex`, `choice` (a list of strings), `grammar` (Lark or
+    EBNF text), `json_object` (any JSON object) or `structural_tag` (vLLM's JSON text) is set.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of "
+                             f"{', '.join(self.KINDS)}; got {given or 'none'}.")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) \
+                    or not self.choice:
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, "
+                                 f"got {self.choice!r}.")
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got "
+                                 f"{type(value).__name__}.")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or JSON text), "
+                             f"got {type(self.json).__name__}.")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     """Sampling parameters for text generation (vLLM's `SamplingParams`).
 
@@ -67,6 +111,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Derived, not constructor arguments.
     output_text_buffer_length: int = field(default=0, init=False)
     _eos_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
@@ -98,6 +143,12 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must map non-negative token ids to finite numbers, "
                                  f"got {bad}: {bias[bad]}.")
             self.logit_bias = {tok: min(100.0, max(-100.0, v)) for tok, v in bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None \
+                and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict, got "
+                             f"{type(self.structured_outputs).__name__}.")
         if isinstance(self.output_kind, int):
             self.output_kind = RequestOutputKind(self.output_kind)
         self._verify_args()
@@ -178,7 +229,7 @@ class SamplingParams:
     def from_optional(cls, **kwargs: Any) -> SamplingParams:
         """Build from kwargs where None means "use the default" (the server's request bodies)."""
         keep_none = {"best_of", "seed", "stop", "stop_token_ids", "max_tokens", "logprobs",
-                     "prompt_logprobs", "logit_bias", "extra_args"}
+                     "prompt_logprobs", "logit_bias", "extra_args", "structured_outputs"}
         return cls(**{k: v for k, v in kwargs.items() if v is not None or k in keep_none})
 
     # --- derived properties -------------------------------------------------------------------

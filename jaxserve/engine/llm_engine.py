@@ -175,6 +175,9 @@ class LLMEngine:
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.args.max_logprobs:
             raise ValueError(f"Requested prompt logprobs of {params.prompt_logprobs}, which is "
                              f"greater than max allowed: {self.args.max_logprobs}")
+        if params.structured_outputs is not None:
+            raise InvalidRequestError("structured_outputs is not supported yet (no grammar backend "
+                                      "is wired into the sampler)", "structured_outputs")
         if self.processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
