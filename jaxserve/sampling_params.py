@@ -129,10 +129,19 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        ids = self.stop_token_ids or []
+        if not isinstance(ids, (list, tuple)) \
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}.")
+        self.stop_token_ids = [int(t) for t in ids]
         if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must map token ids (int or numeric str) to floats, "
+                                 f"got {self.logit_bias!r}.")
             try:
                 bias = {int(tok): float(value) for tok, value in self.logit_bias.items()}
             except (TypeError, ValueError):
