@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import random
 import time
@@ -93,7 +94,9 @@ class LLMEngine:
         per_block = kvc.bytes_per_block(cfg.num_layers, args.block_size,
                                         self.plan.kv_heads_per_device(cfg.num_kv_heads),
                                         cfg.head_dim, kv_dtype, kv_quantize is not None)
-        weight_bytes = sum(x.addressable_shards[0].data.nbytes
+        # One device's share, from the sharding (no per-shard array objects: on CPU those would
+        # stay alive beside the weights and count twice in jax.live_arrays()).
+        weight_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                            for x in jax.tree_util.tree_leaves(weights))
         # Simulated CPU devices share the host's memory: there a budget covers all of them.
         host_copies = self.mesh.size if jax.default_backend() == "cpu" else 1

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.host_memory import release_freed_host_memory
 from jaxserve.models.registry import get_model
 from jaxserve.sharding.mesh import make_mesh
 from jaxserve.sharding.plan import plan_for
@@ -246,8 +247,11 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
                 cfg.num_layers, cfg.hidden_size, jnp.dtype(jdtype).name,
                 f", linear layers fp8 ({scheme.method} checkpoint)" if scheme else
                 ", linear layers quantised to fp8" if quantization == "fp8" else "")
-    return cfg, assemble(cfg, get, jdtype, mesh, quantization=None if scheme else quantization,
-                         fp8_scheme=scheme)
+    weights = assemble(cfg, get, jdtype, mesh, quantization=None if scheme else quantization,
+                       fp8_scheme=scheme)
+    del get
+    release_freed_host_memory()       # the per-layer host tensors
+    return cfg, weights
 
 
 def _not_a_local_path(name: str) -> str:

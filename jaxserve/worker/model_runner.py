@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from jaxserve.host_memory import release_freed_host_memory
 from jaxserve.models import get_model
 from jaxserve.sample import penalties
 from jaxserve.sample.sampler import sample, score
@@ -281,6 +282,7 @@ class ModelRunner:
         self.penalties = penalties.write_row(self.penalties, np.asarray(self.max_seqs, np.int32),
                                              *rows)
         jax.block_until_ready(self.penalties)
+        release_freed_host_memory()     # what the compiler freed
         elapsed = time.perf_counter() - t0
         logger.info("warm-up: %d step programs for token buckets %s in %.1f s",
                     len(self._executables), self.buckets, elapsed)
