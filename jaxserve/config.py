@@ -222,6 +222,12 @@ class EngineArgs:
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # Several processes (one per node) as one engine (jaxserve/engine/multihost.py): process 0
+    # serves; every process runs with the same flags but its own --node-rank.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     block_size: int = 16
@@ -255,6 +261,12 @@ class EngineArgs:
             raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not isinstance(self.nnodes, int) or self.nnodes < 1:
+            raise ValueError(f"nnodes must be a positive integer, got {self.nnodes!r}")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
+        if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port (1..65535), got {self.master_port!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         # The sub-configs validate their own fields; build them once here so errors surface early.

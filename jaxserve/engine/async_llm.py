@@ -160,6 +160,11 @@ class AsyncLLM:
         self.stats = self.engine.stats()
         self._wake = asyncio.Event()
         self._task = loop.create_task(self._run(), name="jaxserve-engine-loop")
+        group = getattr(self.engine, "group", None)
+        if group is not None and group.is_leader:
+            # A lost follower leaves the step waiting in a collective forever: report the engine
+            # dead now (503s, failed streams) rather than when the step returns.
+            group.on_lost(lambda e: loop.call_soon_threadsafe(self._die, e))
 
     async def shutdown(self, graceful: bool = True, timeout: float | None = 30.0) -> None:
         """Stop accepting requests; with graceful, let in-flight ones finish (up to timeout
@@ -185,10 +190,15 @@ class AsyncLLM:
         for stream in list(self._streams.values()):
             stream.put(EngineDeadError("the server is shutting down"))
         self._streams.clear()
-        if self.engine is not None:
+        if self.engine is not None and not self._stuck():
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._executor, self.engine.shutdown)
         self._executor.shutdown(wait=False)
+
+    def _stuck(self) -> bool:
+        """A lost peer process can leave the engine thread inside a step that never returns."""
+        group = getattr(self.engine, "group", None)
+        return group is not None and group.lost is not None
 
     # -- requests ---------------------------------------------------------------------------------
     def num_waiting(self) -> int:
@@ -305,14 +315,20 @@ class AsyncLLM:
             raise
         except BaseException as e:
             logger.exception("engine loop failed; the server answers 503 from now on")
-            self.errored, self.error = True, e
-            dead = EngineDeadError(f"The engine is dead: {e!r}")
-            for add in self._adds:
-                if not add.accepted.done():
-                    add.accepted.set_exception(dead)
-            for stream in self._streams.values():
-                stream.put(dead)
-            self._streams.clear()
+            self._die(e)
+
+    def _die(self, e: BaseException) -> None:
+        """The engine cannot serve again: fail what waits on it; /health answers 503."""
+        if self.errored:
+            return
+        self.errored, self.error = True, e
+        dead = EngineDeadError(f"The engine is dead: {e!r}")
+        for add in self._adds:
+            if not add.accepted.done():
+                add.accepted.set_exception(dead)
+        for stream in self._streams.values():
+            stream.put(dead)
+        self._streams.clear()
 
     # -- engine facts the server needs --------------------------------------------------------
     @property

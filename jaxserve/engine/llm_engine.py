@@ -22,6 +22,7 @@ from jaxserve.config import DEFAULT_COMPILATION_CACHE_DIR, EngineArgs
 from jaxserve.core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
+from jaxserve.engine import multihost
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.loader.gguf import read_gguf
 from jaxserve.loader.loader import load_model, resolve_dtype
@@ -75,6 +76,14 @@ class LLMEngine:
                                                      else args.model)
         if args.compilation_cache_dir:      # opt-in: jax.config is the whole process's
             enable_compilation_cache(args.compilation_cache_dir)
+        # Several processes: join the job first (before any array), then every process builds
+        # the same engine; process 0 schedules, the others follow (`follow`).
+        self.group = None if args.nnodes == 1 else multihost.initialize(
+            args.nnodes, args.node_rank, args.master_addr, args.master_port)
+        if self.group is not None and args.tensor_parallel_size != jax.device_count():
+            raise ValueError(f"with nnodes={args.nnodes}, tensor_parallel_size must cover every "
+                             f"device of every process ({jax.device_count()}), got "
+                             f"{args.tensor_parallel_size}")
         reader = read_gguf(model_path) if str(model_path).endswith(".gguf") else None
         dtype = resolve_dtype(args.dtype)
         self.mesh = make_mesh(args.tensor_parallel_size)
@@ -114,6 +123,8 @@ class LLMEngine:
         blocks = num_kv_blocks(args, per_block * host_copies, weight_bytes,
                                profile=lambda n: profile_peak_bytes(make_runner(n)),
                                probe_num_blocks=probe_blocks(args, self.max_model_len))
+        if self.group is not None:      # one pool size for all (profiles differ per process)
+            blocks = self.group.agree_min("kv_blocks", blocks)
         self.cache_config = dataclasses.replace(args.cache_config(), num_blocks=blocks)
         tokens = blocks * args.block_size
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); maximum concurrency "
@@ -232,7 +243,11 @@ class LLMEngine:
         try:
             if self.fault_hook is not None and not sched.is_empty:
                 self.fault_hook(sched)
+            if self.group is not None:
+                self.group.send(sched)      # the followers run the same step
             result = self.runner.execute(sched)
+        except multihost.PeerLostError:
+            raise                           # no step can run again: the engine is dead
         except Exception as e:
             if sched.is_empty or not self._runner_usable():
                 raise
@@ -283,8 +298,18 @@ class LLMEngine:
                            pc.queries, pc.hits, self.prompt_tokens_total,
                            self.generation_tokens_total)
 
+    def follow(self) -> int:
+        """A process with node_rank > 0: run the steps process 0 sends until it stops (exit code
+        0) or is gone (1)."""
+        if self.group is None or self.group.is_leader:
+            raise RuntimeError("follow() is for processes with node_rank > 0")
+        return multihost.follow(self.group, self.runner.execute)
+
     def shutdown(self) -> None:
         """Free the KV pool and the weights (device memory) now."""
+        group = getattr(self, "group", None)
+        if group is not None and group.is_leader:
+            group.close()
         runner = getattr(self, "runner", None)
         if runner is not None:
             for x in jax.tree_util.tree_leaves((runner.cache, runner.weights, runner.penalties)):

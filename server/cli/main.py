@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -92,6 +93,13 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("tensor_parallel_size", "ParallelConfig", dict(type=int, help="Tensor-parallel devices.")),
     ("enable_expert_parallel", "ParallelConfig", dict(action=argparse.BooleanOptionalAction,
                                                       help="Expert parallelism for MoE layers.")),
+    ("nnodes", "ParallelConfig", dict(type=int, help="Processes (one per node) running this "
+                                      "engine together; every one gets the same flags and its "
+                                      "own --node-rank.")),
+    ("node_rank", "ParallelConfig", dict(type=int, help="This process's rank; 0 serves the API, "
+                                         "the others follow its steps.")),
+    ("master_addr", "ParallelConfig", dict(help="Address of process 0 (the JAX coordinator).")),
+    ("master_port", "ParallelConfig", dict(type=int, help="Coordinator port on process 0.")),
     ("speculative_config", "SpeculativeConfig", dict(type=_json_dict, help="JSON, e.g. "
                                                      "'{\"method\": \"ngram\", "
                                                      "\"num_speculative_tokens\": 4}'.")),
@@ -248,7 +256,25 @@ def _serve(ns: argparse.Namespace) -> int:
                                 {"shutdown_timeout": ns.shutdown_timeout}))
     logger.info("jaxserve serve %s: %s", engine_args.model or "(default model)",
                 describe_config(engine_args, server_args))
-    return asyncio.run(serve(engine_args, server_args))
+    if engine_args.node_rank > 0:
+        return _follow(engine_args)
+    code = asyncio.run(serve(engine_args, server_args))
+    if engine_args.nnodes > 1:
+        # A step left waiting on a lost process would block the interpreter's exit (it joins
+        # the engine thread): leave now, everything is flushed.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(code)
+    return code
+
+
+def _follow(engine_args: EngineArgs) -> int:
+    """node_rank > 0: no HTTP server; build the same engine and run process 0's steps."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    engine = LLMEngine(engine_args)
+    code = engine.follow()
+    logging.shutdown()
+    os._exit(code)          # as above: nothing may wait on a peer's collective at exit
 
 
 # -- generate (quick offline check) -----------------------------------------------------------
