@@ -16,8 +16,8 @@ A follower that dies is noticed by the leader's watchdog (the coordination servi
 nodes, polled every `WATCH_INTERVAL_S`; a process silent for `HEARTBEAT_TIMEOUT_S` is gone): the
 leader reports the engine dead (the server's /health turns 503 and requests fail fast) instead
 of waiting forever in the step's collectives. A leader that dies makes each follower exit. The
-job runs with `jax_enable_recoverability`, so the loss of
-one process does not terminate the others from inside the runtime.
+job runs with `jax_enable_recoverability`, so the loss of one process does not terminate the
+others from inside the runtime.
 
 The messages are pickles: every process of the job must be trusted (as in vLLM's multi-node
 setup); the coordinator port must not be reachable from outside the cluster.
