@@ -115,6 +115,17 @@ def test_n_with_a_colliding_child_id_adds_nothing(llm):
     assert set(finals) == {"1_dup"} and engine.scheduler.kv_cache_usage == 0.0
 
 
+@pytest.mark.parametrize("params, field", [
+    (SamplingParams(best_of=3, temperature=1.0, max_tokens=2), "best_of"),
+    (SamplingParams(structured_outputs={"regex": "a+"}, max_tokens=2), "structured_outputs"),
+])
+def test_not_supported_yet_is_refused_not_ignored(llm, params, field):
+    """A field the engine cannot honour is a ValueError naming it, never silently dropped."""
+    with pytest.raises(ValueError, match=field) as info:
+        llm.generate("Hi", params, use_tqdm=False)
+    assert info.value.param == field and not llm.llm_engine.has_unfinished_requests()
+
+
 def test_prompt_longer_than_the_whole_kv_pool_is_a_value_error(llm, variant):
     engine = llm.llm_engine
     with variant(llm, num_blocks=4):               # 4 x 16 = 64 tokens in the whole pool

@@ -189,6 +189,11 @@ class LLMEngine:
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.args.max_logprobs:
             raise ValueError(f"Requested prompt logprobs of {params.prompt_logprobs}, which is "
                              f"greater than max allowed: {self.args.max_logprobs}")
+        if params.best_of is not None and params.best_of != params.n:
+            # best_of > n would sample extra sequences and keep the best: not built; refusing
+            # beats silently returning n plain samples.
+            raise InvalidRequestError(f"best_of different from n is not supported (best_of="
+                                      f"{params.best_of}, n={params.n})", "best_of")
         if params.structured_outputs is not None:
             raise InvalidRequestError("structured_outputs is not supported yet (no grammar backend "
                                       "is wired into the sampler)", "structured_outputs")
