@@ -97,6 +97,21 @@ def test_rollback_restores_the_state(manager, tokenizer):
         req.rollback(req.num_accepted + 1)
 
 
+def test_draft_token_masks_equal_stepping_and_rolling_back(manager, tokenizer):
+    reqs = [drive(manager, tokenizer, SO(json=PERSON), '{"name": "A'),
+            drive(manager, tokenizer, SO(choice=["yes please", "no"]), "")]
+    drafts = [tokenizer.encode('nn", "age'), tokenizer.encode("yes please")]
+    got = manager.bitmask_with_drafts(reqs, drafts)
+    want = []
+    for req, draft in zip(reqs, drafts):
+        want.append(manager.bitmask([req])[0])
+        for t in draft:
+            assert req.accept(t)
+            want.append(manager.bitmask([req])[0])
+        req.rollback(len(draft))
+    assert np.array_equal(got, np.stack(want))
+
+
 def test_the_cache_compiles_a_spec_once(tokenizer):
     m = StructuredOutputManager(tokenizer, V, {tokenizer.eos_token_id})
     for schema in (PERSON, json.dumps(PERSON), dict(reversed(list(PERSON.items())))):
