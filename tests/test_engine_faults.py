@@ -117,7 +117,6 @@ def test_n_with_a_colliding_child_id_adds_nothing(llm):
 
 @pytest.mark.parametrize("params, field", [
     (SamplingParams(best_of=3, temperature=1.0, max_tokens=2), "best_of"),
-    (SamplingParams(structured_outputs={"regex": "a+"}, max_tokens=2), "structured_outputs"),
 ])
 def test_not_supported_yet_is_refused_not_ignored(llm, params, field):
     """A field the engine cannot honour is a ValueError naming it, never silently dropped."""
