@@ -11,6 +11,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import os
 import signal
 import time
 
@@ -53,6 +54,22 @@ class ServerArgs:
     access_log: bool = True           # one line per request (--disable-access-log silences it)
     allowed_origins: tuple[str, ...] = ()   # CORS: off unless origins are named ("*" for any)
     log_stats_interval: float = 10.0  # seconds between stats lines while busy; 0: never
+    chat_template: str | None = None  # a file path or the template text
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file path, or the template text itself (vLLM reads both)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a jinja template")
 
 
 def _error_response(err: OpenAIError) -> web.Response:
@@ -71,6 +88,7 @@ class Server:
             engine_args = engine_args.replace(served_model_name=names[0])
         self.engine_args = engine_args
         self.args = server_args
+        self.chat_template = load_chat_template(server_args.chat_template)
         self.llm = AsyncLLM(None if engine is not None else engine_args, engine=engine,
                             warmup=warmup, max_waiting_requests=server_args.max_waiting_requests,
                             on_output=self._on_output)
@@ -255,7 +273,11 @@ class Server:
         names = self.args.served_model_name or [engine.model_name]
         self.metrics = ServerMetrics(names[0], lambda: self.llm.stats)
         self.serving = OpenAIServing(self.llm, names, self.args.response_role,
-                                     model_root=engine.model_path)
+                                     model_root=engine.model_path,
+                                     enable_auto_tools=self.args.enable_auto_tool_choice,
+                                     tool_parser=self.args.tool_call_parser,
+                                     reasoning_parser=self.args.reasoning_parser,
+                                     chat_template=self.chat_template)
         cfg = engine.model_config
         blocks, bs = engine.cache_config.num_blocks, engine.cache_config.block_size
         logger.info("loaded %s (%s, %d layers, %s) from %s", names[0], cfg.architecture,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 
 from jaxserve.server.openai.reasoning import ReasoningParser
+from jaxserve.server.openai.tool_choice import NamedToolParser, RequiredToolParser
 from jaxserve.server.openai.tool_parsers.base import (
     CallState,
     ParsedOutput,
@@ -44,6 +45,24 @@ class ChatOutputParser:
         self._sent_reasoning = ""
         self._sent_content = ""
         self._calls: list[list[str]] = []    # per announced call: [id, arguments sent]
+
+    @classmethod
+    def for_request(cls, request, tool_parser: type[ToolParser] | None,
+                    reasoning_parser: type[ReasoningParser] | None) -> ChatOutputParser | None:
+        """The parsing a chat request's choice needs (the server's parser classes; the request's
+        tools and tool_choice); None when its output is plain text."""
+        tools = None
+        if request.uses_tools:
+            if request.named_tool is not None:
+                tools = NamedToolParser(request.named_tool)
+            elif request.tool_choice == "required":
+                tools = RequiredToolParser()
+            elif tool_parser is not None:
+                tools = tool_parser()
+        if tools is None and reasoning_parser is None:
+            return None
+        return cls(reasoning_parser() if reasoning_parser else None, tools,
+                   1 if request.parallel_tool_calls is False else None)
 
     # -- parsing ------------------------------------------------------------------------------
     def _parse(self, text: str, final: bool) -> tuple[str | None, ParsedOutput]:
@@ -111,3 +130,18 @@ class ChatOutputParser:
             logger.warning("streamed %s no longer match the output; not extending them", what)
             return ""
         return now[len(sent):]
+
+
+def finish_reason_for(request, reason: str | None, tools_called: bool) -> str | None:
+    """vLLM: a choice whose output became tool calls ends with "tool_calls" (a named
+    tool_choice keeps "stop", as OpenAI answers)."""
+    if reason is not None and tools_called and request.named_tool is None:
+        return "tool_calls"
+    return reason
+
+
+def with_reasoning_content(delta: dict) -> dict:
+    """vLLM now names the field `reasoning`; older clients read `reasoning_content`."""
+    if "reasoning" in delta:
+        return {**delta, "reasoning_content": delta["reasoning"]}
+    return delta
