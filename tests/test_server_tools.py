@@ -224,3 +224,16 @@ def test_bad_tool_requests_are_400_with_vllm_messages(client, extra, needle):
         client.chat.completions.create(**body)
     assert needle in e.value.body["message"]
     assert e.value.status_code == 400
+
+
+def test_llm_chat_passes_tools_and_tool_messages_to_the_template(llm):
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "t1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "t1", "content": "21 degrees and sunny"}]
+    from jaxserve import SamplingParams
+    (out,) = llm.chat(msgs, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False,
+                      tools=TOOLS)
+    prompt = llm.get_tokenizer().decode(out.prompt_token_ids, skip_special_tokens=False)
+    assert "21 degrees and sunny" in prompt and len(out.outputs[0].token_ids) <= 2

@@ -274,3 +274,42 @@ def test_registry_has_vllm_names():
         get_tool_parser("nope")
     with pytest.raises(ValueError, match="--reasoning-parser"):
         get_reasoning_parser("nope")
+
+
+# -- chat templates and flags ------------------------------------------------------------------
+def test_chat_template_sees_tool_call_arguments_as_a_dict_and_the_tools(tokenizer):
+    template = ("{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}{{ c.function.name }}"
+                "{% for k, v in c.function.arguments.items() %} {{ k }}={{ v }}{% endfor %}"
+                " {{ c.function.arguments | tojson }}{% endfor %}{% endfor %}")
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "a", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}},
+                    {"id": "b", "type": "function", "function": {"name": "get_time",
+                                                                 "arguments": ""}}]},
+                {"role": "tool", "tool_call_id": "a", "content": "21 C"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False,
+                                         chat_template=template, tools=TOOLS)
+    assert text == ('[tool get_weather][tool get_time]<user>Weather?<assistant>get_weather '
+                    'city=Zürich {"city": "Zürich"}get_time {}<tool>21 C')
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Zürich"}'
+    bad = [{**messages[1], "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]
+    with pytest.raises(ValueError, match=r"messages\.0\.tool_calls\.0\.function\.arguments"):
+        tokenizer.apply_chat_template(bad, chat_template=template)
+
+
+def test_tool_flags_are_checked_before_the_model_loads(capsys):
+    from jaxserve.server.cli.main import build_parser, main
+    with pytest.raises(SystemExit):
+        main(["serve", "--enable-auto-tool-choice"])
+    assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--tool-call-parser", "nope"])
+    assert "invalid choice" in capsys.readouterr().err
+    ns = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser",
+                                    "llama3_json", "--reasoning-parser", "deepseek_r1",
+                                    "--chat-template", "{{ messages }}"])
+    assert (ns.enable_auto_tool_choice, ns.tool_call_parser, ns.reasoning_parser,
+            ns.chat_template) == (True, "llama3_json", "deepseek_r1", "{{ messages }}")
