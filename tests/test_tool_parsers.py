@@ -240,6 +240,7 @@ def test_required_schema_is_an_array_of_named_calls():
     first, second = schema["items"]["anyOf"]
     assert first["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
     assert first["required"] == ["name", "parameters"]
+    assert first["additionalProperties"] is False
     assert "$defs" not in first["properties"]["parameters"]        # hoisted to the top
     assert schema["$defs"] == {"unit": {"enum": ["celsius", "fahrenheit"]}}
     assert second["properties"]["parameters"] == {"type": "object", "properties": {}}

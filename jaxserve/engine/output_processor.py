@@ -99,6 +99,7 @@ class OutputProcessor:
                 # kept in token_ids but not in the text, unless include_stop_str_in_output; with
                 # skip_special_tokens=False (tool call parsers) EOS would otherwise show as text
                 stop_token = req.is_finished() and req.get_finished_reason() == "stop" \
+                    and new_ids[-1] in child.params.all_stop_token_ids \
                     and not child.params.include_stop_str_in_output
                 new_chars = self._add_tokens(child, new_ids, logprobs.get(req.request_id),
                                              text_ids=new_ids[:-1] if stop_token else new_ids)

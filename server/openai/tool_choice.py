@@ -3,6 +3,9 @@ output is then constrained by structured output), and the parsers that read such
 
     required: [{"name": <one of the tools>, "parameters": <that tool's schema>}, ...]
     named:    <the function's parameters object>          (vLLM's shapes)
+
+Unlike vLLM, a `required` item admits no keys besides name and parameters (a small model would
+otherwise wander into made-up keys), and `parallel_tool_calls: false` caps the array at one call.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def tool_choice_schema(tool_choice, tools: list[dict], parallel_tool_calls: bool
         items.append({"properties": {"name": {"type": "string",
                                               "enum": [tool["function"]["name"]]},
                                      "parameters": params},
-                      "required": ["name", "parameters"]})
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
