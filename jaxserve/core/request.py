@@ -86,6 +86,10 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
+        # Structured output: the grammar state (jaxserve.structured_output.StructuredRequest:
+        # accept(token) -> bool, is_finished, error) that the scheduler advances with each
+        # sampled token; None when unconstrained. Kept across preemption.
+        self.structured = None
         if sampling_params.seed is not None:
             sample_seed = sampling_params.seed
         elif sample_seed is None:

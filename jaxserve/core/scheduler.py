@@ -13,13 +13,17 @@ Contract with the engine:
   token ids / EOS / min_tokens / max_tokens / max_model_len, frees finished requests and returns
   the requests that changed (read `status`, `stop_reason`, `output_token_ids` from them).
 - Stop strings are the engine's: it calls `finish_requests(ids, RequestStatus.FINISHED_STOPPED)`.
+- Structured output: a request with `request.structured` (the engine's StructuredRequest) has
+  each sampled token fed to it here, and finishes "stop" once its grammar is complete.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
@@ -27,6 +31,7 @@ from jaxserve.core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.core.request_queue import WaitingQueue
 from jaxserve.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class NewRequestData:
@@ -62,11 +67,22 @@ class ScheduledRequest:
 
 
 @dataclass
+class GrammarBitmask:
+    """The tokens the structured-output rows of a step may sample (vLLM's GrammarOutput), filled
+    by the engine after `schedule()`: row i of `bitmask` ([n, ceil(V / 32)] int32 numpy; bit j of
+    word w set = token 32 * w + j allowed) belongs to the sampling row of `request_ids[i]`."""
+
+    request_ids: list[str]
+    bitmask: Any
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0                  # sum of len(token_ids)
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # freed since the last step
+    grammar_bitmask: GrammarBitmask | None = None  # None: no constrained row samples this step
 
     @property
     def is_empty(self) -> bool:
@@ -309,6 +325,13 @@ class Scheduler:
                                  "had sample=True")
             for token in new_tokens:
                 request.append_output_token(int(token))
+                if request.structured is not None and not request.structured.accept(int(token)):
+                    # The bitmask allowed it, so this is a bug, not the model's fault: say so.
+                    logger.error("request %s: sampled token %d is not allowed by its grammar "
+                                 "(%s); finishing it with an error", request.request_id,
+                                 int(token), request.structured.error)
+                    request.status = RequestStatus.FINISHED_ERROR
+                    break
                 if self._check_stop(request):
                     break
             if request.is_finished():
@@ -331,6 +354,10 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = last
                 return True
+        if request.structured is not None and request.structured.is_finished:
+            # The grammar is complete and allows nothing but EOS: done, without spending a step.
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
         if (request.num_output_tokens >= request.max_tokens
                 or request.num_tokens >= self.config.max_model_len):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED

@@ -197,7 +197,14 @@ class AsyncLLM:
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
                           priority: int = 0) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it. Raises
-        ValueError (the engine's validation), EngineOverloadedError or EngineDeadError."""
+        ValueError (the engine's validation, an invalid structured-output grammar),
+        EngineOverloadedError or EngineDeadError."""
+        self._check_alive()
+        if params.structured_outputs is not None:
+            # Grammars compile in the default thread pool (llguidance drops the GIL), never on
+            # the loop; the engine's add then finds the compiled grammar in its cache.
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.compile_structured, params)
         self._check_alive()
         if self.max_waiting_requests is not None and \
                 self.num_waiting() >= self.max_waiting_requests:

@@ -19,7 +19,7 @@ from jaxserve.attention import AttentionCase, select_backend
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import DEFAULT_COMPILATION_CACHE_DIR, EngineArgs
 from jaxserve.core.request import InvalidRequestError, Request, RequestStatus
-from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.core.scheduler import GrammarBitmask, Scheduler, SchedulerOutput
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.loader.gguf import read_gguf
@@ -27,6 +27,7 @@ from jaxserve.loader.loader import load_model, resolve_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sharding.mesh import make_mesh
 from jaxserve.sharding.plan import plan_for
+from jaxserve.structured_output import StructuredOutputManager
 from jaxserve.tokenizer.tokenizer import Tokenizer
 from jaxserve.worker.kv_sizing import num_kv_blocks, probe_blocks, profile_peak_bytes
 from jaxserve.worker.model_runner import ModelRunner
@@ -119,11 +120,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.runner = make_runner(blocks)
         self.processor = OutputProcessor(self.tokenizer)
+        self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
+                                                  self._eos_token_ids(cfg))
         self._rng = random.Random(args.seed)
         self._pending = []          # outputs produced outside step() (aborts)
-        self._eos_ids = set(cfg.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self._eos_ids.add(self.tokenizer.eos_token_id)
+        self._eos_ids = self._eos_token_ids(cfg)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         # Test hook: called with each non-empty SchedulerOutput just before the runner executes
@@ -135,6 +136,12 @@ class LLMEngine:
         self.startup_seconds = time.perf_counter() - t0
         logger.info("engine ready in %.1f s (%d compiled model programs)", self.startup_seconds,
                     len(self.runner.compiled_programs))
+
+    def _eos_token_ids(self, cfg) -> set[int]:
+        ids = set(cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -175,9 +182,6 @@ class LLMEngine:
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.args.max_logprobs:
             raise ValueError(f"Requested prompt logprobs of {params.prompt_logprobs}, which is "
                              f"greater than max allowed: {self.args.max_logprobs}")
-        if params.structured_outputs is not None:
-            raise InvalidRequestError("structured_outputs is not supported yet (no grammar backend "
-                                      "is wired into the sampler)", "structured_outputs")
         if self.processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
@@ -194,6 +198,10 @@ class LLMEngine:
                             max_model_len=self.max_model_len,
                             sample_seed=self._rng.getrandbits(32))
                     for cid, p in zip(ids, child_params)]
+        if params.structured_outputs is not None:
+            self.compile_structured(params)     # a cache hit when AsyncLLM compiled it already
+            for req in requests:
+                req.structured = self.structured.new_request(req.sampling_params)
         # Validate every child before adding any, so a refusal leaves nothing behind.
         for req in requests:
             if self.processor.has_child(req.request_id):
@@ -203,6 +211,17 @@ class LLMEngine:
         for req in requests:
             self.scheduler.add_request(req)
         self.processor.add_request(request_id, text, token_ids, params, ids, child_params)
+
+    def compile_structured(self, params: SamplingParams) -> None:
+        """Compile (or find cached) the grammar of `params.structured_outputs`; raises
+        InvalidRequestError naming the field when it is invalid. Thread-safe: AsyncLLM calls it
+        in a thread pool before queueing the request."""
+        if params.structured_outputs is None:
+            return
+        try:
+            self.structured.compile(params.structured_outputs)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "structured_outputs") from None
 
     def abort_request(self, request_ids) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -224,6 +243,7 @@ class LLMEngine:
         (its KV cache gone), or any error in the host bookkeeping, is raised: the engine is dead.
         """
         sched = self.scheduler.schedule()
+        sched.grammar_bitmask = self._grammar_bitmask(sched)
         # Even an empty schedule goes to the runner: it carries the finished / preempted ids the
         # worker must drop from its input batch.
         try:
@@ -253,6 +273,17 @@ class LLMEngine:
         if self._pending:
             outputs, self._pending = self._pending + outputs, []
         return outputs
+
+    def _grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask | None:
+        """The allowed next tokens of this step's constrained sampling rows (None: none)."""
+        ids, states = [], []
+        for row in sched.scheduled:
+            if row.sample:
+                req = self.scheduler.get_request(row.request_id)
+                if req is not None and req.structured is not None:
+                    ids.append(row.request_id)
+                    states.append(req.structured)
+        return GrammarBitmask(ids, self.structured.bitmask(states)) if ids else None
 
     def _runner_usable(self) -> bool:
         """False when the failed step consumed the donated KV cache (nothing can run again)."""

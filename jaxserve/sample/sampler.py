@@ -1,7 +1,9 @@
 """On-device sampling with vLLM's semantics, as one jitted function over a batch of logit rows.
 
-Order of operations (vLLM v1): logprobs are taken from the raw logits; then logit_bias, min_tokens
-(stop ids masked), repetition / frequency / presence penalties; greedy rows take the argmax;
+Order of operations (vLLM v1): the structured-output bitmask first (forbidden tokens -> -1e30;
+vLLM too masks the logits before its sampler, so logprobs show the constrained distribution);
+logprobs are taken from these logits, before penalties; then logit_bias, min_tokens (stop ids
+masked), repetition / frequency / presence penalties; greedy rows take the argmax;
 random rows are divided by their temperature and filtered by min_p, top_k and top_p, then
 sampled with the Gumbel-max trick. Each row's noise comes from its own key, derived from the
 request's seed and its output position only, so a seeded request samples the same tokens
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.sample.penalties import PenaltyState, apply_penalties
+from jaxserve.sample.structured import maybe_apply_bitmask
 
 _NEG = -1e30
 
@@ -104,10 +107,11 @@ def _no_logprobs(logits, ids, k: int):
 
 
 @partial(jax.jit, static_argnames=("k",))
-def sample(logits: jax.Array, t: SamplingTensors, state: PenaltyState, k: int = 0
-           ) -> SamplerOutput:
-    """logits [R, V] f32 -> sampled ids and logprobs for every row; top logprobs k wide."""
-    raw = logits
+def sample(logits: jax.Array, t: SamplingTensors, state: PenaltyState, k: int = 0,
+           bitmask: jax.Array | None = None) -> SamplerOutput:
+    """logits [R, V] f32 -> sampled ids and logprobs for every row; top logprobs k wide.
+    bitmask [R, ceil(V / 32)] i32: the tokens each row may sample (all ones: unconstrained)."""
+    logits = raw = maybe_apply_bitmask(logits, bitmask)
     logits = jax.lax.cond(
         jnp.any(t.penalised),
         lambda x: apply_penalties(x, t.slots, t.penalised, t.min_tokens_active, t.presence,

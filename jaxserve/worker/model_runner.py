@@ -119,7 +119,7 @@ class ModelRunner:
             logits, scores = logits_of(hidden[x.logit_rows]), None
             if x.prompt_targets is not None:
                 scores = score_rows(logits_of, hidden, x.prompt_rows, x.prompt_targets, k)
-            out = sample(logits, x.sampling, pen, k=k)
+            out = sample(logits, x.sampling, pen, k=k, bitmask=x.bitmask)
             pen = penalties.count_sampled(pen, x.sampling.slots, out.token_ids)
             return out, scores, cache, pen
 
@@ -129,6 +129,10 @@ class ModelRunner:
                              out_shardings=(rep, rep, self._cache_sharding(self.cache.quantized, self.cache.codes),
                                             rep))
         self._executables: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        # Structured output: [S, W] bitmask words per sampling row; an unconstrained step passes
+        # a device-resident all-ones mask (no transfer; the sampler's cond skips the masking).
+        self.mask_words = -(-model_config.vocab_size // 32)
+        self._all_allowed: dict[int, jax.Array] = {}
 
     # -- the KV pool ---------------------------------------------------------------------------
     def _cache_sharding(self, quantized: bool, codes: str | None) -> kvc.KVCache:
@@ -165,11 +169,33 @@ class ModelRunner:
         return self._build(scheduled, T, with_prompt_logprobs)
 
     def _build(self, scheduled, num_tokens: int, with_prompt_logprobs: bool):
-        return build_inputs(scheduled, self.input_batch, num_tokens=num_tokens,
-                            num_seqs=self._seq_bucket(num_tokens), num_blocks=self.num_blocks,
-                            block_size=self.block_size,
-                            max_blocks_per_seq=self.max_blocks_per_seq,
-                            with_prompt_logprobs=with_prompt_logprobs)
+        S = self._seq_bucket(num_tokens)
+        inputs, layout = build_inputs(scheduled, self.input_batch, num_tokens=num_tokens,
+                                      num_seqs=S, num_blocks=self.num_blocks,
+                                      block_size=self.block_size,
+                                      max_blocks_per_seq=self.max_blocks_per_seq,
+                                      with_prompt_logprobs=with_prompt_logprobs)
+        inputs.bitmask = self._all_allowed_mask(S)
+        return inputs, layout
+
+    def _all_allowed_mask(self, num_seqs: int) -> jax.Array:
+        mask = self._all_allowed.get(num_seqs)
+        if mask is None:
+            mask = jax.device_put(np.full((num_seqs, self.mask_words), -1, np.int32),
+                                  self.plan.replicated)
+            self._all_allowed[num_seqs] = mask
+        return mask
+
+    def _step_bitmask(self, grammar, layout, num_seqs: int) -> np.ndarray:
+        """[S, W] host bitmask: the grammar rows (a core.scheduler.GrammarBitmask) at their
+        sampling rows, all ones elsewhere."""
+        mask = np.full((num_seqs, self.mask_words), -1, np.int32)
+        words = min(self.mask_words, grammar.bitmask.shape[1])
+        for i, rid in enumerate(grammar.request_ids):
+            row = layout.sample_rows.get(rid)
+            if row is not None:
+                mask[row, :words] = grammar.bitmask[i, :words]
+        return mask
 
     def _executable(self, num_tokens: int, with_prompt_logprobs: bool):
         """The compiled step for one token bucket and variant, compiled ahead of time (no
@@ -180,6 +206,8 @@ class ModelRunner:
             t0 = time.perf_counter()
             x, _ = self._build([], num_tokens, with_prompt_logprobs)   # shapes only
             spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
+            spec.bitmask = jax.ShapeDtypeStruct(x.bitmask.shape, x.bitmask.dtype,
+                                                sharding=self.plan.replicated)
             exe = self._step.lower(self.weights, self.cache, self.penalties, spec).compile()
             self._executables[key] = exe
             logger.info("compiled step program %d: %d tokens%s (%.1f s)", len(self._executables),
@@ -217,6 +245,9 @@ class ModelRunner:
             return out
         want_prompt_lp = any(s.prompt_logprobs for s in scheduled)
         inputs, layout = self.prepare(scheduled, want_prompt_lp)
+        grammar = getattr(scheduler_output, "grammar_bitmask", None)
+        if grammar is not None and grammar.request_ids:
+            inputs.bitmask = self._step_bitmask(grammar, layout, len(inputs.logit_rows))
         res, scores = jax.device_get(self.run_model(inputs))
         for rid, r in layout.sample_rows.items():
             token = int(res.token_ids[r])
@@ -254,10 +285,7 @@ class ModelRunner:
         by shape, so the device's peak memory is what a real step of that bucket needs."""
         T = self.buckets[-1]
         for with_prompt_logprobs in (False, True):
-            x, _ = build_inputs([], self.input_batch, num_tokens=T, num_seqs=self._seq_bucket(T),
-                                num_blocks=self.num_blocks, block_size=self.block_size,
-                                max_blocks_per_seq=self.max_blocks_per_seq,
-                                with_prompt_logprobs=with_prompt_logprobs)
+            x, _ = self._build([], T, with_prompt_logprobs)
             jax.block_until_ready(self.run_model(x))
 
     def release(self) -> None:

@@ -31,6 +31,9 @@ class StepInputs:
     sampling: SamplingTensors      # [S] per field
     prompt_targets: jax.Array | None = None   # [T] i32, next prompt token of each token (0 pad)
     prompt_rows: jax.Array | None = None      # [T] i32, tokens scored for prompt logprobs first, then T
+    # [S, ceil(V / 32)] i32 structured-output token bitmask of the sampling rows (all ones when
+    # unconstrained); the runner sets it (build_inputs leaves None).
+    bitmask: jax.Array | None = None
 
 
 @dataclasses.dataclass

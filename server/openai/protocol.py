@@ -8,6 +8,7 @@ in `SamplingParams` so every entry point reports the same message.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any, Literal
@@ -129,6 +130,41 @@ class _SamplingFields(OpenAIBaseModel):
     add_special_tokens: bool | None = None
     priority: int = 0
     request_id: str | None = None
+    # Structured output: vLLM's field, and its older guided_* spellings (aliases).
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The request's StructuredOutputsParams (ValueError naming the field when it is
+        malformed or when two forms are given)."""
+        forms = []
+        if self.structured_outputs is not None:
+            try:
+                forms.append(("structured_outputs",
+                              StructuredOutputsParams(**self.structured_outputs)))
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        guided = {k: getattr(self, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")}
+        guided = {k: v for k, v in guided.items() if v is not None}
+        if guided:
+            names = ", ".join(f"guided_{k}" for k in guided)
+            try:
+                forms.append((names, StructuredOutputsParams(
+                    **guided, whitespace_pattern=self.guided_whitespace_pattern)))
+            except ValueError as e:
+                raise ValueError(f"{e} (fields: {names})") from None
+        forms.extend(self._response_format())
+        if len(forms) > 1:
+            raise ValueError("give one of structured_outputs, guided_* and response_format, "
+                             f"not several (got {', '.join(f for f, _ in forms)})")
+        return forms[0][1] if forms else None
+
+    def _response_format(self) -> list[tuple[str, StructuredOutputsParams]]:
+        return []
 
     def _check_stream_options(self):
         if self.stream_options is not None and not self.stream:
@@ -148,7 +184,8 @@ class _SamplingFields(OpenAIBaseModel):
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=logit_bias,
-            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=self._structured_outputs())
 
 
 class CompletionRequest(_SamplingFields):
@@ -246,16 +283,37 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
         if self.top_logprobs is not None and self.top_logprobs < 0:
             raise ValueError("`top_logprobs` must be a positive value.")
-        self._check_unsupported_structure()
         return self._check_stream_options()
 
-    def _check_unsupported_structure(self):
-        """Structured output needs guided decoding, which jaxserve does not have yet: say so
-        instead of answering with unconstrained text."""
-        fmt = (self.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise ValueError(f"response_format type {fmt!r} is not supported yet (jaxserve has no "
-                             "guided decoding); only 'text' is.")
+    def _response_format(self) -> list[tuple[str, StructuredOutputsParams]]:
+        """OpenAI's response_format: text (no constraint), json_object, json_schema
+        ({name, schema, strict}; strict forbids properties the schema does not name), or vLLM's
+        structural_tag."""
+        rf = self.response_format
+        if rf is None:
+            return []
+        fmt = rf.get("type", "text")
+        if fmt == "text":
+            return []
+        if fmt == "json_object":
+            return [("response_format", StructuredOutputsParams(json_object=True))]
+        if fmt == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict):
+                raise ValueError("response_format.json_schema must be an object with 'name' and "
+                                 "'schema'")
+            schema = spec.get("schema")
+            if schema is None:
+                return [("response_format", StructuredOutputsParams(json_object=True))]
+            if not isinstance(schema, dict):
+                raise ValueError("response_format.json_schema.schema must be a JSON schema "
+                                 f"object, got {type(schema).__name__}")
+            return [("response_format", StructuredOutputsParams(
+                json=schema, disable_additional_properties=bool(spec.get("strict"))))]
+        if fmt == "structural_tag":
+            return [("response_format", StructuredOutputsParams(structural_tag=json.dumps(rf)))]
+        raise ValueError(f"response_format type {fmt!r} is not supported; use 'text', "
+                         "'json_object', 'json_schema' or 'structural_tag'")
 
     @property
     def named_tool(self) -> str | None:

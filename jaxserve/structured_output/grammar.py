@@ -1,0 +1,145 @@
+"""`StructuredOutputsParams` -> an llguidance grammar, validated against the model's tokenizer.
+
+Host side, no jax. Each kind becomes llguidance's grammar text the way vLLM's guidance backend
+builds it (`vllm/v1/structured_output/backend_guidance.py`):
+- `json`: the schema (dict or JSON text); `disable_additional_properties` gives every object
+  schema without `additionalProperties` an `additionalProperties: false` (OpenAI's `strict`
+  maps to it); whitespace between tokens is free unless `disable_any_whitespace`, or follows
+  `whitespace_pattern`;
+- `json_object`: the schema `{"type": "object"}`;
+- `regex`, `choice` (the literal strings), `grammar` (Lark, or GBNF/EBNF converted to Lark);
+- `structural_tag`: vLLM's `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`
+  JSON, compiled to llguidance's lazy tags (free text until a trigger, then the tag's schema).
+Every refusal is a ValueError that names the field and says what is wrong with it (llguidance's
+own message: "Unimplemented keys: ["if"]", a regex parse error with its position, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+
+from jaxserve.sampling_params import StructuredOutputsParams
+
+
+def _no_additional_properties(schema: Any) -> Any:
+    """A copy of `schema` where every object schema without `additionalProperties` forbids
+    them (vLLM's `process_for_additional_properties`)."""
+    if isinstance(schema, list):
+        return [_no_additional_properties(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _no_additional_properties(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _json_options(p: StructuredOutputsParams) -> dict:
+    options: dict[str, Any] = {"whitespace_flexible": not p.disable_any_whitespace}
+    if p.whitespace_pattern is not None:
+        options["whitespace_pattern"] = p.whitespace_pattern
+    return options
+
+
+def _schema(p: StructuredOutputsParams) -> dict:
+    schema = p.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError("structured_outputs.json must be a JSON schema (an object), got "
+                         f"{type(schema).__name__}")
+    if schema is True or schema == {}:
+        schema = {}
+    if p.disable_additional_properties:
+        schema = _no_additional_properties(schema)
+    return schema
+
+
+def _structural_tag(text: str) -> str:
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from None
+    if not isinstance(spec, dict) or "structures" not in spec or "triggers" not in spec:
+        raise ValueError("structured_outputs.structural_tag: only vLLM's form "
+                         '{"type": "structural_tag", "structures": [{"begin", "schema", "end"}], '
+                         '"triggers": [...]} is supported')
+    triggers = spec["triggers"]
+    if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("structured_outputs.structural_tag.triggers must be a list of non-empty "
+                         "strings")
+    tags = []
+    for i, s in enumerate(spec["structures"] or []):
+        if not isinstance(s, dict) or not {"begin", "end"} <= set(s):
+            raise ValueError(f"structured_outputs.structural_tag.structures[{i}] needs 'begin', "
+                             "'schema' and 'end'")
+        begin = s["begin"]
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structured_outputs.structural_tag.structures[{i}].begin {begin!r} "
+                             f"starts with none of the triggers {triggers}")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin,
+                                         grammar=s.get("schema") or {}, end=s["end"]))
+    if not tags:
+        raise ValueError("structured_outputs.structural_tag has no structures")
+    return llguidance.StructTag.to_grammar(tags)
+
+
+def grammar_text(p: StructuredOutputsParams) -> str:
+    """llguidance's grammar for one request's structured_outputs (not yet validated)."""
+    kind = p.kind
+    if kind == "json":
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(_schema(p),
+                                                                 defaults=_json_options(p))
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json: invalid JSON schema: {e}") from None
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                             defaults=_json_options(p))
+    if kind == "regex":
+        return llguidance.grammar_from("regex", p.regex)
+    if kind == "choice":
+        return llguidance.grammar_from("choice", p.choice)
+    if kind == "grammar":
+        try:
+            return llguidance.grammar_from("grammar", p.grammar)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.grammar: {e}") from None
+    return _structural_tag(p.structural_tag)
+
+
+def cache_key(p: StructuredOutputsParams) -> str:
+    """The same key for specs that compile to the same grammar (dict key order aside)."""
+    value = getattr(p, p.kind)
+    if p.kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+    return json.dumps([p.kind, value, p.disable_any_whitespace, p.disable_additional_properties,
+                       p.whitespace_pattern], sort_keys=True)
+
+
+def compile_matcher(p: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer
+                    ) -> llguidance.LLMatcher:
+    """A matcher in its initial state; ValueError naming the field when the spec is invalid."""
+    grammar = grammar_text(p)
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if error and not error.startswith("WARNING"):
+        raise ValueError(f"structured_outputs.{p.kind}: {_first_lines(error)}")
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise ValueError(f"structured_outputs.{p.kind}: {_first_lines(matcher.get_error())}")
+    return matcher
+
+
+def _first_lines(message: str, n: int = 6) -> str:
+    lines = message.strip().splitlines()
+    return "\n".join(lines[:n]) + (" ..." if len(lines) > n else "")
