@@ -19,7 +19,6 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from server_fixtures import ServerProcess
 
 from jaxserve.engine.async_llm import AsyncLLM, RequestStream
 from jaxserve.outputs import CompletionOutput, RequestOutput
@@ -145,17 +144,8 @@ def test_serving_streams_recorded_tool_calls_that_join_to_the_response(llm, serv
 
 # -- 2. the real server and the openai client --------------------------------------------------
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                        "--reasoning-parser", "qwen3").start()
-    yield srv
-    code = srv.stop()
-    assert code == 0, srv.log()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+def client(tools_server):      # conftest.py: --enable-auto-tool-choice --tool-call-parser hermes
+    return openai.OpenAI(base_url=tools_server.base_url + "/v1", api_key="none", max_retries=0)
 
 
 def _check_tool_calls(calls, names):

@@ -12,7 +12,6 @@ import jsonschema
 import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
-from server_fixtures import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "function": {
@@ -33,16 +32,8 @@ MSGS = [{"role": "user", "content": "What is the weather in Paris, and what time
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess().start()
-    yield srv
-    code = srv.stop()
-    assert code == 0, srv.log()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+def client(tools_server):      # conftest.py: --enable-auto-tool-choice --tool-call-parser hermes
+    return openai.OpenAI(base_url=tools_server.base_url + "/v1", api_key="none", max_retries=0)
 
 
 def _valid_calls(calls, names=SCHEMAS):
@@ -54,52 +45,54 @@ def _valid_calls(calls, names=SCHEMAS):
 
 
 def _streamed(client, **kwargs):
+    """The streamed choices as the openai client assembles them; checks each call's deltas."""
     state = ChatCompletionStreamState()
     first_seen = set()
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         state.handle_chunk(chunk)
         for choice in chunk.choices:
             for tc in choice.delta.tool_calls or []:
-                if tc.index not in first_seen:
-                    first_seen.add(tc.index)
+                if (choice.index, tc.index) not in first_seen:
+                    first_seen.add((choice.index, tc.index))
                     assert tc.id and tc.type == "function" and tc.function.name
                     assert tc.function.arguments == ""
                 else:
                     assert tc.id is None and tc.function.name is None
-    return state.current_completion_snapshot.choices[0]
+    return state.current_completion_snapshot.choices
 
 
-@pytest.mark.parametrize("seed", [None, 1, 2])
-def test_required_always_gives_valid_calls(client, seed):
-    kw = dict(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice="required", max_tokens=160,
-              temperature=0 if seed is None else 1.0, seed=seed)
+def _calls(choice):
+    return [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0),
+                                      dict(temperature=1.0, seed=1, n=2,
+                                           parallel_tool_calls=False)],
+                         ids=["greedy", "seeded-n2-one-call"])
+def test_required_always_gives_valid_calls_streamed_and_not(client, sampling):
+    kw = dict(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice="required", max_tokens=128,
+              **sampling)
     out = client.chat.completions.create(**kw)
-    choice = out.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    _valid_calls(choice.message.tool_calls)
     streamed = _streamed(client, **kw)
-    assert streamed.finish_reason == "tool_calls"
-    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
-        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert len(out.choices) == len(streamed) == sampling.get("n", 1)
+    for choice, s in zip(out.choices, streamed):
+        assert choice.finish_reason == s.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        _valid_calls(choice.message.tool_calls)
+        assert _calls(s) == _calls(choice)
+        if sampling.get("parallel_tool_calls") is False:
+            assert len(choice.message.tool_calls) == 1
 
 
-def test_required_without_parallel_calls_gives_one_call(client):
-    out = client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS,
-                                         tool_choice="required", parallel_tool_calls=False,
-                                         max_tokens=160, temperature=0)
-    assert len(out.choices[0].message.tool_calls) == 1
-    _valid_calls(out.choices[0].message.tool_calls)
-
-
-@pytest.mark.parametrize("name", ["get_weather", "get_time"])
-def test_named_function_always_gives_that_call(client, name):
-    kw = dict(model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=160, temperature=0,
-              tool_choice={"type": "function", "function": {"name": name}})
-    out = client.chat.completions.create(**kw)
-    choice = out.choices[0]
-    assert choice.finish_reason == "stop"       # OpenAI's answer to a forced function
-    assert [c.function.name for c in choice.message.tool_calls] == [name]
-    _valid_calls(choice.message.tool_calls, {name})
-    streamed = _streamed(client, **kw)
-    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
-        [(name, choice.message.tool_calls[0].function.arguments)]
+def test_named_function_always_gives_that_call(client):
+    for name in ("get_weather", "get_time"):
+        kw = dict(model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=128, temperature=0,
+                  tool_choice={"type": "function", "function": {"name": name}})
+        out = client.chat.completions.create(**kw)
+        choice = out.choices[0]
+        assert choice.finish_reason == "stop"       # OpenAI's answer to a forced function
+        assert [c.function.name for c in choice.message.tool_calls] == [name]
+        _valid_calls(choice.message.tool_calls, {name})
+        if name == "get_weather":
+            (streamed,) = _streamed(client, **kw)
+            assert _calls(streamed) == _calls(choice)
