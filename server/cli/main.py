@@ -218,10 +218,12 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                     help="Browser origins allowed by CORS ('*' for any; default: none, CORS off).")
     fe.add_argument("--config", default=None, help="YAML file of flag values; the command line "
                                                    "wins.")
-    _tool_arguments(p)
+    add_tool_arguments(p)
 
 
-def _tool_arguments(p: argparse.ArgumentParser) -> None:
+def add_tool_arguments(p: argparse.ArgumentParser) -> None:
+    """--chat-template, --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser
+    (serve and run-batch)."""
     from jaxserve.server.openai.reasoning import REASONING_PARSERS
     from jaxserve.server.openai.tool_parsers import TOOL_PARSERS
     g = p.add_argument_group("Chat: templates, tool calling and reasoning")
@@ -240,6 +242,11 @@ def _tool_arguments(p: argparse.ArgumentParser) -> None:
                         "deepseek_r1 (the start tag may be in the prompt) or qwen3.")
 
 
+def check_tool_arguments(ns: argparse.Namespace) -> None:
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+
+
 def describe_config(engine_args: EngineArgs, server_args) -> str:
     """The effective configuration as `key=value` pairs (engine first, then the front end), so
     the start-up log says what this server runs with, defaults included."""
@@ -254,8 +261,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
     from jaxserve.server.http.api_server import ServerArgs, serve
     engine_args = engine_args_from(ns)
-    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
-        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    check_tool_arguments(ns)
     server_args = ServerArgs(host=ns.host or _FRONTEND_DEFAULTS["host"],
                              port=ns.port if ns.port is not None else _FRONTEND_DEFAULTS["port"],
                              api_key=ns.api_key, served_model_name=ns.served_model_name,

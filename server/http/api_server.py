@@ -11,7 +11,6 @@ import dataclasses
 import hmac
 import json
 import logging
-import os
 import signal
 import time
 
@@ -32,7 +31,7 @@ from jaxserve.server.openai.protocol import (
     check_json_body,
     validate_request,
 )
-from jaxserve.server.openai.serving import OpenAIServing
+from jaxserve.server.openai.serving import OpenAIServing, load_chat_template
 
 logger = logging.getLogger("jaxserve.server")
 access_logger = logging.getLogger("jaxserve.access")
@@ -58,18 +57,6 @@ class ServerArgs:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """--chat-template: a file path, or the template text itself (vLLM reads both)."""
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"--chat-template {value!r} is neither a file nor a jinja template")
 
 
 def _error_response(err: OpenAIError) -> web.Response:

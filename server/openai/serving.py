@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -484,6 +485,18 @@ class OpenAIServing:
 
 
 # -- helpers ----------------------------------------------------------------------------------
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file path, or the template text itself (vLLM reads both)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a jinja template")
+
+
 def _echo_only(c: CompletionOutput) -> CompletionOutput:
     """A choice of an `echo` + `max_tokens: 0` request: the generated token left out."""
     done = c.finish_reason is not None

@@ -97,6 +97,29 @@ def streamable_content(text: str, final: bool, markers: tuple[str, ...]) -> str:
     return text[:len(text) - held_back(text, markers)].rstrip()
 
 
+# A JSON string (its closing quote captured; empty when the text ends inside it) or a bracket.
+# Strings are skipped by the regex engine, so scanning long arguments costs little Python.
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]+|\\.)*("?)|[{}\[\]]')
+
+
+def _scan(text: str, start: int) -> tuple[int | None, int, bool]:
+    """Scan the container value starting at `start`: (its end index if complete, else None;
+    the bracket depth where the text ends; whether it ends inside a string)."""
+    depth = 0
+    for m in _JSON_TOKEN.finditer(text, start):
+        c = text[m.start()]
+        if c == '"':
+            if not m.group(1):
+                return None, depth, True
+        elif c in "{[":
+            depth += 1
+        else:
+            depth -= 1
+            if depth == 0:
+                return m.end(), 0, False
+    return None, depth, False
+
+
 def json_value_end(text: str, start: int = 0) -> int | None:
     """The end index of the complete JSON value starting at `start` (leading whitespace allowed),
     or None if the text ends before the value does. Raises ValueError on text that cannot start
@@ -108,36 +131,10 @@ def json_value_end(text: str, start: int = 0) -> int | None:
         return None
     ch = text[i]
     if ch in "{[":
-        depth, in_str, esc = 0, False, False
-        for j in range(i, n):
-            c = text[j]
-            if in_str:
-                if esc:
-                    esc = False
-                elif c == "\\":
-                    esc = True
-                elif c == '"':
-                    in_str = False
-            elif c == '"':
-                in_str = True
-            elif c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-        return None
+        return _scan(text, i)[0]
     if ch == '"':
-        esc = False
-        for j in range(i + 1, n):
-            c = text[j]
-            if esc:
-                esc = False
-            elif c == "\\":
-                esc = True
-            elif c == '"':
-                return j + 1
-        return None
+        m = _JSON_TOKEN.match(text, i)
+        return m.end() if m.group(1) else None
     m = re.match(r"-?[0-9.eE+-]+|true|false|null", text[i:])
     if not m:
         raise ValueError(f"not a JSON value at {text[i:i + 20]!r}")
@@ -159,24 +156,9 @@ def stable_json_prefix(raw: str) -> str:
     start = len(raw) - len(raw.lstrip())
     if start == len(raw) or raw[start] not in "{[":
         return ""
-    end = json_value_end(raw, start)
+    end, depth, in_str = _scan(raw, start)
     if end is not None:
         return dumps(json.loads(raw[start:end]))
-    depth, in_str, esc = 0, False, False
-    for c in raw:
-        if in_str:
-            if esc:
-                esc = False
-            elif c == "\\":
-                esc = True
-            elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
     if not in_str:
         raw = _OPEN_PRIMITIVE.sub("", raw)
     try:
