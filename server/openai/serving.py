@@ -465,7 +465,7 @@ class OpenAIServing:
             try:
                 ids = tok.apply_chat_template(messages,
                                               add_generation_prompt=request.add_generation_prompt,
-                                              tokenize=True)
+                                              tokenize=True, chat_template=self.chat_template)
             except Exception as e:
                 raise OpenAIError(400, f"could not apply the chat template: {e}",
                                   param="messages") from None
