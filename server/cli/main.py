@@ -253,6 +253,9 @@ def describe_config(engine_args: EngineArgs, server_args) -> str:
     pairs = [(k, v) for k, v in dataclasses.asdict(engine_args).items() if k != "model"]
     pairs += [(k, "***" if k == "api_key" and v else v)
               for k, v in dataclasses.asdict(server_args).items()]
+    # a --chat-template given as text: its length, not the whole template on one log line
+    pairs = [(k, f"<template text, {len(v)} chars>" if k == "chat_template" and v
+              and ("{{" in v or "{%" in v) else v) for k, v in pairs]
     return " ".join(f"{k}={v}" for k, v in pairs)
 
 
