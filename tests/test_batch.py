@@ -217,6 +217,12 @@ def test_cli_lines_models_and_errors(tmp_path):
         completion("unknown", 9, model="gpt-4"),                 # 404
         envelope("badtemp", prompt="x", temperature=-1),        # SamplingParams says 400
         envelope("noprompt", max_tokens=3),                     # pydantic says 400
+        envelope("json", url="/v1/chat/completions", max_tokens=40, temperature=0,
+                 messages=[{"role": "user", "content": "A color as JSON"}],
+                 response_format={"type": "json_schema", "json_schema": {
+                     "name": "c", "schema": {"type": "object", "required": ["color"],
+                                             "properties": {"color": {"enum": ["red", "blue"]}}}}}),
+        envelope("badschema", prompt="x", guided_json={"type": "strnig"}),  # grammar says 400
         "this is not json",
         completion("c0", 0)]                                     # duplicate
     inp.write_text("\n".join(lines) + "\n")
@@ -228,7 +234,8 @@ def test_cli_lines_models_and_errors(tmp_path):
     res = {o["custom_id"]: o for o in written if o["custom_id"] and o["custom_id"] != "c0"}
     status = {k: v["response"]["status_code"] for k, v in res.items()}
     assert status == {**{f"c{i}": 200 for i in range(1, 6)}, "chat": 200, "named": 200,
-                      "alias": 200, "unknown": 404, "badtemp": 400, "noprompt": 400}
+                      "alias": 200, "unknown": 404, "badtemp": 400, "noprompt": 400, "json": 200,
+                      "badschema": 400}
     # the first c0 is answered, the repeat is a 400 naming the duplicate id
     c0 = [o for o in written if o["custom_id"] == "c0"]
     assert sorted(o["response"]["status_code"] for o in c0) == [200, 400]
@@ -241,7 +248,10 @@ def test_cli_lines_models_and_errors(tmp_path):
     assert res["c1"]["response"]["body"]["usage"]["completion_tokens"] > 0
     assert res["unknown"]["response"]["body"]["error"]["type"] == "NotFoundError"
     text = err.decode()
-    assert "run-batch: 14 lines (9 ok, 5 failed)" in text and "tok/s" in text
+    assert json.loads(res["json"]["response"]["body"]["choices"][0]["message"]["content"])[
+        "color"] in ("red", "blue")
+    assert "strnig" in res["badschema"]["response"]["body"]["error"]["message"]
+    assert "run-batch: 16 lines (10 ok, 6 failed)" in text and "tok/s" in text
 
 
 @pytest.mark.slow

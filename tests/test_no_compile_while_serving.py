@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.sampling_params import StructuredOutputsParams
 
 # jax._src.dispatch: JAXPR_TRACE_EVENT, BACKEND_COMPILE_EVENT (also fired on cache loads).
 _EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
@@ -73,6 +74,9 @@ def _mix():
         SamplingParams(temperature=0.0, prompt_logprobs=3, **base),
         SamplingParams(temperature=0.5, top_k=3, seed=5, logprobs=5, prompt_logprobs=0,
                        repetition_penalty=1.1, **base),
+        # structured output: the bitmask rides in the same programs
+        SamplingParams(temperature=0.8, seed=6, max_tokens=40,
+                       structured_outputs=StructuredOutputsParams(regex="[a-z ]{4,200}")),
     ]
 
 

@@ -229,9 +229,22 @@ ERROR_CASES = [
     ("stream_options_without_stream", "/v1/completions",
      {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, None, 400,
      "stream=True"),
-    ("unknown_response_format", "/v1/chat/completions",
+    ("json_schema_invalid", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-      "response_format": {"type": "xml"}}, None, 400, "not supported"),
+      "response_format": {"type": "json_schema", "json_schema": {
+          "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strnig"}}}}}},
+     None, 400, "Invalid type: strnig"),
+    ("guided_json_unsupported_keyword", "/v1/completions",
+     {"model": MODEL, "prompt": "x", "guided_json": {"type": "object", "if": {}}}, None, 400,
+     "Unimplemented keys"),
+    ("guided_regex_invalid", "/v1/completions",
+     {"model": MODEL, "prompt": "x", "guided_regex": "a(b"}, None, 400, "unclosed group"),
+    ("response_format_unknown_type", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "xml"}}, None, 400, "response_format type 'xml'"),
+    ("two_structured_forms", "/v1/completions",
+     {"model": MODEL, "prompt": "x", "guided_regex": "a", "structured_outputs": {"regex": "b"}},
+     None, 400, "not several"),
     ("tool_choice_auto", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto",
       "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, None, 400,
@@ -438,3 +451,64 @@ def test_bench_client_with_the_exported_tokenizer(server, tmp_path, capsys):
     assert code == 0, summary
     assert summary["succeeded"] == 8 and summary["wrong_token_counts"] == 0
     assert summary["output_token_throughput"] > 0 and summary["ttft_ms"]["p50"] > 0
+
+
+# -- structured output (issue 16) ------------------------------------------------------------
+CITY_SCHEMA = {"type": "object", "additionalProperties": False,
+               "required": ["name", "country", "rank"],
+               "properties": {"name": {"type": "string", "maxLength": 20},
+                              "country": {"type": "string", "maxLength": 20},
+                              "rank": {"type": "integer", "minimum": 1, "maximum": 100}}}
+CITY_MSGS = [{"role": "user", "content": "Describe Paris as JSON."}]
+
+
+def test_response_format_json_schema_streamed_and_not(client):
+    import jsonschema
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA,
+                                                  "strict": True}}
+    out = client.chat.completions.create(model=MODEL, messages=CITY_MSGS, max_tokens=80,
+                                         temperature=0, response_format=fmt)
+    text = out.choices[0].message.content
+    jsonschema.validate(json.loads(text), CITY_SCHEMA)
+    assert out.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(model=MODEL, messages=CITY_MSGS, max_tokens=80,
+                                            temperature=0, response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    obj = client.chat.completions.create(model=MODEL, messages=CITY_MSGS, max_tokens=80,
+                                         temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_openai_parse_with_a_pydantic_model(client):
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+        is_capital: bool
+
+    out = client.chat.completions.parse(model=MODEL, messages=CITY_MSGS, max_tokens=80,
+                                        temperature=0, response_format=City)
+    city = out.choices[0].message.parsed
+    assert isinstance(city, City) and city.name
+
+
+def test_structured_outputs_and_guided_aliases_on_completions(client):
+    choices = ["alpha", "beta", "gamma"]
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        out = client.completions.create(model=MODEL, prompt="Pick one:", max_tokens=8, n=3,
+                                        temperature=1.0, seed=1, extra_body=extra)
+        assert all(c.text in choices and c.finish_reason == "stop" for c in out.choices)
+    out = client.completions.create(model=MODEL, prompt="A code:", max_tokens=12,
+                                    temperature=1.0, seed=2,
+                                    extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", out.choices[0].text)
+    out = client.chat.completions.create(
+        model=MODEL, messages=CITY_MSGS, max_tokens=80, temperature=0,
+        extra_body={"guided_json": CITY_SCHEMA,
+                    "structured_outputs": None})
+    assert json.loads(out.choices[0].message.content)["name"]
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say yes or no."}], max_tokens=8,
+        temperature=0, extra_body={"structured_outputs": {"grammar": 'start: "yes" | "no"'}})
+    assert out.choices[0].message.content in ("yes", "no")

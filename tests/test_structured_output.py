@@ -97,6 +97,21 @@ def test_rollback_restores_the_state(manager, tokenizer):
         req.rollback(req.num_accepted + 1)
 
 
+def test_draft_token_masks_equal_stepping_and_rolling_back(manager, tokenizer):
+    reqs = [drive(manager, tokenizer, SO(json=PERSON), '{"name": "A'),
+            drive(manager, tokenizer, SO(choice=["yes please", "no"]), "")]
+    drafts = [tokenizer.encode('nn", "age'), tokenizer.encode("yes please")]
+    got = manager.bitmask_with_drafts(reqs, drafts)
+    want = []
+    for req, draft in zip(reqs, drafts):
+        want.append(manager.bitmask([req])[0])
+        for t in draft:
+            assert req.accept(t)
+            want.append(manager.bitmask([req])[0])
+        req.rollback(len(draft))
+    assert np.array_equal(got, np.stack(want))
+
+
 def test_the_cache_compiles_a_spec_once(tokenizer):
     m = StructuredOutputManager(tokenizer, V, {tokenizer.eos_token_id})
     for schema in (PERSON, json.dumps(PERSON), dict(reversed(list(PERSON.items())))):
@@ -225,3 +240,93 @@ def test_a_tokenizer_llguidance_cannot_read_is_a_value_error():
 
 def test_llguidance_version_has_the_batched_fill():
     assert hasattr(llguidance.LLExecutor, "unsafe_compute_mask_ptr")
+
+
+# -- request forms (the server's protocol models, also run-batch's) ----------------------------
+def _chat(**kw):
+    from jaxserve.server.openai.protocol import ChatCompletionRequest
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **kw) \
+        .to_sampling_params(100).structured_outputs
+
+
+def _completion(**kw):
+    from jaxserve.server.openai.protocol import CompletionRequest
+    return CompletionRequest(prompt="x", **kw).to_sampling_params(100).structured_outputs
+
+
+def test_response_format_maps_to_structured_outputs():
+    assert _chat(response_format={"type": "text"}) is None
+    assert _chat(response_format={"type": "json_object"}).json_object is True
+    so = _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "p", "schema": PERSON, "strict": True}})
+    assert so.json == PERSON and so.disable_additional_properties
+    assert not _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "p", "schema": PERSON}}).disable_additional_properties
+    tag = {"type": "structural_tag", "triggers": ["<f"],
+           "structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}]}
+    assert json.loads(_chat(response_format=tag).structural_tag) == tag
+    with pytest.raises(ValueError, match="response_format type 'xml'"):
+        _chat(response_format={"type": "xml"})
+    with pytest.raises(ValueError, match="json_schema"):
+        _chat(response_format={"type": "json_schema"})
+
+
+def test_structured_outputs_field_and_guided_aliases():
+    assert _completion(guided_choice=["a", "b"]).choice == ["a", "b"]
+    assert _completion(guided_json=PERSON).json == PERSON
+    assert _completion(guided_regex="[0-9]+", guided_whitespace_pattern=" ?").regex == "[0-9]+"
+    assert _completion(guided_grammar='start: "a"').grammar == 'start: "a"'
+    so = _completion(structured_outputs={"json": PERSON, "disable_any_whitespace": True})
+    assert so.json == PERSON and so.disable_any_whitespace
+    assert _chat(guided_choice=["y"]).choice == ["y"]
+    with pytest.raises(ValueError, match="not several"):
+        _chat(guided_regex="a", response_format={"type": "json_object"})
+    with pytest.raises(ValueError, match="exactly one"):
+        _completion(guided_regex="a", guided_choice=["b"])
+    with pytest.raises(ValueError, match="structured_outputs"):
+        _completion(structured_outputs={"jsn": {}})
+
+
+def test_async_llm_compiles_grammars_off_the_event_loop():
+    """A slow compile runs in a worker thread while the loop keeps serving; its ValueError
+    comes back from add_request (the server's 400)."""
+    import asyncio
+    import threading
+    import time
+
+    from test_server_async import FakeEngine
+
+    from jaxserve.engine.async_llm import AsyncLLM
+
+    class Engine(FakeEngine):
+        threads: list[int] = []
+
+        def compile_structured(self, params):
+            self.threads.append(threading.get_ident())
+            time.sleep(0.3)
+            if params.structured_outputs.regex == "(":
+                raise ValueError("structured_outputs.regex: unclosed group")
+
+    async def main():
+        engine = Engine()
+        llm = AsyncLLM(engine=engine)
+        await llm.start()
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+        task = asyncio.create_task(ticker())
+        params = SamplingParams(max_tokens=2, structured_outputs=SO(regex="[a-z]"))
+        stream = await llm.add_request("a", {"prompt_token_ids": [1]}, params)
+        assert ticks >= 10 and engine.threads[0] != threading.get_ident()
+        async for _ in stream:
+            pass
+        with pytest.raises(ValueError, match="unclosed group"):
+            await llm.add_request("b", {"prompt_token_ids": [1]},
+                                  SamplingParams(structured_outputs=SO(regex="(")))
+        task.cancel()
+        await llm.shutdown()
+    asyncio.run(main())

@@ -97,11 +97,11 @@ def test_preemption_keeps_each_grammar_state(llm):
     under preemption (recompute) must equal the ones produced without it: a recomputed token
     fed twice to a matcher would change or reject the output."""
     spec = SO(json=SCHEMA, disable_any_whitespace=True)
-    prompts = [f"Record {i} as JSON, with a long preamble to take KV blocks: " + "x " * 60
-               for i in range(10)]
-    params = SamplingParams(temperature=1.0, seed=21, max_tokens=96, structured_outputs=spec)
+    prompts = [f"Record {i} as JSON, after a preamble that takes KV blocks: " + "x " * 24
+               for i in range(6)]
+    params = SamplingParams(temperature=1.0, seed=21, max_tokens=48, structured_outputs=spec)
     free = llm.generate(prompts, params, use_tqdm=False)
-    with engine_variant(llm, num_blocks=24) as sched:
+    with engine_variant(llm, num_blocks=10) as sched:
         tight = llm.generate(prompts, params, use_tqdm=False)
         assert sched.num_preemptions_total > 0
     for a, b in zip(free, tight):

@@ -33,6 +33,7 @@ from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class NewRequestData:
     """What the worker needs about a request it does not hold yet: on its first schedule, and

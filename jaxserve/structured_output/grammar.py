@@ -79,13 +79,16 @@ def _structural_tag(text: str) -> str:
         if not isinstance(s, dict) or not {"begin", "end"} <= set(s):
             raise ValueError(f"structured_outputs.structural_tag.structures[{i}] needs 'begin', "
                              "'schema' and 'end'")
-        begin = s["begin"]
+        begin, end, schema = s["begin"], s["end"], s.get("schema") or {}
+        if not isinstance(begin, str) or not isinstance(end, str) \
+                or not isinstance(schema, (str, dict)):
+            raise ValueError(f"structured_outputs.structural_tag.structures[{i}]: 'begin' and "
+                             "'end' must be strings, 'schema' a JSON schema object")
         trigger = next((t for t in triggers if begin.startswith(t)), None)
         if trigger is None:
             raise ValueError(f"structured_outputs.structural_tag.structures[{i}].begin {begin!r} "
                              f"starts with none of the triggers {triggers}")
-        tags.append(llguidance.StructTag(trigger=trigger, begin=begin,
-                                         grammar=s.get("schema") or {}, end=s["end"]))
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
     if not tags:
         raise ValueError("structured_outputs.structural_tag has no structures")
     return llguidance.StructTag.to_grammar(tags)
@@ -130,7 +133,11 @@ def cache_key(p: StructuredOutputsParams) -> str:
 def compile_matcher(p: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer
                     ) -> llguidance.LLMatcher:
     """A matcher in its initial state; ValueError naming the field when the spec is invalid."""
-    grammar = grammar_text(p)
+    try:
+        grammar = grammar_text(p)
+    except (TypeError, AssertionError, AttributeError, KeyError) as e:
+        # llguidance's Python helpers assert on some malformed inputs: still the request's fault
+        raise ValueError(f"structured_outputs.{p.kind}: invalid specification: {e!r}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if error and not error.startswith("WARNING"):
         raise ValueError(f"structured_outputs.{p.kind}: {_first_lines(error)}")

@@ -25,7 +25,7 @@ import threading
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.structured_output.grammar import cache_key, compile_matcher
@@ -145,4 +145,19 @@ class StructuredOutputManager:
             self._executor = llguidance.LLExecutor()
         fill_next_token_bitmask_par(self._executor,
                                     [(r.matcher, i) for i, r in enumerate(requests)], mask)
+        return mask
+
+    def bitmask_with_drafts(self, requests: list[StructuredRequest],
+                            drafts: list[list[int]]) -> np.ndarray:
+        """For speculative decoding: [sum(1 + len(d)), mask_words] int32, per request the
+        allowed tokens now and after each of its draft tokens in turn (rows in that order; the
+        rows after a draft token the grammar refuses are all zero). No state changes."""
+        rows = [1 + len(d) for d in drafts]
+        mask = np.zeros((sum(rows), self.mask_words), np.int32)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        starts = np.cumsum([0] + rows[:-1]).tolist()
+        fill_next_token_bitmask_par_with_draft_tokens(
+            self._executor, [(r.matcher, s, list(d)) for r, s, d in zip(requests, starts, drafts)],
+            mask)
         return mask

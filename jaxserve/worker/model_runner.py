@@ -294,6 +294,7 @@ class ModelRunner:
             x.delete()
         self.cache = self.penalties = None
         self._executables.clear()
+        self._all_allowed.clear()
 
     def warmup(self):
         """Compile every program a step can need: each token bucket with and without prompt
