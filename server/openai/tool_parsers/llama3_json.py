@@ -29,9 +29,10 @@ class Llama3JsonToolParser(ToolParser):
             body = body[len(BOT):].lstrip()
         elif not final and BOT.startswith(body):
             return ParsedOutput(None, [])          # maybe the tag, maybe not: wait
+        if not body:
+            return ParsedOutput(text if final else None, [])   # only whitespace so far
         if not body.startswith("{"):
-            return ParsedOutput(text if final else None, []) if not body else \
-                ParsedOutput(text, [])
+            return ParsedOutput(text, [])                      # plain text, no calls
         calls = []
         pos = 0
         while pos < len(body):
