@@ -65,10 +65,10 @@ def _calls(choice):
     return [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0),
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=7, n=4),
                                       dict(temperature=1.0, seed=1, n=2,
                                            parallel_tool_calls=False)],
-                         ids=["greedy", "seeded-n2-one-call"])
+                         ids=["greedy", "seeded-n4", "seeded-n2-one-call"])
 def test_required_always_gives_valid_calls_streamed_and_not(client, sampling):
     kw = dict(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice="required", max_tokens=128,
               **sampling)

@@ -249,6 +249,20 @@ def test_required_schema_is_an_array_of_named_calls():
     assert tool_choice_schema("auto", TOOLS) is None and tool_choice_schema("none", TOOLS) is None
 
 
+def test_forced_tool_choice_constrains_the_request_to_compact_json():
+    from jaxserve.server.openai.protocol import ChatCompletionRequest
+    base = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        params = ChatCompletionRequest.model_validate(
+            {**base, "tool_choice": choice}).to_sampling_params(16)
+        so = params.structured_outputs
+        assert so.json == tool_choice_schema(choice, TOOLS) and so.disable_any_whitespace
+    for choice in ("auto", "none"):
+        params = ChatCompletionRequest.model_validate(
+            {**base, "tool_choice": choice}).to_sampling_params(16)
+        assert params.structured_outputs is None
+
+
 def test_named_schema_is_the_function_parameters():
     named = {"type": "function", "function": {"name": "get_weather"}}
     assert tool_choice_schema(named, TOOLS) == TOOLS[0]["function"]["parameters"]

@@ -359,7 +359,9 @@ class ChatCompletionRequest(_SamplingFields):
         if schema is not None:
             if params.structured_outputs is not None:
                 raise ValueError("You can only either use structured outputs or tools, not both.")
-            params.structured_outputs = StructuredOutputsParams(json=schema)
+            # compact JSON, as OpenAI writes arguments: a small model cannot loop on whitespace
+            params.structured_outputs = StructuredOutputsParams(json=schema,
+                                                                disable_any_whitespace=True)
         return params
 
 

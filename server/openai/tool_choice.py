@@ -5,7 +5,9 @@ output is then constrained by structured output), and the parsers that read such
     named:    <the function's parameters object>          (vLLM's shapes)
 
 Unlike vLLM, a `required` item admits no keys besides name and parameters (a small model would
-otherwise wander into made-up keys), and `parallel_tool_calls: false` caps the array at one call.
+otherwise wander into made-up keys), `parallel_tool_calls: false` caps the array at one call, and
+the JSON is compact (protocol.py sets `disable_any_whitespace`, as OpenAI's arguments look; free
+whitespace lets a small model indent until max_tokens).
 """
 
 from __future__ import annotations
