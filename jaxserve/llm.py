@@ -95,15 +95,19 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None
-             ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of conversations.
+        `tools` (OpenAI function definitions) go to the chat template, as do assistant
+        messages with `tool_calls` and `role: "tool"` results; the outputs are text (parse
+        calls with a tool parser, as `jaxserve serve --tool-call-parser` does)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         prompts = []
         for conv in conversations:
             ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                           tokenize=True, chat_template=chat_template,
+                                          tools=tools,
                                           continue_final_message=continue_final_message,
                                           **(chat_template_kwargs or {}))
             prompts.append({"prompt_token_ids": ids})

@@ -101,3 +101,18 @@ def engine_variant(llm, *, enable_prefix_caching: bool | None = None,
 @pytest.fixture
 def variant():
     return engine_variant
+
+
+# The flags of the tool calling tests: one server for test_server_tools.py and
+# test_tool_choice_constrained.py (a start costs ~15 s on 2 cores).
+TOOLS_SERVER_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                      "--reasoning-parser", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tools_server():
+    from server_fixtures import ServerProcess
+    srv = ServerProcess(*TOOLS_SERVER_FLAGS).start()
+    yield srv
+    code = srv.stop()
+    assert code == 0, srv.log()[-3000:]

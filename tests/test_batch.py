@@ -202,6 +202,10 @@ def completion(cid, i, max_tokens=8, **extra):
                     max_tokens=max_tokens, temperature=0, **extra)
 
 
+COLOR_TOOL = {"type": "function", "function": {"name": "set_color", "parameters": {
+    "type": "object", "required": ["color"], "properties": {"color": {"enum": ["red", "blue"]}}}}}
+
+
 def read_out(path):
     return [json.loads(x) for x in Path(path).read_text().splitlines()]
 
@@ -223,11 +227,16 @@ def test_cli_lines_models_and_errors(tmp_path):
                      "name": "c", "schema": {"type": "object", "required": ["color"],
                                              "properties": {"color": {"enum": ["red", "blue"]}}}}}),
         envelope("badschema", prompt="x", guided_json={"type": "strnig"}),  # grammar says 400
+        envelope("tool", url="/v1/chat/completions", max_tokens=40, temperature=0,
+                 messages=[{"role": "user", "content": "Pick a color"}], tools=[COLOR_TOOL],
+                 tool_choice={"type": "function", "function": {"name": "set_color"}}),
+        envelope("auto", url="/v1/chat/completions", max_tokens=8, temperature=0,
+                 messages=[{"role": "user", "content": "Hi"}], tools=[COLOR_TOOL]),
         "this is not json",
         completion("c0", 0)]                                     # duplicate
     inp.write_text("\n".join(lines) + "\n")
     p = cli("-i", str(inp), "-o", str(out), "--served-model-name", "SmolLM2-135M-Instruct",
-            "my-alias")
+            "my-alias", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     _, err = p.communicate(timeout=600)
     assert p.returncode == 1, err.decode()[-3000:]
     written = read_out(out)
@@ -235,7 +244,7 @@ def test_cli_lines_models_and_errors(tmp_path):
     status = {k: v["response"]["status_code"] for k, v in res.items()}
     assert status == {**{f"c{i}": 200 for i in range(1, 6)}, "chat": 200, "named": 200,
                       "alias": 200, "unknown": 404, "badtemp": 400, "noprompt": 400, "json": 200,
-                      "badschema": 400}
+                      "badschema": 400, "tool": 200, "auto": 200}
     # the first c0 is answered, the repeat is a 400 naming the duplicate id
     c0 = [o for o in written if o["custom_id"] == "c0"]
     assert sorted(o["response"]["status_code"] for o in c0) == [200, 400]
@@ -251,7 +260,10 @@ def test_cli_lines_models_and_errors(tmp_path):
     assert json.loads(res["json"]["response"]["body"]["choices"][0]["message"]["content"])[
         "color"] in ("red", "blue")
     assert "strnig" in res["badschema"]["response"]["body"]["error"]["message"]
-    assert "run-batch: 16 lines (10 ok, 6 failed)" in text and "tok/s" in text
+    (call,) = res["tool"]["response"]["body"]["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "set_color"
+    assert json.loads(call["function"]["arguments"])["color"] in ("red", "blue")
+    assert "run-batch: 18 lines (12 ok, 6 failed)" in text and "tok/s" in text
 
 
 @pytest.mark.slow

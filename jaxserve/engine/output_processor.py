@@ -95,7 +95,14 @@ class OutputProcessor:
             if req.request_id in prompt_logprobs and parent.prompt_logprobs is not None:
                 self._add_prompt_logprobs(parent, prompt_logprobs[req.request_id])
             if new_ids:
-                new_chars = self._add_tokens(child, new_ids, logprobs.get(req.request_id))
+                # vLLM: the stop token (EOS or a stop_token_ids entry) that ended the request is
+                # kept in token_ids but not in the text, unless include_stop_str_in_output; with
+                # skip_special_tokens=False (tool call parsers) EOS would otherwise show as text
+                stop_token = req.is_finished() and req.get_finished_reason() == "stop" \
+                    and new_ids[-1] in child.params.all_stop_token_ids \
+                    and not child.params.include_stop_str_in_output
+                new_chars = self._add_tokens(child, new_ids, logprobs.get(req.request_id),
+                                             text_ids=new_ids[:-1] if stop_token else new_ids)
                 if child.finish_reason is None and child.params.stop:
                     if self._check_stop(child, new_chars):
                         stopped.append(req.request_id)
@@ -134,10 +141,10 @@ class OutputProcessor:
             elif lps[pos] is None:
                 lps[pos] = self._logprob_entry(tok, lp, rank, ids, vals)
 
-    def _add_tokens(self, child: _Child, new_ids: list[int], lp) -> int:
-        """Returns the number of new characters."""
+    def _add_tokens(self, child: _Child, new_ids: list[int], lp, text_ids: list[int]) -> int:
+        """Returns the number of new characters (of `text_ids`, the new ids that show as text)."""
         child.num_tokens += len(new_ids)
-        delta = child.detok.add_tokens(new_ids) if child.detok is not None else ""
+        delta = child.detok.add_tokens(text_ids) if child.detok is not None and text_ids else ""
         child.text += delta
         if child.logprobs is not None and lp is not None:
             logprob, rank, top_ids, top_vals = lp

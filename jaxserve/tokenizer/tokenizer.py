@@ -214,6 +214,7 @@ class Tokenizer:
             )
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
+        messages = prepare_messages(messages)
         context = {
             "bos_token": self.bos_token, "eos_token": self.eos_token,
             "unk_token": self.unk_token, "pad_token": self.pad_token,
@@ -229,6 +230,37 @@ class Tokenizer:
             end = rendered.rindex(final.strip()) + len(final.strip())
             rendered = rendered[:end]
         return self.encode(rendered, add_special_tokens=False) if tokenize else rendered
+
+
+def prepare_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant messages with `tool_calls` as chat templates expect them (vLLM does the same):
+    each `function.arguments` JSON string becomes a dict (templates write `arguments | tojson` or
+    iterate its items) and a null `content` becomes "". The caller's dicts are not changed."""
+    out = []
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list) and calls:
+            fixed = []
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict):
+                    raise ValueError(f"messages.{i}.tool_calls.{j}.function must be an object "
+                                     "with 'name' and 'arguments'")
+                args = fn.get("arguments")
+                if isinstance(args, str) and args.strip():
+                    try:
+                        args = json.loads(args)
+                    except ValueError as e:
+                        raise ValueError(f"messages.{i}.tool_calls.{j}.function.arguments is "
+                                         f"not valid JSON: {e}") from None
+                elif not args:
+                    args = {}
+                fixed.append({**call, "function": {**fn, "arguments": args}})
+            message = {**message, "tool_calls": fixed}
+            if message.get("content") is None:
+                message["content"] = ""
+        out.append(message)
+    return out
 
 
 @lru_cache(maxsize=16)

@@ -323,7 +323,7 @@ def engine_routes(serving) -> dict[str, Route]:
 
 # -- CLI -----------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from jaxserve.server.cli.main import add_engine_args
+    from jaxserve.server.cli.main import add_engine_args, add_tool_arguments
     p.description = __doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("-i", "--input-file", required=True, help="input JSONL ('-' for stdin)")
@@ -337,10 +337,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-progress-bar", action="store_true")
     p.add_argument("--config", default=None, help="YAML file of flag values.")
     add_engine_args(p)
+    add_tool_arguments(p)
 
 
 def run(ns: argparse.Namespace) -> int:
-    from jaxserve.server.cli.main import engine_args_from
+    from jaxserve.server.cli.main import check_tool_arguments, engine_args_from
+    check_tool_arguments(ns)
     if ns.resume and ns.output_file == "-":
         print("run-batch: --resume needs an output file, not stdout", file=sys.stderr)
         return 2
@@ -352,7 +354,8 @@ def run(ns: argparse.Namespace) -> int:
 
 async def _run(ns, engine_args) -> int:
     from jaxserve.engine.async_llm import AsyncLLM
-    from jaxserve.server.openai.serving import OpenAIServing
+    from jaxserve.server.openai.serving import OpenAIServing, load_chat_template
+    chat_template = load_chat_template(ns.chat_template)
 
     resume = batch_io.repair_and_scan(ns.output_file) if ns.resume else ResumeState()
     if resume.truncated_bytes:
@@ -369,7 +372,10 @@ async def _run(ns, engine_args) -> int:
             return 1 if resume.failed else 0
     llm = AsyncLLM(engine_args)
     await llm.start()
-    serving = OpenAIServing(llm, ns.served_model_name)
+    serving = OpenAIServing(llm, ns.served_model_name,
+                            enable_auto_tools=bool(ns.enable_auto_tool_choice),
+                            tool_parser=ns.tool_call_parser,
+                            reasoning_parser=ns.reasoning_parser, chat_template=chat_template)
     limit = ns.max_concurrency or 2 * engine_args.max_num_seqs
     progress = None
     if not ns.disable_progress_bar:

@@ -226,6 +226,33 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                     help="Browser origins allowed by CORS ('*' for any; default: none, CORS off).")
     fe.add_argument("--config", default=None, help="YAML file of flag values; the command line "
                                                    "wins.")
+    add_tool_arguments(p)
+
+
+def add_tool_arguments(p: argparse.ArgumentParser) -> None:
+    """--chat-template, --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser
+    (serve and run-batch)."""
+    from jaxserve.server.openai.reasoning import REASONING_PARSERS
+    from jaxserve.server.openai.tool_parsers import TOOL_PARSERS
+    g = p.add_argument_group("Chat: templates, tool calling and reasoning")
+    g.add_argument("--chat-template", default=None,
+                   help="Chat template for /v1/chat/completions: a file path or the template "
+                        "text (default: the model's).")
+    g.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                   help="Let the model decide to call tools (tool_choice \"auto\", the default "
+                        "when a request has tools); needs --tool-call-parser.")
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="How to read tool calls out of the model's text: hermes (Hermes, "
+                        "Qwen2.5/3 <tool_call>), llama3_json (Llama 3.x JSON), mistral "
+                        "([TOOL_CALLS]), pythonic ([f(x=1)]).")
+    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="Put <think>...</think> text in the message's `reasoning` field: "
+                        "deepseek_r1 (the start tag may be in the prompt) or qwen3.")
+
+
+def check_tool_arguments(ns: argparse.Namespace) -> None:
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
 
 
 def describe_config(engine_args: EngineArgs, server_args) -> str:
@@ -234,6 +261,9 @@ def describe_config(engine_args: EngineArgs, server_args) -> str:
     pairs = [(k, v) for k, v in dataclasses.asdict(engine_args).items() if k != "model"]
     pairs += [(k, "***" if k == "api_key" and v else v)
               for k, v in dataclasses.asdict(server_args).items()]
+    # a --chat-template given as text: its length, not the whole template on one log line
+    pairs = [(k, f"<template text, {len(v)} chars>" if k == "chat_template" and v
+              and ("{{" in v or "{%" in v) else v) for k, v in pairs]
     return " ".join(f"{k}={v}" for k, v in pairs)
 
 
@@ -242,6 +272,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
     from jaxserve.server.http.api_server import ServerArgs, serve
     engine_args = engine_args_from(ns)
+    check_tool_arguments(ns)
     server_args = ServerArgs(host=ns.host or _FRONTEND_DEFAULTS["host"],
                              port=ns.port if ns.port is not None else _FRONTEND_DEFAULTS["port"],
                              api_key=ns.api_key, served_model_name=ns.served_model_name,
@@ -250,6 +281,10 @@ def _serve(ns: argparse.Namespace) -> int:
                              access_log=not ns.disable_access_log,
                              allowed_origins=tuple(ns.allowed_origins or ()),
                              log_stats_interval=0.0 if ns.disable_log_stats else 10.0,
+                             chat_template=ns.chat_template,
+                             enable_auto_tool_choice=bool(ns.enable_auto_tool_choice),
+                             tool_call_parser=ns.tool_call_parser,
+                             reasoning_parser=ns.reasoning_parser,
                              **({} if ns.max_request_body_bytes is None else
                                 {"max_request_body_bytes": ns.max_request_body_bytes}),
                              **({} if ns.shutdown_timeout is None else

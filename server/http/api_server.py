@@ -31,7 +31,7 @@ from jaxserve.server.openai.protocol import (
     check_json_body,
     validate_request,
 )
-from jaxserve.server.openai.serving import OpenAIServing
+from jaxserve.server.openai.serving import OpenAIServing, load_chat_template
 
 logger = logging.getLogger("jaxserve.server")
 access_logger = logging.getLogger("jaxserve.access")
@@ -53,6 +53,10 @@ class ServerArgs:
     access_log: bool = True           # one line per request (--disable-access-log silences it)
     allowed_origins: tuple[str, ...] = ()   # CORS: off unless origins are named ("*" for any)
     log_stats_interval: float = 10.0  # seconds between stats lines while busy; 0: never
+    chat_template: str | None = None  # a file path or the template text
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 def _error_response(err: OpenAIError) -> web.Response:
@@ -71,6 +75,7 @@ class Server:
             engine_args = engine_args.replace(served_model_name=names[0])
         self.engine_args = engine_args
         self.args = server_args
+        self.chat_template = load_chat_template(server_args.chat_template)
         self.llm = AsyncLLM(None if engine is not None else engine_args, engine=engine,
                             warmup=warmup, max_waiting_requests=server_args.max_waiting_requests,
                             on_output=self._on_output)
@@ -255,7 +260,11 @@ class Server:
         names = self.args.served_model_name or [engine.model_name]
         self.metrics = ServerMetrics(names[0], lambda: self.llm.stats)
         self.serving = OpenAIServing(self.llm, names, self.args.response_role,
-                                     model_root=engine.model_path)
+                                     model_root=engine.model_path,
+                                     enable_auto_tools=self.args.enable_auto_tool_choice,
+                                     tool_parser=self.args.tool_call_parser,
+                                     reasoning_parser=self.args.reasoning_parser,
+                                     chat_template=self.chat_template)
         cfg = engine.model_config
         blocks, bs = engine.cache_config.num_blocks, engine.cache_config.block_size
         logger.info("loaded %s (%s, %d layers, %s) from %s", names[0], cfg.architecture,

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from jaxserve.server.openai.tool_choice import tool_choice_schema
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -257,8 +258,8 @@ class ChatCompletionRequest(_SamplingFields):
     temperature: float | None = None
     top_p: float | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = "none"
-    parallel_tool_calls: bool | None = False
+    tool_choice: str | dict[str, Any] | None = "none"   # "auto" when tools are given without it
+    parallel_tool_calls: bool | None = True
     user: str | None = None
     # vLLM's chat extras
     echo: bool = False
@@ -267,13 +268,21 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_tool_choice(cls, data):
+        # vLLM: tools without tool_choice mean "auto"
+        if isinstance(data, dict) and "tool_choice" not in data and data.get("tools"):
+            data = {**data, "tool_choice": "auto"}
+        return data
+
     @model_validator(mode="after")
     def _validate(self):
+        check_tools(self.tools, self.tool_choice)
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
         if self.top_logprobs is not None and self.top_logprobs < 0:
             raise ValueError("`top_logprobs` must be a positive value.")
-        self._check_unsupported_structure()
         return self._check_stream_options()
 
     def _response_format(self) -> list[tuple[str, StructuredOutputsParams]]:
@@ -306,19 +315,27 @@ class ChatCompletionRequest(_SamplingFields):
         raise ValueError(f"response_format type {fmt!r} is not supported; use 'text', "
                          "'json_object', 'json_schema' or 'structural_tag'")
 
-    def _check_unsupported_structure(self):
-        """Tool calls need a tool parser, which jaxserve does not have yet: say so instead of
-        answering with unconstrained text. `tools` with tool_choice "none" are fine: the chat
-        template shows them to the model, the reply is plain text."""
-        choice = self.tool_choice
-        if choice not in (None, "none") and not self.tools:
-            raise ValueError("When using `tool_choice`, `tools` must be set.")
-        if choice == "auto":
-            raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and '
-                             "--tool-call-parser, which jaxserve does not support yet.")
-        if choice not in (None, "none"):
-            raise ValueError(f"tool_choice {choice!r} is not supported yet (it needs guided "
-                             'decoding); use "none".')
+    @property
+    def named_tool(self) -> str | None:
+        """The function name of a named tool_choice."""
+        return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) \
+            else None
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice not in (None, "none")
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the output is constrained from its first token (structured output, or a
+        required / named tool_choice): then it holds no reasoning to split off."""
+        if self.uses_tools and self.tool_choice != "auto":
+            return True
+        if (self.response_format or {}).get("type", "text") != "text":
+            return True
+        return self.structured_outputs is not None or any(
+            getattr(self, f"guided_{k}") is not None for k in ("json", "regex", "choice",
+                                                               "grammar"))
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
@@ -328,12 +345,68 @@ class ChatCompletionRequest(_SamplingFields):
         asked = self.requested_max_tokens()
         max_tokens = default_max_tokens if asked is None else asked
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens=max_tokens, logprobs=logprobs, stream=bool(self.stream),
-                              temperature=self.temperature, top_p=self.top_p, n=self.n,
-                              presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, seed=self.seed,
-                              stop=self.stop, logit_bias=self.logit_bias,
-                              prompt_logprobs=self.prompt_logprobs)
+        params = self._sampling(max_tokens=max_tokens, logprobs=logprobs,
+                                stream=bool(self.stream), temperature=self.temperature,
+                                top_p=self.top_p, n=self.n,
+                                presence_penalty=self.presence_penalty,
+                                frequency_penalty=self.frequency_penalty, seed=self.seed,
+                                stop=self.stop, logit_bias=self.logit_bias,
+                                prompt_logprobs=self.prompt_logprobs)
+        # tool_choice "required" or a named function: the output is constrained to a valid call
+        schema = tool_choice_schema(self.tool_choice, self.tools or [],
+                                    self.parallel_tool_calls is not False) \
+            if self.uses_tools else None
+        if schema is not None:
+            if params.structured_outputs is not None:
+                raise ValueError("You can only either use structured outputs or tools, not both.")
+            # compact JSON, as OpenAI writes arguments: a small model cannot loop on whitespace
+            params.structured_outputs = StructuredOutputsParams(json=schema,
+                                                                disable_any_whitespace=True)
+        return params
+
+
+_TOOL_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+
+
+def check_tools(tools: list[dict[str, Any]] | None, tool_choice) -> None:
+    """`tools` and `tool_choice` as vLLM validates them (its messages), plus the shape of each
+    tool, so a malformed tool is a 400 naming it rather than a failure in the chat template."""
+    if tools is not None:
+        if not tools:
+            raise ValueError("`tools` must not be an empty array. Either provide at least one "
+                             "tool or omit the field entirely.")
+        for i, tool in enumerate(tools):
+            fn = tool.get("function")
+            if tool.get("type", "function") != "function" or not isinstance(fn, dict):
+                raise ValueError(f"tools.{i} must be {{\"type\": \"function\", \"function\": "
+                                 "{\"name\": ..., \"parameters\": {...}}}")
+            if not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"tools.{i}.function.name must be a non-empty string")
+            params = fn.get("parameters")
+            if params is not None and not isinstance(params, dict):
+                raise ValueError(f"tools.{i}.function.parameters must be a JSON schema object")
+    if tool_choice in (None, "none"):
+        return
+    if tools is None:
+        raise ValueError("When using `tool_choice`, `tools` must be set.")
+    if tool_choice in ("auto", "required"):
+        return
+    if not isinstance(tool_choice, dict):
+        raise ValueError(f"Invalid value for `tool_choice`: {tool_choice}! Only named tools, "
+                         '"none", "auto" or "required" are supported.')
+    function = tool_choice.get("function")
+    if not isinstance(function, dict):
+        raise ValueError(f"Invalid value for `function`: `{function}` in `tool_choice`! "
+                         f"{_TOOL_USAGE}")
+    if "name" not in function:
+        raise ValueError(f"Expected field `name` in `function` in `tool_choice`! {_TOOL_USAGE}")
+    name = function["name"]
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"Invalid `name` in `function`: `{name}` in `tool_choice`! "
+                         f"{_TOOL_USAGE}")
+    if not any(t["function"]["name"] == name for t in tools):
+        raise ValueError("The tool specified in `tool_choice` does not match any of the "
+                         "specified `tools`")
 
 
 class TokenizeRequest(OpenAIBaseModel):

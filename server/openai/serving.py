@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +21,11 @@ from collections.abc import AsyncIterator
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.openai.chat_output import (
+    ChatOutputParser,
+    finish_reason_for,
+    with_reasoning_content,
+)
 from jaxserve.server.openai.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from jaxserve.server.openai.protocol import (
     ChatCompletionRequest,
@@ -30,7 +36,9 @@ from jaxserve.server.openai.protocol import (
     model_card,
     usage,
 )
+from jaxserve.server.openai.reasoning import get_reasoning_parser
 from jaxserve.server.openai.streams import check_not_failed, collect_all, merge_streams
+from jaxserve.server.openai.tool_parsers import get_tool_parser
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -57,11 +65,21 @@ class _Prompt:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str] | None = None,
-                 response_role: str = "assistant", model_root: str | None = None):
+                 response_role: str = "assistant", model_root: str | None = None, *,
+                 enable_auto_tools: bool = False, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None, chat_template: str | None = None):
+        """enable_auto_tools, tool_parser, reasoning_parser, chat_template: the server's
+        --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser and --chat-template
+        (the template text)."""
         self.engine = engine
         self.served_model_names = list(served_model_names or [])
         self.response_role = response_role
         self.model_root = model_root
+        self.enable_auto_tools = enable_auto_tools
+        self.tool_parser = get_tool_parser(tool_parser) if tool_parser else None
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser \
+            else None
+        self.chat_template = chat_template
 
     # -- shared checks ------------------------------------------------------------------------
     @property
@@ -288,7 +306,7 @@ class OpenAIServing:
         try:
             text = tok.apply_chat_template(
                 messages, add_generation_prompt=request.add_generation_prompt, tokenize=False,
-                tools=request.tools, chat_template=request.chat_template,
+                tools=request.tools, chat_template=request.chat_template or self.chat_template,
                 continue_final_message=request.continue_final_message,
                 **(request.chat_template_kwargs or {}))
             # vLLM's default for chat: the template writes BOS, the tokenizer adds nothing
@@ -313,9 +331,16 @@ class OpenAIServing:
         if not request.messages:
             raise OpenAIError(400, "messages must contain at least one message",
                               param="messages")
+        if request.uses_tools and request.tool_choice == "auto" and \
+                not (self.enable_auto_tools and self.tool_parser is not None):
+            raise OpenAIError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
+                                   "--tool-call-parser to be set", param="tool_choice")
         prompt = self._chat_prompt(request)
         room = self._check_prompt(prompt.token_ids, request.requested_max_tokens())
         params = self._params(request.to_sampling_params, room)
+        parser = self._output_parser(request)
+        if parser is not None and parser.tools is not None and parser.tools.keeps_special_tokens:
+            params.skip_special_tokens = False    # the call markers may be special tokens
         base_id = request_id or request.request_id or random_id("chatcmpl")
         streams = await self._add_all(base_id, [prompt], [params], request.priority)
         created = int(time.time())
@@ -323,6 +348,9 @@ class OpenAIServing:
             return self._chat_stream(request, model, base_id, created, streams)
         (out,) = await collect_all(streams)
         return self._chat_response(request, model, base_id, created, out)
+
+    def _output_parser(self, request: ChatCompletionRequest) -> ChatOutputParser | None:
+        return ChatOutputParser.for_request(request, self.tool_parser, self.reasoning_parser)
 
     def _echo_prefix(self, request: ChatCompletionRequest) -> str:
         if request.echo and request.messages and \
@@ -338,11 +366,20 @@ class OpenAIServing:
             completion_tokens += len(c.token_ids)
             lp = chat_logprobs(tok, c.token_ids, c.logprobs or [], request.top_logprobs or 0) \
                 if request.logprobs else None
-            choices.append({"index": c.index,
-                            "message": {"role": self.response_role, "content": prefix + c.text,
-                                        "tool_calls": []},
-                            "logprobs": lp, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason})
+            message = {"role": self.response_role, "content": prefix + c.text, "tool_calls": []}
+            finish_reason = c.finish_reason
+            parser = self._output_parser(request)
+            if parser is not None:
+                parsed = parser.message(c.text)
+                message["content"] = prefix + (parsed["content"] or "") if prefix \
+                    else parsed["content"]
+                message["tool_calls"] = parsed["tool_calls"]
+                if parser.reasoning is not None:
+                    message["reasoning"] = message["reasoning_content"] = parsed["reasoning"]
+                finish_reason = finish_reason_for(request, finish_reason,
+                                                  bool(parsed["tool_calls"]))
+            choices.append({"index": c.index, "message": message, "logprobs": lp,
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices,
                 "usage": usage(len(out.prompt_token_ids), completion_tokens,
@@ -361,6 +398,7 @@ class OpenAIServing:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         finished, out_tokens = set(), {}
         prompt_tokens, cached = 0, 0
+        parsers = {i: self._output_parser(request) for i in range(n)}
         try:
             for i in range(n):
                 first = {**base, "choices": [{"index": i,
@@ -383,14 +421,27 @@ class OpenAIServing:
                                        request.top_logprobs or 0) if request.logprobs else None
                     if c.finish_reason is not None:
                         finished.add(c.index)
-                    delta = {"content": c.text} if (c.text or c.finish_reason is None) else {}
-                    chunk = {**base, "choices": [{"index": c.index, "delta": delta,
-                                                  "logprobs": lp,
-                                                  "finish_reason": c.finish_reason,
-                                                  "stop_reason": c.stop_reason}]}
-                    if continuous:
-                        chunk["usage"] = usage(prompt_tokens, sum(out_tokens.values()))
-                    yield sse(chunk)
+                    parser = parsers.get(c.index)
+                    finish_reason = c.finish_reason
+                    if parser is None:
+                        deltas = [{"content": c.text} if (c.text or c.finish_reason is None)
+                                  else {}]
+                    else:
+                        deltas = [with_reasoning_content(d) for d in
+                                  parser.feed(c.text, c.finish_reason is not None)]
+                        finish_reason = finish_reason_for(request, finish_reason,
+                                                          parser.tools_called)
+                        if not deltas and (finish_reason is not None or lp is not None):
+                            deltas = [{}]
+                    for k, delta in enumerate(deltas):
+                        last = k == len(deltas) - 1
+                        chunk = {**base, "choices": [{
+                            "index": c.index, "delta": delta, "logprobs": lp if k == 0 else None,
+                            "finish_reason": finish_reason if last else None,
+                            "stop_reason": c.stop_reason if last else None}]}
+                        if continuous:
+                            chunk["usage"] = usage(prompt_tokens, sum(out_tokens.values()))
+                        yield sse(chunk)
             if include_usage:
                 yield sse({**base, "choices": [],
                            "usage": usage(prompt_tokens, sum(out_tokens.values()), cached)})
@@ -414,7 +465,7 @@ class OpenAIServing:
             try:
                 ids = tok.apply_chat_template(messages,
                                               add_generation_prompt=request.add_generation_prompt,
-                                              tokenize=True)
+                                              tokenize=True, chat_template=self.chat_template)
             except Exception as e:
                 raise OpenAIError(400, f"could not apply the chat template: {e}",
                                   param="messages") from None
@@ -434,6 +485,18 @@ class OpenAIServing:
 
 
 # -- helpers ----------------------------------------------------------------------------------
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file path, or the template text itself (vLLM reads both)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a jinja template")
+
+
 def _echo_only(c: CompletionOutput) -> CompletionOutput:
     """A choice of an `echo` + `max_tokens: 0` request: the generated token left out."""
     done = c.finish_reason is not None
