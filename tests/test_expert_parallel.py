@@ -9,6 +9,9 @@ runs share one child process (XLA_FLAGS must be set before jax is imported).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -123,3 +126,44 @@ def test_moe_config_fields_parse_per_family_and_refuse_bad_values():
         with pytest.raises(ValueError, match=field):
             MoeConfig(**dict(dict(num_experts=8, num_experts_per_tok=2,
                                   moe_intermediate_size=32), **bad))
+
+
+_SHARD_CHILD = """
+import jax, jax.numpy as jnp, numpy as np, types
+from jaxserve.config import MoeConfig
+from jaxserve.layers import moe
+from jaxserve.sharding.mesh import make_mesh
+from jaxserve.sharding.plan import plan_for, shard_experts
+T, E, X, F, k = 16, 32, 8, 24, 3
+ks = jax.random.split(jax.random.key(0), 5)
+x = jax.random.normal(ks[0], (T, E))
+wg, wu = (jax.random.normal(kk, (X, E, F)) / 6 for kk in ks[1:3])
+wd = jax.random.normal(ks[3], (X, F, E)) / 5
+weights, ids = moe.route(jax.random.normal(ks[4], (T, X)), k, True)
+# the all-experts oracle: every expert on every token, weighted by the routing (zero elsewhere)
+dense = jnp.einsum("tx,txe->te", jnp.zeros((T, X)).at[jnp.arange(T)[:, None], ids].set(weights),
+                   jnp.einsum("txf,xfe->txe", jax.nn.silu(jnp.einsum("te,xef->txf", x, wg))
+                              * jnp.einsum("te,xef->txf", x, wu), wd))
+np.testing.assert_allclose(moe.expert_mlp(x, weights, ids, wg, wu, wd), dense, atol=1e-4)
+cfg = types.SimpleNamespace(num_heads=8, num_kv_heads=8, intermediate_size=96, vocab_size=64,
+                            moe=MoeConfig(X, k, F))
+for tp, ep, expert_parallel in ((2, 2, False), (2, 2, True), (4, 2, False), (2, 4, True)):
+    plan = plan_for(cfg, make_mesh(tp, ep), expert_parallel)
+    put = lambda a, axes: jax.device_put(a, plan.sharding(axes))
+    args = (put(wg, ("experts", "embed", "moe_mlp")), put(wu, ("experts", "embed", "moe_mlp")),
+            put(wd, ("experts", "moe_mlp", "embed")))
+    out = jax.jit(lambda *a: shard_experts(plan, moe.expert_mlp, x, weights, ids, *a))(*args)
+    np.testing.assert_allclose(out, dense, atol=1e-4, err_msg=str((tp, ep, expert_parallel)))
+    assert args[0].addressable_shards[0].data.size * tp * ep == wg.size
+print("OK")
+"""
+
+
+def test_shard_experts_over_ep_and_tp_mesh_axes_equals_all_experts_oracle():
+    """expert_mlp (ragged_dot over tokens sorted by expert) equals computing every expert on
+    every token and weighting by the routing; shard_experts on dp x ep x tp meshes with both axes
+    > 1 (experts over ep and F over tp, or whole experts over ep x tp) gives the same result."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _SHARD_CHILD], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-4000:]
