@@ -3,6 +3,8 @@
     python benchmarks/bench_tp.py                       # CPU: 8 simulated devices, TP 1 2 4 8
     python benchmarks/bench_tp.py --tp 1,2,4,8 --simulate-cpu-devices 0 --model DIR --batch 64
                                                         # a machine with 8 GPUs, real weights
+    python benchmarks/bench_tp.py --model benchmarks/configs/qwen3-moe-tp-smoke \
+        --load-format dummy --dtype float32 --enable-expert-parallel    # MoE, whole experts
 
 Each size runs in its own process (the device count is fixed when jax starts). The engine is
 built with `tensor_parallel_size=N`, `batch` requests are prefilled, then `--steps` engine steps
@@ -31,7 +33,8 @@ a = json.loads(sys.argv[1])
 kw = dict(load_format=a["load_format"], seed=0) if a["load_format"] != "auto" else {}
 if a["dtype"]:
     kw["dtype"] = a["dtype"]
-llm = LLM(model=a["model"], tensor_parallel_size=a["tp"], max_model_len=a["max_model_len"],
+llm = LLM(model=a["model"], tensor_parallel_size=a["tp"], enable_expert_parallel=a["ep"],
+          max_model_len=a["max_model_len"],
           max_num_seqs=a["batch"], max_num_batched_tokens=a["max_num_batched_tokens"],
           num_gpu_blocks_override=a["num_blocks"], compilation_cache_dir="", warmup=False, **kw)
 eng = llm.llm_engine
@@ -52,7 +55,8 @@ r = eng.runner
 dev0 = lambda t: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(t))
 times.sort()
 med = statistics.median(times)
-print("RESULT" + json.dumps({"tp": a["tp"], "median_ms": 1e3 * med, "p90_ms": 1e3 * times[int(0.9 * len(times))],
+print("RESULT" + json.dumps({"tp": a["tp"], "ep": a["ep"], "median_ms": 1e3 * med,
+      "p90_ms": 1e3 * times[int(0.9 * len(times))],
       "decode_tok_s": a["batch"] / med, "weight_bytes_per_device": dev0(r.weights),
       "kv_bytes_per_device": dev0(r.cache), "device": str(jax.devices()[0]),
       "num_devices": len(jax.devices()), "jax": jax.__version__}))
@@ -66,6 +70,8 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--tp", default="1,2,4,8", help="comma-separated tensor-parallel sizes")
+    ap.add_argument("--enable-expert-parallel", action="store_true",
+                    help="MoE models: whole experts per device (default: experts' F split over tp)")
     ap.add_argument("--simulate-cpu-devices", type=int, default=8,
                     help="XLA host devices to simulate on CPU (0: use the real devices)")
     ap.add_argument("--batch", type=int, default=8, help="concurrent decoding requests")
@@ -81,7 +87,7 @@ def main() -> None:
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={a.simulate_cpu_devices}")
     rows = []
     for tp in [int(x) for x in a.tp.split(",")]:
-        cfg = dict(vars(a), tp=tp)
+        cfg = dict(vars(a), tp=tp, ep=a.enable_expert_parallel)
         proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(cfg)], capture_output=True, text=True,
                               env=env)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
@@ -92,10 +98,11 @@ def main() -> None:
         rows.append(row)
     print(f"\nbatch {a.batch}, prompt {a.prompt_len}, {a.steps} decode steps, {rows[0]['device']} "
           f"x{rows[0]['num_devices']}, jax {rows[0]['jax']}\n")
-    print("| TP | median step ms | p90 ms | decode tok/s | weight MiB/device | KV MiB/device |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| TP | EP | median step ms | p90 ms | decode tok/s | weight MiB/device | KV MiB/device |")
+    print("|---:|:---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['tp']} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {r['decode_tok_s']:.0f} | "
+        print(f"| {r['tp']} | {'yes' if r['ep'] else 'no'} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | "
+              f"{r['decode_tok_s']:.0f} | "
               f"{r['weight_bytes_per_device'] / 2**20:.1f} | {r['kv_bytes_per_device'] / 2**20:.1f} |")
 
 

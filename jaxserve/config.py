@@ -21,8 +21,44 @@ ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton", "mosaic")
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): the router scores `num_experts`
+    experts per token with a softmax, keeps the top `num_experts_per_tok`, and (when
+    `norm_topk_prob`) renormalises the kept weights to sum to 1. Mixtral's "top-k, then softmax
+    over the k logits" is exactly softmax -> top-k -> renormalise, so it is `norm_topk_prob=True`.
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "decoder_sparse_step"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"model config field {name} must be a positive integer, "
+                                 f"got {getattr(self, name)!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
+                             f"num_experts ({self.num_experts})")
+        # Every layer is scanned with one body, so all layers must hold experts. Released
+        # Qwen3-MoE and Mixtral checkpoints do (decoder_sparse_step 1, no mlp_only_layers).
+        if self.decoder_sparse_step != 1:
+            raise ValueError(f"decoder_sparse_step must be 1 (dense layers between sparse ones "
+                             f"are not supported), got {self.decoder_sparse_step}")
+        if self.mlp_only_layers:
+            raise ValueError(f"mlp_only_layers must be empty (dense layers in a sparse model are "
+                             f"not supported), got {list(self.mlp_only_layers)}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family decoder, independent of where its weights come from."""
+    """The shape of a decoder of one of the registered families, independent of where its
+    weights come from. Family-specific fields (q/k norm, qkv bias, sliding window, `moe`) are
+    read from config.json by that family's parser (`_FAMILY_FIELDS`)."""
 
     architecture: str
     vocab_size: int
@@ -41,6 +77,7 @@ class ModelConfig:
     attention_bias: bool = False   # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False          # per-head RMSNorm on q and k before rope (Qwen3)
     sliding_window: int | None = None
+    moe: MoeConfig | None = None   # sparse MLP (Qwen3-MoE, Mixtral); None: dense MLP
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -97,8 +134,10 @@ class ModelConfig:
         theta, scaling = _rope_from_hf(text)
         eos = text.get("eos_token_id", hf.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        window = text.get("sliding_window") if text.get("use_sliding_window", arch ==
-                                                        "MistralForCausalLM") else None
+        try:
+            family = _FAMILY_FIELDS.get(arch, _llama_fields)(text)
+        except KeyError as e:
+            raise ValueError(f"config.json is missing the required field {e.args[0]!r}") from None
         return cls(
             architecture=arch,
             num_kv_heads=int(num_kv),
@@ -109,13 +148,69 @@ class ModelConfig:
             max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings",
                                             text.get("tie_word_embeddings", False))),
-            attention_bias=bool(text.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=int(window) if window else None,
             bos_token_id=text.get("bos_token_id", hf.get("bos_token_id")),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             **cfg,
+            **family,
         )
+
+
+# --- per-family config.json fields ---------------------------------------------------------------
+# Each parser reads the fields its family adds to the common decoder shape; a family not listed
+# reads Llama's (optional qkv bias, sliding window only when use_sliding_window says so).
+
+def _window(text: dict[str, Any], default_on: bool) -> int | None:
+    window = text.get("sliding_window") if text.get("use_sliding_window", default_on) else None
+    return int(window) if window else None
+
+
+def _llama_fields(text: dict[str, Any]) -> dict[str, Any]:
+    return dict(attention_bias=bool(text.get("attention_bias", False)),
+                sliding_window=_window(text, False))
+
+
+def _mistral_fields(text: dict[str, Any]) -> dict[str, Any]:
+    return dict(_llama_fields(text), sliding_window=_window(text, True))
+
+
+def _qwen2_fields(text: dict[str, Any]) -> dict[str, Any]:
+    return dict(_llama_fields(text), attention_bias=bool(text.get("attention_bias", True)))
+
+
+def _qwen3_fields(text: dict[str, Any]) -> dict[str, Any]:
+    return dict(_llama_fields(text), qk_norm=True)
+
+
+def _qwen3_moe_fields(text: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 writes num_local_experts beside (or instead of) num_experts
+    experts = text.get("num_experts", text.get("num_local_experts"))
+    if experts is None:
+        raise KeyError("num_experts")
+    moe = MoeConfig(num_experts=int(experts),
+                    num_experts_per_tok=int(text["num_experts_per_tok"]),
+                    moe_intermediate_size=int(text["moe_intermediate_size"]),
+                    norm_topk_prob=bool(text.get("norm_topk_prob", False)),
+                    decoder_sparse_step=int(text.get("decoder_sparse_step", 1)),
+                    mlp_only_layers=tuple(int(i) for i in text.get("mlp_only_layers") or ()))
+    return dict(_qwen3_fields(text), moe=moe)
+
+
+def _mixtral_fields(text: dict[str, Any]) -> dict[str, Any]:
+    # Mixtral's experts are intermediate_size wide; its router is top-k then softmax over the k
+    moe = MoeConfig(num_experts=int(text["num_local_experts"]),
+                    num_experts_per_tok=int(text["num_experts_per_tok"]),
+                    moe_intermediate_size=int(text["intermediate_size"]),
+                    norm_topk_prob=True)
+    return dict(_mistral_fields(text), moe=moe)
+
+
+_FAMILY_FIELDS = {
+    "MistralForCausalLM": _mistral_fields,
+    "Qwen2ForCausalLM": _qwen2_fields,
+    "Qwen3ForCausalLM": _qwen3_fields,
+    "Qwen3MoeForCausalLM": _qwen3_moe_fields,
+    "MixtralForCausalLM": _mixtral_fields,
+}
 
 
 def _rope_from_hf(text: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:

@@ -18,7 +18,7 @@ import pytest
 
 from jaxserve.config import ModelConfig
 from jaxserve.layers.linear import DenseWeight, linear, register_linear
-from jaxserve.loader.loader import ModelLoadError, load_hf_config
+from jaxserve.loader.loader import load_hf_config
 from jaxserve.models import SUPPORTED_ARCHITECTURES, get_model
 from jaxserve.models.params import abstract_weights, num_parameters
 from jaxserve.sharding.rules import LOGICAL_AXES, partition_spec
@@ -53,7 +53,11 @@ def test_linear_dispatches_on_the_weight_type():
 
 @pytest.mark.parametrize("extra", [{}, {"architectures": ["Qwen2ForCausalLM"]},
                                    {"architectures": ["Qwen3ForCausalLM"], "head_dim": 32},
-                                   {"tie_word_embeddings": True}])
+                                   {"tie_word_embeddings": True},
+                                   {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
+                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+                                   {"architectures": ["MixtralForCausalLM"],
+                                    "num_local_experts": 4, "num_experts_per_tok": 2}])
 def test_declaration_covers_the_pytree_and_every_axis_has_a_rule(extra):
     cfg = ModelConfig.from_hf({**TINY, **extra})
     model = get_model(cfg.architecture)
@@ -87,11 +91,17 @@ def test_8b_configs_check_abstractly_without_allocating(name, params):
                                                                        cfg.hidden_size, 4096)
 
 
-def test_moe_config_is_a_clear_error_until_moe_lands():
-    with pytest.raises(ModelLoadError, match="Unsupported architecture 'Qwen3MoeForCausalLM'.*"
-                                             "LlamaForCausalLM"):
-        load_hf_config(CONFIGS / "qwen3-30b-a3b")
-    assert "Qwen3ForCausalLM" in SUPPORTED_ARCHITECTURES
+def test_qwen3_30b_a3b_checks_abstractly_with_its_published_parameter_count():
+    """128 experts of 768 stacked [L, X, ...]: 30,532,122,624 parameters, as published."""
+    from jaxserve.loader.dummy import dummy_weights
+    cfg = load_hf_config(CONFIGS / "qwen3-30b-a3b")
+    assert cfg.moe.num_experts == 128 and cfg.moe.num_experts_per_tok == 8 and cfg.qk_norm
+    decl = get_model(cfg.architecture).declare(cfg)
+    assert num_parameters(decl) == 30_532_122_624
+    shapes = jax.eval_shape(lambda: dummy_weights(cfg, jnp.bfloat16))
+    assert shapes.layers.we_down.shape == (48, 128, 768, 2048)
+    assert shapes.layers.w_gate is None and shapes.layers.router.shape == (48, 2048, 128)
+    assert "Qwen3MoeForCausalLM" in SUPPORTED_ARCHITECTURES
 
 
 @pytest.fixture(scope="module")

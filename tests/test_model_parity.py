@@ -2,9 +2,10 @@
 
 - The default model (SmolLM2-135M-Instruct GGUF): logits on a few prompts, and greedy tokens on
   16 prompts x 32 new tokens, prefilled whole, in chunks, and all prompts batched ragged.
-- Tiny random Llama / Mistral / Qwen2 / Qwen3 checkpoints written with `save_pretrained`, covering
-  head_dim, GQA ratio, tied embeddings, rope scaling, qkv bias, q/k norm, sliding window and
-  sharded safetensors: logits only (random models have near-tied logits, so no greedy tokens).
+- Tiny random Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral checkpoints written with
+  `save_pretrained`, covering head_dim, GQA ratio, tied embeddings, rope scaling, qkv bias, q/k
+  norm, sliding window, experts (top-k, norm_topk_prob on and off) and sharded safetensors:
+  logits only (random models have near-tied logits, so no greedy tokens).
 - config.json in the transformers-5 `rope_parameters` layout and the older `rope_scaling` layout
   parse to the same ModelConfig.
 """
@@ -234,10 +235,22 @@ TINY_MODELS = {
     "qwen3-gqa4-linear-rope-untied": ("Qwen3Config", dict(
         hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
         tie_word_embeddings=False, rope_scaling=_LINEAR_ROPE), None),
+    # mixture of experts: softmax router, top-k, with and without renormalising the kept weights
+    "qwen3-moe-8-experts-top2-norm-topk": ("Qwen3MoeConfig", dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True), None),
+    "qwen3-moe-4-experts-top3-unnormed-sharded": ("Qwen3MoeConfig", dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=32, num_experts=4,
+        num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=False,
+        tie_word_embeddings=True), "40KB"),
+    "mixtral-8-experts-top2-gqa2": ("MixtralConfig", dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+        num_experts_per_tok=2), None),
 }
 
 _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
-                  "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM"}
+                  "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
+                  "Qwen3MoeConfig": "Qwen3MoeForCausalLM", "MixtralConfig": "MixtralForCausalLM"}
 
 
 def build_tiny_checkpoint(path, config_class: str, kwargs: dict, max_shard_size=None, seed=0):

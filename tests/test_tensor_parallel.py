@@ -45,7 +45,8 @@ _CHILD = textwrap.dedent("""
             dev0 = lambda tree: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
             result.append(dict(tokens=[o.outputs[0].token_ids for o in outs], ops=ops,
                               weight_bytes=dev0(runner.weights), kv_bytes=dev0(runner.cache),
-                               weight_shapes=[list(x.shape) for x in jax.tree.leaves(runner.weights)]))
+                               weight_shapes=[list(x.shape) for x in jax.tree.leaves(runner.weights)],
+                               leaf_bytes=[dev0(x) for x in jax.tree.leaves(runner.weights)]))
     print("RESULT" + json.dumps(result))
 """)
 

@@ -90,7 +90,8 @@ class LLMEngine:
         self.mesh = make_mesh(args.tensor_parallel_size)
         self.model_config, weights = load_model(model_path, dtype, gguf_reader=reader,
                                                 mesh=self.mesh, load_format=args.load_format,
-                                                seed=args.seed, quantization=args.quantization)
+                                                seed=args.seed, quantization=args.quantization,
+                                                expert_parallel=args.enable_expert_parallel)
         self.tokenizer = _load_tokenizer(args, model_path, reader, self.model_config)
         del reader
         cfg = self.model_config
@@ -99,7 +100,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({args.max_model_len}) is larger than the model's "
                              f"max_position_embeddings ({cfg.max_position_embeddings})")
         kv_quantize, kv_dtype = _kv_quantization(args.kv_cache_dtype, dtype)
-        self.plan = plan_for(cfg, self.mesh)
+        self.plan = plan_for(cfg, self.mesh, args.enable_expert_parallel)
         # Sized per device: a block costs its heads on one device, the budget is one device's.
         per_block = kvc.bytes_per_block(cfg.num_layers, args.block_size,
                                         self.plan.kv_heads_per_device(cfg.num_kv_heads),
@@ -372,8 +373,6 @@ def _load_tokenizer(args: EngineArgs, model_path: str, reader, cfg) -> Tokenizer
 
 def _check_supported(args: EngineArgs) -> None:
     """Flags that are accepted by name (vLLM's surface) but whose feature has not landed yet."""
-    if args.enable_expert_parallel:
-        raise ValueError("enable_expert_parallel is not supported yet")
     if args.quantization is not None and args.tensor_parallel_size != 1:
         raise ValueError("quantization='fp8' with tensor_parallel_size > 1 is not supported yet "
                          "(the FP8 weights are not sharded); use one of them")

@@ -27,11 +27,12 @@ def _init(p: Param, key, dtype) -> jax.Array:
     return (STD * jax.random.normal(key, p.shape, jnp.float32)).astype(dtype)
 
 
-def dummy_weights(cfg: ModelConfig, dtype, mesh=None, seed: int = 0):
+def dummy_weights(cfg: ModelConfig, dtype, mesh=None, seed: int = 0,
+                  expert_parallel: bool = False):
     """The model's weights pytree, filled from `seed`: the same seed and config give the same
     weights on any device count (each array's key is derived from its path)."""
     model = get_model(cfg.architecture)
-    plan = plan_for(cfg, mesh if mesh is not None else make_mesh())
+    plan = plan_for(cfg, mesh if mesh is not None else make_mesh(), expert_parallel)
     root = jax.random.key(seed)
     arrays = {}
     for p in model.declare(cfg):

@@ -24,7 +24,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.registry import get_model
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+                "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 
 
 def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
@@ -44,6 +45,12 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     }
     if cfg.sliding_window:
         out.update(sliding_window=cfg.sliding_window, use_sliding_window=True)
+    if cfg.moe is not None:
+        m = cfg.moe
+        out.update(num_experts_per_tok=m.num_experts_per_tok, num_local_experts=m.num_experts)
+        if cfg.architecture == "Qwen3MoeForCausalLM":
+            out.update(num_experts=m.num_experts, moe_intermediate_size=m.moe_intermediate_size,
+                       norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
     return out
 
 
@@ -59,12 +66,8 @@ def _host_arrays(cfg: ModelConfig, weights, dtype) -> dict[str, np.ndarray]:
     tensors = {}
     for p, array in leaves.items():
         x = np.asarray(jax.device_get(array)).astype(dtype)
-        if p.stacked:
-            for i in range(p.shape[0]):
-                tensors[p.checkpoint_name(i)] = np.ascontiguousarray(x[i].T if p.transpose
-                                                                     else x[i])
-        else:
-            tensors[p.checkpoint] = np.ascontiguousarray(x.T if p.transpose else x)
+        for pos, name in p.checkpoint_names():
+            tensors[name] = np.ascontiguousarray(x[pos].T if p.transpose else x[pos])
     return tensors
 
 

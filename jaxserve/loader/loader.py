@@ -10,6 +10,7 @@ the requested dtype, each array placed with its sharding. `--load-format dummy` 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -44,7 +45,7 @@ def resolve_dtype(dtype: str, platform: str | None = None):
 
 
 def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=None, *,
-             quantization: str | None = None, fp8_scheme=None):
+             quantization: str | None = None, fp8_scheme=None, expert_parallel: bool = False):
     """Read every declared array through `get` (Hugging Face names and layouts), stack the
     per-layer ones, cast to `dtype` and place each with the sharding its logical axes get on
     `mesh` (default: one device). Returns the model's weights pytree.
@@ -59,7 +60,7 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
     checkpoint's format) finds their scales, or when `quantization="fp8"` quantises them here."""
     model = get_model(cfg.architecture)
     mesh = mesh if mesh is not None else make_mesh()
-    plan = plan_for(cfg, mesh)
+    plan = plan_for(cfg, mesh, expert_parallel)
     np_dtype = np.dtype(jnp.dtype(dtype))
     names = getattr(get, "names", ())
     if fp8_scheme is not None or quantization == "fp8":
@@ -81,12 +82,17 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
         if not p.stacked:
             return np.ascontiguousarray(tensor(p.checkpoint, p.shape, p.transpose)[index],
                                         dtype=np_dtype)
-        layers = range(p.shape[0])[index[0]]
-        first = tensor(p.checkpoint_name(layers[0]), p.shape[1:], p.transpose)[index[1:]]
-        x = np.empty((len(layers),) + first.shape, np_dtype)
-        x[0] = first
-        for j, i in enumerate(layers[1:], 1):
-            x[j] = tensor(p.checkpoint_name(i), p.shape[1:], p.transpose)[index[1:]]
+        # stacked axes (layer, and expert for per-expert tensors): one checkpoint tensor each
+        n = p.stacked_dims
+        picks = [range(p.shape[d])[index[d]] for d in range(n)]
+        inner = p.shape[n:]
+        x = None
+        for pos in itertools.product(*(range(len(r)) for r in picks)):
+            ids = [r[j] for r, j in zip(picks, pos)]
+            part = tensor(p.checkpoint_name(*ids), inner, p.transpose)[index[n:]]
+            if x is None:
+                x = np.empty(tuple(len(r) for r in picks) + part.shape, np_dtype)
+            x[pos] = part
         return x
 
     arrays, quantized = {}, {}
@@ -212,12 +218,15 @@ def _read_f8_e4m3(file: Path, name: str) -> np.ndarray:
 
 
 def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh=None,
-               load_format: str = "auto", seed: int = 0, quantization: str | None = None):
+               load_format: str = "auto", seed: int = 0, quantization: str | None = None,
+               expert_parallel: bool = False):
     """Load a Hugging Face directory or a .gguf file -> (ModelConfig, weights). `dtype` is a name
     or a jnp dtype; `gguf_reader` an already open reader of the file (parsing a GGUF header
     takes seconds); `load_format="dummy"` reads only `config.json` and makes seeded random
     weights of its shapes. `quantization="fp8"` stores the linear layers (not lm_head) in e4m3
-    with per-channel scales; FP8 checkpoints are detected from config.json either way."""
+    with per-channel scales; FP8 checkpoints are detected from config.json either way.
+    `expert_parallel`: mixture-of-experts weights are placed whole-expert per device
+    (`sharding.plan.plan_for`)."""
     path = Path(model)
     if not path.exists():
         raise ModelLoadError(_not_a_local_path(str(model)))
@@ -228,7 +237,7 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
         logger.info("dummy weights (seed %d) for %s (%s, %d layers, hidden %d) as %s", seed,
                     path, cfg.architecture, cfg.num_layers, cfg.hidden_size,
                     jnp.dtype(jdtype).name)
-        weights = dummy_weights(cfg, jdtype, mesh, seed)
+        weights = dummy_weights(cfg, jdtype, mesh, seed, expert_parallel)
         if quantization == "fp8":
             from jaxserve.loader.fp8 import quantize_weights
             weights = quantize_weights(weights)
@@ -248,7 +257,7 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
                 f", linear layers fp8 ({scheme.method} checkpoint)" if scheme else
                 ", linear layers quantised to fp8" if quantization == "fp8" else "")
     weights = assemble(cfg, get, jdtype, mesh, quantization=None if scheme else quantization,
-                       fp8_scheme=scheme)
+                       fp8_scheme=scheme, expert_parallel=expert_parallel)
     del get
     release_freed_host_memory()       # the per-layer host tensors
     return cfg, weights

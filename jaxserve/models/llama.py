@@ -1,5 +1,6 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) as pure
-functions over registered pytrees.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm, and
+with a mixture-of-experts MLP Qwen3-MoE and Mixtral: `qwen3_moe.py`, `mixtral.py` name their
+checkpoint tensors) as pure functions over registered pytrees.
 
 Per-layer weights are stacked along a leading layer axis and the forward pass scans over them, so
 one layer body is compiled however deep the model is. `declare(cfg)` is the one list of the
@@ -19,11 +20,12 @@ import jax.numpy as jnp
 from jaxserve import attention
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import ModelConfig
+from jaxserve.layers import moe
 from jaxserve.layers.linear import DenseWeight, linear
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
 from jaxserve.models.params import Param
-from jaxserve.sharding.plan import ShardingPlan, embed_lookup, shard_attention
+from jaxserve.sharding.plan import ShardingPlan, embed_lookup, shard_attention, shard_experts
 
 
 @jax.tree_util.register_dataclass
@@ -35,9 +37,13 @@ class LayerWeights:
     wv: DenseWeight               # [L, E, K*D]
     wo: DenseWeight               # [L, H*D, E]
     mlp_norm: jax.Array           # [L, E]
-    w_gate: DenseWeight           # [L, E, F]
-    w_up: DenseWeight             # [L, E, F]
-    w_down: DenseWeight           # [L, F, E]
+    w_gate: DenseWeight | None = None   # [L, E, F]  (dense MLP)
+    w_up: DenseWeight | None = None     # [L, E, F]
+    w_down: DenseWeight | None = None   # [L, F, E]
+    router: jax.Array | None = None     # [L, E, X]  (mixture of experts: X experts)
+    we_gate: jax.Array | None = None    # [L, X, E, Fe]
+    we_up: jax.Array | None = None      # [L, X, E, Fe]
+    we_down: jax.Array | None = None    # [L, X, Fe, E]
     bq: jax.Array | None = None   # [L, H*D]  (Qwen2)
     bk: jax.Array | None = None   # [L, K*D]
     bv: jax.Array | None = None   # [L, K*D]
@@ -54,8 +60,11 @@ class Weights:
     lm_head: DenseWeight | None   # [E, V]; None when tied to the embedding
 
 
-def declare(cfg: ModelConfig) -> list[Param]:
-    """Every array of this config's model: shape, logical axes, checkpoint name, init."""
+def declare(cfg: ModelConfig, moe_names: tuple[str, str, str, str] | None = None) -> list[Param]:
+    """Every array of this config's model: shape, logical axes, checkpoint name, init.
+
+    `moe_names` (families with `cfg.moe`): the checkpoint names, inside a layer, of the router
+    and of each expert's gate, up and down projections ("{expert}" marks the expert index)."""
     E, F, L, D, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.head_dim,
                      cfg.vocab_size)
     HD, KD = cfg.num_heads * D, cfg.num_kv_heads * D
@@ -76,9 +85,10 @@ def declare(cfg: ModelConfig) -> list[Param]:
         matrix("wv", (E, KD), ("embed", "kv_heads"), "self_attn.v_proj.weight"),
         matrix("wo", (HD, E), ("q_heads", "embed"), "self_attn.o_proj.weight"),
         per_layer("mlp_norm", (E,), ("embed",), "post_attention_layernorm.weight", init="ones"),
-        matrix("w_gate", (E, F), ("embed", "mlp"), "mlp.gate_proj.weight"),
-        matrix("w_up", (E, F), ("embed", "mlp"), "mlp.up_proj.weight"),
-        matrix("w_down", (F, E), ("mlp", "embed"), "mlp.down_proj.weight"),
+        *(_moe_params(cfg, moe_names, per_layer) if cfg.moe is not None else [
+            matrix("w_gate", (E, F), ("embed", "mlp"), "mlp.gate_proj.weight"),
+            matrix("w_up", (E, F), ("embed", "mlp"), "mlp.up_proj.weight"),
+            matrix("w_down", (F, E), ("mlp", "embed"), "mlp.down_proj.weight")]),
         Param("final_norm", (E,), ("embed",), "model.norm.weight", init="ones"),
     ]
     if cfg.attention_bias:
@@ -96,9 +106,29 @@ def declare(cfg: ModelConfig) -> list[Param]:
     return params
 
 
+def _moe_params(cfg: ModelConfig, names, per_layer) -> list[Param]:
+    """The router [L, E, X] and the experts stacked [L, X, ...] (one checkpoint tensor per layer
+    and expert), split on the `experts` and `moe_mlp` logical axes."""
+    if names is None:
+        raise ValueError(f"{cfg.architecture}: a mixture-of-experts config needs the family's "
+                         "checkpoint names (declare(cfg, moe_names=...))")
+    E, X, Fe = cfg.hidden_size, cfg.moe.num_experts, cfg.moe.moe_intermediate_size
+    router, gate, up, down = names
+
+    def expert(name, shape, axes, suffix):
+        return per_layer(name, (X, *shape), ("experts", *axes), suffix, per_expert=True,
+                         transpose=True)
+
+    return [per_layer("router", (E, X), ("embed", "router"), router, transpose=True),
+            expert("we_gate", (E, Fe), ("embed", "moe_mlp"), gate),
+            expert("we_up", (E, Fe), ("embed", "moe_mlp"), up),
+            expert("we_down", (Fe, E), ("moe_mlp", "embed"), down)]
+
+
 def build(cfg: ModelConfig, arrays: dict[str, jax.Array]) -> Weights:
     """The model pytree from `path -> array` (as declared), matmul operands wrapped."""
-    dense = {p.path for p in declare(cfg) if p.dense}
+    dense = {"layers.wq", "layers.wk", "layers.wv", "layers.wo", "layers.w_gate", "layers.w_up",
+             "layers.w_down", "lm_head"}      # the arrays declared dense=True
 
     def get(path):
         if path not in arrays:
@@ -135,7 +165,13 @@ def _layer(cfg: ModelConfig, backend: str, kv_quantize, plan: ShardingPlan | Non
     x = x + linear(o.reshape(T, H * D), w.wo)
 
     h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-    x = x + linear(jax.nn.silu(linear(h, w.w_gate)) * linear(h, w.w_up), w.w_down)
+    if w.router is None:
+        x = x + linear(jax.nn.silu(linear(h, w.w_gate)) * linear(h, w.w_up), w.w_down)
+    else:     # the weights say which MLP this family has; cfg.moe holds the router's settings
+        logits = jnp.einsum("te,ex->tx", h, w.router, preferred_element_type=jnp.float32)
+        weights, ids = moe.route(logits, cfg.moe.num_experts_per_tok, cfg.moe.norm_topk_prob)
+        x = x + shard_experts(plan, moe.expert_mlp, h, weights, ids, w.we_gate, w.we_up,
+                              w.we_down)
     return (x, cache, cos, sin, meta), None
 
 

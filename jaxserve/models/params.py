@@ -26,6 +26,8 @@ class Param:
     axes: one logical axis name per dimension (the sharding rules map them to mesh axes).
     checkpoint: the Hugging Face tensor name; "{layer}" stands for the layer index when stacked.
     stacked: the checkpoint holds one tensor per layer, stacked here on axis 0.
+    per_expert: (stacked only) the checkpoint holds one tensor per layer and expert ("{expert}"
+        in its name), stacked here on axes 0 (layer) and 1 (expert).
     transpose: the checkpoint stores the matrix [out, in]; the model uses [in, out].
     dense: a matmul operand, wrapped in a weight type (DenseWeight) in the pytree.
     init: how `--load-format dummy` fills it: normal(0, 0.02), ones or zeros.
@@ -36,6 +38,7 @@ class Param:
     axes: tuple[str, ...]
     checkpoint: str
     stacked: bool = False
+    per_expert: bool = False
     transpose: bool = False
     dense: bool = False
     init: str = "normal"
@@ -45,9 +48,27 @@ class Param:
             raise ValueError(f"{self.path}: shape {self.shape} and axes {self.axes} differ in rank")
         if self.init not in INITS:
             raise ValueError(f"{self.path}: init must be one of {INITS}, got {self.init!r}")
+        if self.per_expert and not self.stacked:
+            raise ValueError(f"{self.path}: per_expert arrays must also be stacked by layer")
 
-    def checkpoint_name(self, layer: int | None = None) -> str:
-        return self.checkpoint.format(layer=layer) if self.stacked else self.checkpoint
+    def checkpoint_name(self, layer: int | None = None, expert: int | None = None) -> str:
+        if not self.stacked:
+            return self.checkpoint
+        return self.checkpoint.format(layer=layer, expert=expert)
+
+    @property
+    def stacked_dims(self) -> int:
+        """Leading axes stacked from separate checkpoint tensors (layer, then expert)."""
+        return 2 if self.per_expert else 1 if self.stacked else 0
+
+    def checkpoint_names(self) -> list[tuple[tuple[int, ...], str]]:
+        """(index into the stacked axes, checkpoint name) of every tensor this array holds."""
+        if not self.stacked:
+            return [((), self.checkpoint)]
+        if not self.per_expert:
+            return [((i,), self.checkpoint_name(i)) for i in range(self.shape[0])]
+        return [((i, e), self.checkpoint_name(i, e)) for i in range(self.shape[0])
+                for e in range(self.shape[1])]
 
     @property
     def size(self) -> int:

@@ -18,6 +18,8 @@ MODELS: dict[str, str] = {
     "MistralForCausalLM": "jaxserve.models.llama",
     "Qwen2ForCausalLM": "jaxserve.models.llama",
     "Qwen3ForCausalLM": "jaxserve.models.llama",
+    "Qwen3MoeForCausalLM": "jaxserve.models.qwen3_moe",
+    "MixtralForCausalLM": "jaxserve.models.mixtral",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODELS)
 

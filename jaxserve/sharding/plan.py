@@ -65,15 +65,35 @@ class ShardingPlan:
         return heads // self.tp if self.mesh_axis("kv_cache_heads") else heads
 
 
-def plan_for(cfg, mesh: Mesh) -> ShardingPlan:
+def plan_for(cfg, mesh: Mesh, expert_parallel: bool = False) -> ShardingPlan:
     """The plan for a model config (`jaxserve.config.ModelConfig`) on `mesh`. Raises ValueError
-    when the MLP size does not divide over the tensor-parallel devices."""
-    tp = mesh.shape["tp"]
+    when the MLP size does not divide over the tensor-parallel devices, or (mixture-of-experts
+    models) the experts over the expert-parallel ones.
+
+    `expert_parallel` (vLLM's --enable-expert-parallel): each expert stays whole and the experts
+    split over all ep x tp devices; otherwise the experts' inner dimension splits over tp (and the
+    experts over the mesh's ep axis, if it has one)."""
+    tp, ep = mesh.shape["tp"], mesh.shape["ep"]
     rules = dict(RULES)
     H, K, F, V = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size
-    if F % tp:
+    moe = getattr(cfg, "moe", None)
+    if moe is None and F % tp:
         raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's intermediate_size "
                          f"({F})")
+    if moe is not None:
+        X, MF = moe.num_experts, moe.moe_intermediate_size
+        if expert_parallel:
+            rules.update(experts=("ep", "tp"), moe_mlp=None)
+            if X % (ep * tp):
+                raise ValueError(f"expert parallelism over {ep * tp} devices must divide the "
+                                 f"model's num_experts ({X})")
+        else:
+            if X % ep:
+                raise ValueError(f"expert_parallel_size ({ep}) must divide the model's "
+                                 f"num_experts ({X})")
+            if MF % tp:
+                raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's "
+                                 f"moe_intermediate_size ({MF}); or enable expert parallelism")
     if V % tp:
         logger.warning("vocab_size %d does not divide over %d devices: embedding and lm_head are "
                        "replicated", V, tp)
@@ -89,6 +109,42 @@ def plan_for(cfg, mesh: Mesh) -> ShardingPlan:
                        "is replicated (MLP and vocabulary still split)", H, K, tp)
         rules.update(q_heads=None, kv_heads=None, kv_cache_heads=None)
     return ShardingPlan(mesh, tuple(rules.items()), kv_repeat)
+
+
+def shard_experts(plan: ShardingPlan | None, fn: Callable, x, weights, ids, w_gate, w_up,
+                  w_down):
+    """Run the experts `fn(x, weights, ids, w_gate, w_up, w_down, first_expert) -> [T, E]` on
+    each device's slice of the expert weights and sum the devices' outputs.
+
+    x [T, E] and the routing (weights, ids [T, k]) are replicated; w_gate, w_up
+    [X, E, F] and w_down [X, F, E] split on X over the expert axes and on F over the MLP axis.
+    A device computes only the assignments to its own experts (a grouped matmul over its tokens),
+    with its slice of F, and one all-reduce sums the partial outputs, as jax-llm-examples'
+    qwen3 does: no expert weight ever leaves its device."""
+    if plan is None or plan.mesh.size == 1:
+        return fn(x, weights, ids, w_gate, w_up, w_down, 0)
+    experts_axes = _axes(plan.mesh_axis("experts"))
+    sum_axes = experts_axes + _axes(plan.mesh_axis("moe_mlp"))
+
+    def local(x, weights, ids, w_gate, w_up, w_down):
+        first = 0
+        for a in experts_axes:                  # this device's place along the expert split
+            first = first * plan.mesh.shape[a] + jax.lax.axis_index(a)
+        out = fn(x, weights, ids, w_gate, w_up, w_down, first * w_gate.shape[0])
+        return jax.lax.psum(out, sum_axes) if sum_axes else out
+
+    up_spec = plan.spec(("experts", "embed", "moe_mlp"))
+    down_spec = plan.spec(("experts", "moe_mlp", "embed"))
+    rep = PartitionSpec()
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(rep, rep, rep, up_spec, up_spec,
+                                                          down_spec),
+                         out_specs=rep, check_vma=False)(x, weights, ids, w_gate, w_up, w_down)
+
+
+def _axes(mesh_axis) -> tuple[str, ...]:
+    if mesh_axis is None:
+        return ()
+    return tuple(mesh_axis) if isinstance(mesh_axis, (tuple, list)) else (mesh_axis,)
 
 
 def single_device_plan(cfg) -> ShardingPlan:

@@ -4,7 +4,11 @@ table.
 
 Tensor parallelism (Megatron style): attention heads, KV heads, the MLP's inner dimension and
 the vocabulary split over "tp"; the embedding dimension stays whole, so only the outputs of `wo`
-and `w_down` need a sum across devices. Experts split over "ep". This is the table for a model
+and `w_down` need a sum across devices. Mixture-of-experts weights `[experts, ..., moe_mlp]`
+split their inner dimension over "tp" like a dense MLP and their experts over "ep" (size 1
+unless the mesh has one); with expert parallelism (`plan_for(..., expert_parallel=True)`, vLLM's
+`--enable-expert-parallel`) the experts split over "ep" x "tp" instead and each expert stays
+whole on its device. This is the table for a model
 whose heads divide over the devices; `sharding/plan.py` adapts it to one model's head counts
 (KV heads of the weights vs. of the cache, replicated attention).
 """
@@ -25,6 +29,8 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("head_dim", None),
     ("mlp", "tp"),
     ("experts", "ep"),
+    ("moe_mlp", "tp"),
+    ("router", None),        # the router's expert scores: small, replicated
     ("layers", None),
     # the paged KV cache (jaxserve/attention/kv_cache.py)
     ("kv_blocks", None),
