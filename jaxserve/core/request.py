@@ -86,6 +86,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
+        # Draft tokens proposed for the positions after all_token_ids (speculative decoding);
+        # never part of all_token_ids until the target has verified them.
+        self.spec_token_ids: list[int] = []
         if sampling_params.seed is not None:
             sample_seed = sampling_params.seed
         elif sample_seed is None:

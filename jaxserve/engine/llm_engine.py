@@ -18,6 +18,7 @@ import jax
 from jaxserve.attention import AttentionCase, select_backend
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import DEFAULT_COMPILATION_CACHE_DIR, EngineArgs
+from jaxserve.spec_decode import make_proposer
 from jaxserve.core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
@@ -45,6 +46,11 @@ class EngineStats:
     prefix_cache_hits: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # Speculative decoding counters (zeros without it).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 def enable_compilation_cache(directory: str | None) -> str | None:
@@ -106,7 +112,8 @@ class LLMEngine:
             cache_config = dataclasses.replace(args.cache_config(), num_blocks=num_blocks)
             return ModelRunner(cfg, weights, cache_config, self.scheduler_config, dtype=dtype,
                                backend=self.attention_backend, max_logprobs=args.max_logprobs,
-                               kv_quantize=kv_quantize, kv_dtype=kv_dtype, plan=self.plan)
+                               kv_quantize=kv_quantize, kv_dtype=kv_dtype, plan=self.plan,
+                               num_speculative_tokens=self.scheduler_config.num_speculative_tokens)
 
         blocks = num_kv_blocks(args, per_block * host_copies, weight_bytes,
                                profile=lambda n: profile_peak_bytes(make_runner(n)),
@@ -119,6 +126,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.runner = make_runner(blocks)
         self.processor = OutputProcessor(self.tokenizer)
+        self.proposer = make_proposer(args.spec_config())
         self._rng = random.Random(args.seed)
         self._pending = []          # outputs produced outside step() (aborts)
         self._eos_ids = set(cfg.eos_token_ids)
@@ -240,6 +248,8 @@ class LLMEngine:
         prompt_lps = {rid: [(first_pos[rid] + j, entry) for j, entry in enumerate(entries)]
                       for rid, entries in result.prompt_logprobs.items()}
         updated = self.scheduler.update_from_output(sched, result.sampled)
+        if self.proposer is not None:
+            self._propose(updated)
         for req in updated:
             new = len(result.sampled.get(req.request_id, ()))
             self.generation_tokens_total += new
@@ -253,6 +263,22 @@ class LLMEngine:
         if self._pending:
             outputs, self._pending = self._pending + outputs, []
         return outputs
+
+    def _propose(self, updated) -> None:
+        """Draft tokens for each running request that just got tokens; forget finished ones.
+        Opt-out: penalties that depend on the output history (their draft positions would need
+        the drafts counted) and what `Proposer.enabled_for` refuses."""
+        batch_size = self.scheduler.num_running
+        self.proposer.retain(self.scheduler.requests)      # aborted / stop-string finished
+        for req in updated:
+            if req.is_finished():
+                self.proposer.finish(req.request_id, req.output_token_ids)
+                continue
+            sp = req.sampling_params
+            if (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
+                    or not self.proposer.enabled_for(req.num_prompt_tokens, batch_size)):
+                continue
+            req.spec_token_ids = self.proposer.propose(req.request_id, req.all_token_ids)
 
     def _runner_usable(self) -> bool:
         """False when the failed step consumed the donated KV cache (nothing can run again)."""
@@ -275,10 +301,12 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         pc = self.scheduler.prefix_cache_stats
+        sd = self.scheduler.spec_stats
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting,
                            self.scheduler.kv_cache_usage, self.scheduler.num_preemptions_total,
                            pc.queries, pc.hits, self.prompt_tokens_total,
-                           self.generation_tokens_total)
+                           self.generation_tokens_total, sd.num_drafts, sd.num_draft_tokens,
+                           sd.num_accepted_tokens, tuple(sd.num_accepted_tokens_per_pos))
 
     def shutdown(self) -> None:
         """Free the KV pool and the weights (device memory) now."""
@@ -313,8 +341,6 @@ def _check_supported(args: EngineArgs) -> None:
     if args.quantization is not None and args.tensor_parallel_size != 1:
         raise ValueError("quantization='fp8' with tensor_parallel_size > 1 is not supported yet "
                          "(the FP8 weights are not sharded); use one of them")
-    if args.speculative_config:
-        raise ValueError("speculative_config is not supported yet")
 
 
 def _kv_quantization(kv_cache_dtype: str, model_dtype):

@@ -25,6 +25,7 @@ from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.models import get_model
 from jaxserve.sample import penalties
+from jaxserve.sample.rejection import accept, emitted_mask
 from jaxserve.sample.sampler import sample, score
 from jaxserve.sharding.plan import ShardingPlan, single_device_plan
 from jaxserve.worker.input_batch import InputBatch
@@ -75,8 +76,9 @@ def score_rows(logits_fn, hidden, rows, targets, k: int, chunk: int = PROMPT_LOG
 @dataclasses.dataclass
 class RunnerOutput:
     sampled: dict[str, list[int]]                 # request_id -> new token ids
-    # request_id -> (logprob of the sampled token, rank, top ids, top logprobs), for `sample` rows
-    logprobs: dict[str, tuple[float, int, np.ndarray, np.ndarray]]
+    # request_id -> [(logprob of the sampled token, rank, top ids, top logprobs)], one per new
+    # token, for `sample` rows
+    logprobs: dict[str, list[tuple[float, int, np.ndarray, np.ndarray]]]
     # request_id -> [(target token, logprob, rank, top ids, top logprobs)] for prompt positions
     prompt_logprobs: dict[str, list[tuple]]
 
@@ -84,7 +86,8 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, *, dtype, backend: str, max_logprobs: int,
-                 kv_quantize=None, kv_dtype=None, plan: ShardingPlan | None = None):
+                 kv_quantize=None, kv_dtype=None, plan: ShardingPlan | None = None,
+                 num_speculative_tokens: int = 0):
         self.cfg = model_config
         # How weights, KV pool and the step split over the devices (default: one device).
         self.plan = plan = plan or single_device_plan(model_config)
@@ -95,6 +98,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-scheduler_config.max_model_len // self.block_size)
         self.buckets = token_buckets(scheduler_config.max_num_batched_tokens)
         self.max_logprobs = max_logprobs
+        # Speculative decoding: each sampling request may verify this many drafts in a step.
+        self.num_spec = num_speculative_tokens
         self.cache = self._allocate_cache(kv_dtype or dtype, kv_quantize is not None)
         self.input_batch = InputBatch(self.max_seqs, model_config.vocab_size)
         # [max_num_seqs, vocab] x 4 on the device: the penalties never change shape.
@@ -120,7 +125,12 @@ class ModelRunner:
             if x.prompt_targets is not None:
                 scores = score_rows(logits_of, hidden, x.prompt_rows, x.prompt_targets, k)
             out = sample(logits, x.sampling, pen, k=k)
-            pen = penalties.count_sampled(pen, x.sampling.slots, out.token_ids)
+            slots = x.sampling.slots
+            if x.draft_ids is not None:
+                # Only emitted samples join the output history (rejected rows are dropped).
+                keep = emitted_mask(out.token_ids, x.draft_ids, x.group_start)
+                slots = jnp.where(keep, slots, pen.output_counts.shape[0])
+            pen = penalties.count_sampled(pen, slots, out.token_ids)
             return out, scores, cache, pen
 
         # Donated state leaves with the sharding it came in with, so the buffers are reused.
@@ -164,12 +174,20 @@ class ModelRunner:
         T = self.bucket_for(sum(len(s.token_ids) for s in scheduled))
         return self._build(scheduled, T, with_prompt_logprobs)
 
+    def _sample_rows(self, token_bucket: int) -> int:
+        """Sampler rows of a bucket: one per sequence, or with speculation one per draft and
+        bonus position (never more than the bucket's tokens: each row is a distinct token)."""
+        S = self._seq_bucket(token_bucket)
+        return min(token_bucket, S * (self.num_spec + 1)) if self.num_spec else S
+
     def _build(self, scheduled, num_tokens: int, with_prompt_logprobs: bool):
         return build_inputs(scheduled, self.input_batch, num_tokens=num_tokens,
                             num_seqs=self._seq_bucket(num_tokens), num_blocks=self.num_blocks,
                             block_size=self.block_size,
                             max_blocks_per_seq=self.max_blocks_per_seq,
-                            with_prompt_logprobs=with_prompt_logprobs)
+                            with_prompt_logprobs=with_prompt_logprobs,
+                            num_sample_rows=self._sample_rows(num_tokens),
+                            speculative=self.num_spec > 0)
 
     def _executable(self, num_tokens: int, with_prompt_logprobs: bool):
         """The compiled step for one token bucket and variant, compiled ahead of time (no
@@ -218,13 +236,16 @@ class ModelRunner:
         want_prompt_lp = any(s.prompt_logprobs for s in scheduled)
         inputs, layout = self.prepare(scheduled, want_prompt_lp)
         res, scores = jax.device_get(self.run_model(inputs))
+        drafts = {s.request_id: s.spec_token_ids for s in scheduled}
         for rid, r in layout.sample_rows.items():
-            token = int(res.token_ids[r])
-            out.sampled[rid] = [token]
+            d = drafts[rid]
+            n = accept(res.token_ids[r:r + len(d) + 1], d) + 1 if d else 1
+            tokens = [int(t) for t in res.token_ids[r:r + n]]
+            out.sampled[rid] = tokens
             if batch.requests[rid].sampling_params.logprobs is not None:
-                out.logprobs[rid] = (float(res.logprob[r]), int(res.rank[r]), res.top_ids[r],
-                                     res.top_logprobs[r])
-            batch.append_sampled(rid, [token])
+                out.logprobs[rid] = [(float(res.logprob[i]), int(res.rank[i]), res.top_ids[i],
+                                      res.top_logprobs[i]) for i in range(r, r + n)]
+            batch.append_sampled(rid, tokens)
         if want_prompt_lp:
             out.prompt_logprobs = self._prompt_logprobs(scheduled, layout.offsets,
                                                         inputs.prompt_targets, scores)
@@ -254,10 +275,7 @@ class ModelRunner:
         by shape, so the device's peak memory is what a real step of that bucket needs."""
         T = self.buckets[-1]
         for with_prompt_logprobs in (False, True):
-            x, _ = build_inputs([], self.input_batch, num_tokens=T, num_seqs=self._seq_bucket(T),
-                                num_blocks=self.num_blocks, block_size=self.block_size,
-                                max_blocks_per_seq=self.max_blocks_per_seq,
-                                with_prompt_logprobs=with_prompt_logprobs)
+            x, _ = self._build([], T, with_prompt_logprobs)
             jax.block_until_ready(self.run_model(x))
 
     def release(self) -> None:
