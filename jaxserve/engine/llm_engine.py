@@ -18,7 +18,6 @@ import jax
 from jaxserve.attention import AttentionCase, select_backend
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import DEFAULT_COMPILATION_CACHE_DIR, EngineArgs
-from jaxserve.spec_decode import make_proposer
 from jaxserve.core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
@@ -28,6 +27,7 @@ from jaxserve.loader.loader import load_model, resolve_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sharding.mesh import make_mesh
 from jaxserve.sharding.plan import plan_for
+from jaxserve.spec_decode import make_proposer
 from jaxserve.tokenizer.tokenizer import Tokenizer
 from jaxserve.worker.kv_sizing import num_kv_blocks, probe_blocks, profile_peak_bytes
 from jaxserve.worker.model_runner import ModelRunner

@@ -1,0 +1,224 @@
+"""Speculative decoding: speculative_config validation, the n-gram and suffix proposers, exact
+verification (the emitted tokens are distributed as the target's), the scheduler's rollback of
+rejected drafts (a fake paged cache read back through the block tables), and the engine on the
+default model: greedy and seeded outputs identical with and without speculation."""
+
+from __future__ import annotations
+
+import random
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import EngineArgs, SpeculativeConfig
+from jaxserve.core.request import Request
+from jaxserve.sample import penalties
+from jaxserve.sample.rejection import accept, emitted_mask
+from jaxserve.sample.sampler import SamplingTensors, _apply_filters, sample
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.spec_decode import SuffixProposer, propose_ngram
+
+# -- config ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad,field", [
+    ({"method": "eagle"}, "method"),
+    ({"num_speculative_tokens": 3}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"method": "suffix", "bogus": 1}, "bogus"),
+    ({"model": "some/draft", "num_speculative_tokens": 3}, "model"),
+])
+def test_bad_speculative_config_names_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        EngineArgs(speculative_config=bad)
+
+
+def test_speculative_config_sets_the_scheduler_budget():
+    args = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                          "prompt_lookup_max": 5})
+    assert args.spec_config() == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=5)
+    assert args.scheduler_config(256).num_speculative_tokens == 3
+    assert EngineArgs().scheduler_config(256).num_speculative_tokens == 0
+
+
+# -- proposers ------------------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_longest_recent_match():
+    #            0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 2, 3, 4]
+    # suffix [2, 3, 4] last occurred at 6..8, followed by 6, 7
+    assert propose_ngram(tokens, 2, 1, 3) == [6, 7]
+    assert propose_ngram(tokens, 5, 1, 3) == [6, 7, 2, 3, 4]
+    assert propose_ngram([1, 2, 3], 3, 1, 3) == []                 # nothing repeats
+    assert propose_ngram([5, 1, 5], 2, 2, 3) == []                 # only a 1-gram matches
+    assert propose_ngram([5, 1, 5], 2, 1, 3) == [1, 5]
+
+
+def test_suffix_proposer_follows_the_most_frequent_continuation():
+    p = SuffixProposer(k=3, max_depth=4)
+    # after "1 2" came 3 twice and 8 once; after "2 3" came 4 twice
+    tokens = [1, 2, 3, 4, 0, 1, 2, 8, 0, 1, 2, 3, 4, 0, 9, 1, 2]
+    assert p.propose("a", tokens) == [3, 4, 0]
+    # incremental: the trie keeps its counts; the longest match wins ("4 0 1 2" was followed by 8)
+    assert p.propose("a", tokens + [3, 4, 0, 1, 2]) == [8, 0, 1]
+    assert p.propose("b", [5, 6, 7]) == []
+    p.finish("a")
+    assert "a" not in p.tries
+
+
+def test_suffix_proposer_learns_from_earlier_outputs():
+    p = SuffixProposer(k=4, max_depth=8, max_cached_requests=2)
+    p.propose("a", [1, 2, 3])
+    p.finish("a", [10, 11, 12, 13, 14])
+    assert p.propose("b", [7, 10, 11]) == [12, 13, 14]
+
+
+# -- verification ---------------------------------------------------------------------------
+
+
+def test_emitted_mask_stops_at_the_first_rejected_draft():
+    # request A: rows 0..3 verify drafts 5, 6, 7 then the bonus; B: rows 4..5 one draft
+    sampled = jnp.array([5, 6, 9, 1, 3, 4], jnp.int32)
+    drafts = jnp.array([5, 6, 7, -1, 2, -1], jnp.int32)
+    group = jnp.array([0, 0, 0, 0, 4, 4], jnp.int32)
+    assert emitted_mask(sampled, drafts, group).tolist() == [True, True, True, False, True, False]
+    assert accept(np.array([5, 6, 9, 1]), [5, 6, 7]) == 2
+    assert accept(np.array([5, 6, 7, 1]), [5, 6, 7]) == 3
+
+
+V, N = 32, 20_000
+
+
+def _tensors(R, positions, top_p, penalised, repetition=1.0, presence=0.0):
+    full = lambda v, dt: np.full(R, v, dt)   # noqa: E731
+    return SamplingTensors(full(1.0, np.float32), full(0, np.int32), full(top_p, np.float32),
+                           full(0.0, np.float32), np.repeat(np.arange(R // 2, dtype=np.uint32), 2),
+                           np.asarray(positions, np.int32), full(0, np.int32),
+                           full(penalised, bool), full(False, bool), full(presence, np.float32),
+                           full(0.0, np.float32), full(repetition, np.float32), full(False, bool))
+
+
+@pytest.mark.parametrize("case", ["top_p", "penalties"])
+def test_verified_tokens_are_distributed_as_the_target(case):
+    """Many seeded requests, each verifying one draft then a bonus position, all on one logits
+    row: the emitted first token follows the target distribution (TV bound), a draft d is
+    accepted with probability p(d), and a rejection emits p with d removed, renormalised."""
+    rng = np.random.default_rng(0)
+    logits = (rng.normal(size=V) * 2).astype(np.float32)
+    state = penalties.zeros(1, V)
+    kw = dict(top_p=0.9, penalised=False)
+    if case == "penalties":
+        counts = np.zeros((1, V), np.int32)
+        counts[0, np.argsort(logits)[-3:]] = 2              # the three likeliest were output
+        state = penalties.PenaltyState(jnp.asarray(counts), jnp.zeros((1, V), bool),
+                                       jnp.zeros((1, V), jnp.float32), jnp.zeros((1, V), bool))
+        kw = dict(top_p=0.95, penalised=True, repetition=1.5, presence=0.7)
+    R = 2 * N
+    t = _tensors(R, np.tile([0, 1], N), **kw)
+    # The target: the sampler's own processing of one row, then softmax.
+    one = jax_row = jnp.asarray(logits[None])
+    if kw["penalised"]:
+        one = penalties.apply_penalties(jax_row, jnp.zeros(1, jnp.int32), jnp.ones(1, bool),
+                                        jnp.zeros(1, bool), t.presence[:1], t.frequency[:1],
+                                        t.repetition[:1], state)
+    t1 = SamplingTensors(*(np.asarray(a)[:1] for a in (
+        t.temperature, t.top_k, t.top_p, t.min_p, t.seeds, t.positions, t.slots, t.penalised,
+        t.min_tokens_active, t.presence, t.frequency, t.repetition, t.logprobs)))
+    p = np.asarray(jnp.exp(_apply_filters(one, t1) - jnp.max(one)))[0].astype(np.float64)
+    p /= p.sum()
+    out = np.asarray(sample(jnp.tile(jax_row, (R, 1)), t, state).token_ids)
+    first = out[0::2]
+    order = np.argsort(p)[::-1]
+    for d in (order[0], order[2], order[-1]):       # likely, middling, filtered out (p = 0)
+        drafts = np.tile([d, -1], N).astype(np.int32)
+        group = np.repeat(np.arange(0, R, 2, dtype=np.int32), 2)
+        keep = np.asarray(emitted_mask(jnp.asarray(out), jnp.asarray(drafts), jnp.asarray(group)))
+        emitted_first = first                       # row 0 is always emitted
+        assert keep[0::2].all()
+        accepted = first == d
+        assert (keep[1::2] == accepted).all()       # the bonus only after an acceptance
+        hist = np.bincount(emitted_first, minlength=V) / N
+        assert 0.5 * np.abs(hist - p).sum() < 0.03
+        assert abs(accepted.mean() - p[d]) < 4 * np.sqrt(p[d] * (1 - p[d]) / N) + 1e-9
+        if p[d] < 0.99:
+            resid = p.copy()
+            resid[d] = 0
+            resid /= resid.sum()
+            rej = np.bincount(emitted_first[~accepted], minlength=V) / max(1, (~accepted).sum())
+            assert 0.5 * np.abs(rej - resid).sum() < 0.04
+
+
+# -- scheduler: rollback of rejected drafts ---------------------------------------------------
+
+VOCAB = 7
+
+
+def oracle(tokens):
+    return (sum(tokens[-3:]) * 5 + len(tokens)) % VOCAB
+
+
+def test_rejected_drafts_roll_back_without_leaks_or_stale_kv():
+    """A fake runner keeps a paged cache of tokens; every row's context is read back through its
+    block table and must equal the request's known tokens. Drafts are right or wrong at random;
+    outputs must equal plain decoding, prefix hits must only ever hit verified blocks, and the
+    pool must end empty."""
+    from jaxserve.config import CacheConfig, SchedulerConfig
+    from jaxserve.core.scheduler import Scheduler
+    rng = random.Random(0)
+    for caching, num_blocks in ((True, 40), (False, 40), (True, 14)):
+        sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24,
+                                          max_model_len=64, num_speculative_tokens=3),
+                          CacheConfig(block_size=4, enable_prefix_caching=caching),
+                          num_blocks=num_blocks)
+        cache = [None] * (num_blocks * 4)
+        prompts = {f"r{i}": [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 12))]
+                   for i in range(10)}
+        prompts["dup"] = list(prompts["r0"])                       # a prefix-cache hit
+        expected = {}
+        for rid, prompt in prompts.items():
+            toks = list(prompt)
+            for _ in range(20):
+                toks.append(oracle(toks))
+            expected[rid] = toks[len(prompt):]
+            sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=20, ignore_eos=True),
+                                      max_model_len=64))
+        done = {}
+        for _ in range(2000):
+            if not sched.has_unfinished_requests():
+                break
+            out = sched.schedule()
+            slot = lambda b, p: b[p // 4] * 4 + p % 4   # noqa: E731
+            for row in out.scheduled:
+                for i, tok in enumerate(row.token_ids):
+                    cache[slot(row.block_ids, row.num_computed_tokens + i)] = tok
+            sampled = {}
+            for row in out.scheduled:
+                req = sched.requests[row.request_id]
+                known = row.num_computed_tokens + len(row.token_ids) - len(row.spec_token_ids)
+                ctx = [cache[slot(row.block_ids, p)] for p in range(known)]
+                assert ctx == req.all_token_ids[:known]
+                if row.sample:
+                    seq, new = list(ctx), []
+                    for d in row.spec_token_ids + [None]:
+                        new.append(oracle(seq))
+                        if d is None or new[-1] != d:
+                            break
+                        seq.append(d)
+                    sampled[row.request_id] = new
+            for req in sched.update_from_output(out, sampled):
+                if req.is_finished():
+                    done[req.request_id] = list(req.output_token_ids)
+            for req in sched.running:      # propose: the right next tokens or junk
+                seq, drafts = list(req.all_token_ids), []
+                for _ in range(rng.randrange(0, 4)):
+                    drafts.append(oracle(seq) if rng.random() < 0.7 else rng.randrange(VOCAB))
+                    seq.append(drafts[-1])
+                req.spec_token_ids = drafts
+        assert done == expected
+        assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks
+        assert sched.spec_stats.num_accepted_tokens > 0
+        assert sched.spec_stats.num_draft_tokens > sched.spec_stats.num_accepted_tokens
