@@ -222,3 +222,100 @@ def test_rejected_drafts_roll_back_without_leaks_or_stale_kv():
         assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks
         assert sched.spec_stats.num_accepted_tokens > 0
         assert sched.spec_stats.num_draft_tokens > sched.spec_stats.num_accepted_tokens
+
+
+# -- the engine on the default model ----------------------------------------------------------
+
+COPY = ["Repeat this list exactly, one per line: apple, banana, cherry, date, elderberry, fig, "
+        "grape, honeydew.",
+        "Rewrite this code with the variable x renamed to y:\n\ndef f(x):\n    x = x + 1\n"
+        "    return x * 2\n"]
+OPEN = ["Write a short poem about the sea.", "What is the capital of France? Explain briefly."]
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    from jaxserve import LLM
+    llm = LLM(warmup=False, max_model_len=512, max_num_batched_tokens=128, max_num_seqs=16,
+              num_gpu_blocks_override=256, seed=0,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    yield llm
+    llm.shutdown()
+
+
+def _chat(llm, prompts, params, proposer):
+    from jaxserve.spec_decode import make_proposer
+    engine = llm.llm_engine
+    engine.proposer = make_proposer(SpeculativeConfig(**proposer)) if proposer else None
+    try:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                        use_tqdm=False)
+    finally:
+        engine.proposer = None
+    return [o.outputs[0] for o in outs]
+
+
+NGRAM = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3)
+SUFFIX = dict(method="suffix", num_speculative_tokens=4)
+
+
+@pytest.mark.slow
+def test_greedy_outputs_identical_with_and_without_speculation(spec_llm):
+    engine = spec_llm.llm_engine
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    base = [o.token_ids for o in _chat(spec_llm, COPY + OPEN, greedy, None)]
+    for method in (NGRAM, SUFFIX):
+        before = engine.stats()
+        mixed = _chat(spec_llm, COPY + OPEN, greedy, method)
+        alone = _chat(spec_llm, COPY[:1], greedy, method)
+        assert [o.token_ids for o in mixed] == base, method["method"]
+        assert alone[0].token_ids == base[0]
+        after = engine.stats()
+        assert after.spec_num_accepted_tokens > before.spec_num_accepted_tokens
+    assert not engine.scheduler.kv_cache_manager.req_to_blocks
+
+
+@pytest.mark.slow
+def test_greedy_identical_under_preemption_and_prefix_caching(spec_llm, variant):
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    base = [o.token_ids for o in _chat(spec_llm, COPY * 2, greedy, None)]
+    with variant(spec_llm, num_blocks=9) as sched:     # 144 slots: preempts
+        tight = _chat(spec_llm, COPY * 2, greedy, NGRAM)
+        assert sched.num_preemptions_total > 0
+    assert [o.token_ids for o in tight] == base
+    with variant(spec_llm, enable_prefix_caching=True) as sched:
+        first = _chat(spec_llm, COPY, greedy, SUFFIX)
+        again = _chat(spec_llm, COPY, greedy, SUFFIX)               # prefix-cache hits
+        assert sched.prefix_cache_stats.hits > 0
+    assert [o.token_ids for o in first] == [o.token_ids for o in again] == base[:2]
+
+
+@pytest.mark.slow
+def test_seeded_sampling_identical_with_speculation(spec_llm):
+    """Verification keeps each position's noise: a seeded request samples the same tokens, with
+    the same logprobs, with and without drafts (top-p, min_p, logit_bias, min_tokens;
+    a history-dependent penalty opts its request out)."""
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=32, logprobs=2),
+              SamplingParams(temperature=0.8, min_p=0.05, seed=8, max_tokens=32, min_tokens=20,
+                             logit_bias={11: 2.0}),
+              SamplingParams(temperature=1.0, seed=9, max_tokens=32, repetition_penalty=1.3,
+                             presence_penalty=0.5)]
+    prompts = [COPY[0], COPY[1], COPY[0]]
+    from jaxserve.spec_decode import make_proposer
+    engine = spec_llm.llm_engine
+
+    def run(proposer):
+        engine.proposer = make_proposer(SpeculativeConfig(**proposer)) if proposer else None
+        try:
+            convs = [[{"role": "user", "content": p}] for p in prompts]
+            return [o.outputs[0] for o in spec_llm.chat(convs, params, use_tqdm=False)]
+        finally:
+            engine.proposer = None
+
+    base, spec = run(None), run(NGRAM)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in base]
+    for a, b in zip(base[0].logprobs, spec[0].logprobs):
+        assert a.keys() == b.keys()
+        for tok in a:
+            assert a[tok].logprob == pytest.approx(b[tok].logprob, abs=1e-4)
