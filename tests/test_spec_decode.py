@@ -319,3 +319,16 @@ def test_seeded_sampling_identical_with_speculation(spec_llm):
         assert a.keys() == b.keys()
         for tok in a:
             assert a[tok].logprob == pytest.approx(b[tok].logprob, abs=1e-4)
+
+
+def test_spec_decode_counters_render_in_prometheus():
+    from jaxserve.engine.llm_engine import EngineStats
+    from jaxserve.server.http.metrics import ServerMetrics
+    stats = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, spec_num_drafts=5, spec_num_draft_tokens=20,
+                        spec_num_accepted_tokens=9, spec_num_accepted_tokens_per_pos=(5, 3, 1, 0))
+    text = ServerMetrics("m", lambda: stats).render().decode()
+    assert 'jaxserve:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
+    assert 'jaxserve:spec_decode_num_draft_tokens_total{model_name="m"} 20.0' in text
+    assert 'jaxserve:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
+    assert ('jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} '
+            '3.0') in text
