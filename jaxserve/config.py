@@ -212,6 +212,9 @@ class SpeculativeConfig:
     suffix_max_depth: int = 16
     suffix_min_count: int = 1
     suffix_cache_requests: int = 0
+    # Adaptive opt-out: pause a request's drafts while fewer than this many are accepted per
+    # verification (moving average); 0 = never pause.
+    min_expected_accepted: float = 0.5
 
     METHODS = ("ngram", "suffix")
 
@@ -250,6 +253,11 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
                              f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+        v = self.min_expected_accepted
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= \
+                self.num_speculative_tokens:
+            raise ValueError("speculative_config.min_expected_accepted must be a number in "
+                             f"[0, num_speculative_tokens], got {v!r}")
         for name in ("disable_by_batch_size", "max_prompt_len"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):

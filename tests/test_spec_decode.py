@@ -332,3 +332,27 @@ def test_spec_decode_counters_render_in_prometheus():
     assert 'jaxserve:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
     assert ('jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} '
             '3.0') in text
+
+
+def test_proposer_pauses_a_request_whose_drafts_keep_failing():
+    from jaxserve.spec_decode import Proposer
+    p = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    tokens = [1, 2, 3, 1, 2, 3, 1, 2]
+    assert p.propose("a", tokens) == [3, 1, 2]
+    calls_with_drafts = 0
+    junk = 100
+    for _ in range(40):                 # every draft is rejected: the target says something new
+        tokens = tokens + [junk]
+        junk += 1
+        tokens_for_ngram = tokens + [1, 2]
+        tokens = tokens_for_ngram
+        calls_with_drafts += bool(p.propose("a", tokens))
+    assert calls_with_drafts <= 10      # pauses of 4, 8, 16, ... calls between retries
+    # a copying request keeps full-length drafts
+    q = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    seq = [5, 6, 7, 8, 9] * 12
+    n = 12
+    while n < 50:
+        drafts = q.propose("b", seq[:n])
+        assert drafts == seq[n:n + 4]
+        n += len(drafts) + 1            # all accepted, plus the bonus token

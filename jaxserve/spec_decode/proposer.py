@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from jaxserve.config import SpeculativeConfig
 from jaxserve.spec_decode.ngram import propose_ngram
 from jaxserve.spec_decode.suffix import SuffixProposer
+
+
+@dataclass
+class _Track:
+    """A request's recent acceptance, learnt from its own tokens: the drafts proposed last time
+    are compared with the tokens that came after them."""
+    drafts: list[int]
+    at: int                      # len(tokens) when the drafts were proposed
+    expected: float              # moving average of accepted drafts per verification
+    paused: int = 0              # calls left without drafts
+    pause_len: int = 4
 
 
 class Proposer:
@@ -16,6 +30,7 @@ class Proposer:
         self._suffix = (SuffixProposer(config.num_speculative_tokens, config.suffix_max_depth,
                                        config.suffix_min_count, config.suffix_cache_requests)
                         if config.method == "suffix" else None)
+        self._tracks: dict[str, _Track] = {}
 
     def enabled_for(self, num_prompt_tokens: int, batch_size: int) -> bool:
         """Speculation pays when decode is bound by weight reads: small batches, prompts that
@@ -26,19 +41,47 @@ class Proposer:
         return c.max_prompt_len is None or num_prompt_tokens <= c.max_prompt_len
 
     def propose(self, request_id: str, tokens: list[int]) -> list[int]:
+        """Drafts for the tokens after `tokens`. Adaptive opt-out: a request whose drafts keep
+        being rejected (fewer than `min_expected_accepted` accepted per verification, moving
+        average) pauses speculation for a while (doubling pauses), and draft length follows the
+        expected acceptance, so open-ended text pays little for verification."""
         c = self.config
-        if self._suffix is not None:
-            return self._suffix.propose(request_id, tokens)
-        return propose_ngram(tokens, c.num_speculative_tokens, c.prompt_lookup_min,
-                             c.prompt_lookup_max)
+        k = c.num_speculative_tokens
+        tr = self._tracks.get(request_id)
+        if tr is None:
+            tr = self._tracks[request_id] = _Track([], len(tokens), float(k))
+        elif tr.drafts:
+            new = tokens[tr.at:]
+            n = 0
+            while n < min(len(new), len(tr.drafts)) and new[n] == tr.drafts[n]:
+                n += 1
+            tr.expected = 0.5 * tr.expected + 0.5 * n
+            tr.drafts = []
+            if tr.expected < c.min_expected_accepted:
+                tr.paused, tr.pause_len = tr.pause_len, min(64, tr.pause_len * 2)
+        if self._suffix is not None:       # the trie must see every token, paused or not
+            drafts = self._suffix.propose(request_id, tokens)
+        elif tr.paused:
+            drafts = []
+        else:
+            drafts = propose_ngram(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max)
+        if tr.paused:
+            tr.paused -= 1
+            if not tr.paused:               # try again, with the benefit of the doubt
+                tr.expected = max(tr.expected, 2 * c.min_expected_accepted)
+            return []
+        if tr.expected >= c.min_expected_accepted and c.min_expected_accepted > 0:
+            drafts = drafts[:max(1, min(k, math.ceil(tr.expected) + 1))]
+        tr.drafts, tr.at = list(drafts), len(tokens)
+        return drafts
 
     def retain(self, live_ids) -> None:
         """Forget requests that are not in `live_ids` (a container of request ids)."""
-        if self._suffix is not None:
-            for rid in [r for r in self._suffix.tries if r not in live_ids]:
-                self._suffix.finish(rid)
+        for rid in [r for r in self._tracks if r not in live_ids]:
+            self.finish(rid)
 
     def finish(self, request_id: str, output_tokens: list[int] | None = None) -> None:
+        self._tracks.pop(request_id, None)
         if self._suffix is not None:
             self._suffix.finish(request_id, output_tokens)
 
