@@ -267,9 +267,11 @@ class LLMEngine:
     def _propose(self, updated) -> None:
         """Draft tokens for each running request that just got tokens; forget finished ones.
         Opt-out: penalties that depend on the output history (their draft positions would need
-        the drafts counted) and what `Proposer.enabled_for` refuses."""
+        the drafts counted), what `Proposer.enabled_for` refuses, and drafts that would push the
+        step into a larger token bucket without enough expected acceptance (`Proposer.fit`)."""
         batch_size = self.scheduler.num_running
         self.proposer.retain(self.scheduler.requests)      # aborted / stop-string finished
+        proposals = {}
         for req in updated:
             if req.is_finished():
                 self.proposer.finish(req.request_id, req.output_token_ids)
@@ -278,7 +280,13 @@ class LLMEngine:
             if (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
                     or not self.proposer.enabled_for(req.num_prompt_tokens, batch_size)):
                 continue
-            req.spec_token_ids = self.proposer.propose(req.request_id, req.all_token_ids)
+            proposals[req] = self.proposer.propose(req.request_id, req.all_token_ids)
+        if not proposals:
+            return
+        free = self.runner.bucket_for(min(batch_size, self.runner.buckets[-1])) - batch_size
+        fitted = self.proposer.fit({r.request_id: d for r, d in proposals.items()}, free)
+        for req in proposals:
+            req.spec_token_ids = fitted[req.request_id]
 
     def _runner_usable(self) -> bool:
         """False when the failed step consumed the donated KV cache (nothing can run again)."""

@@ -75,6 +75,29 @@ class Proposer:
         tr.drafts, tr.at = list(drafts), len(tokens)
         return drafts
 
+    # Expected accepted drafts per verification above which a request's drafts may push the
+    # step into a larger (more costly) token bucket: doubling a step's tokens must buy tokens.
+    GROW_MIN_EXPECTED = 2.0
+
+    def fit(self, proposals: dict[str, list[int]], free: int) -> dict[str, list[int]]:
+        """Trim drafts to what pays: `free` draft tokens cost nothing (the step's token bucket
+        pads to that many anyway); they go to the requests most likely to accept. Beyond them
+        only requests expecting >= GROW_MIN_EXPECTED accepted drafts keep theirs."""
+        order = sorted(proposals, key=lambda r: -self.expected(r))
+        out = {}
+        for rid in order:
+            d = proposals[rid]
+            if self.expected(rid) >= self.GROW_MIN_EXPECTED:
+                out[rid] = d
+            else:
+                out[rid] = d[:max(0, free)]
+            free -= len(out[rid])
+        return out
+
+    def expected(self, request_id: str) -> float:
+        tr = self._tracks.get(request_id)
+        return tr.expected if tr is not None else float(self.config.num_speculative_tokens)
+
     def retain(self, live_ids) -> None:
         """Forget requests that are not in `live_ids` (a container of request ids)."""
         for rid in [r for r in self._tracks if r not in live_ids]:
