@@ -356,3 +356,15 @@ def test_proposer_pauses_a_request_whose_drafts_keep_failing():
         drafts = q.propose("b", seq[:n])
         assert drafts == seq[n:n + 4]
         n += len(drafts) + 1            # all accepted, plus the bonus token
+
+
+def test_fit_gives_free_bucket_room_to_the_likeliest_and_growth_only_to_good_copiers():
+    from jaxserve.spec_decode import Proposer
+    p = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    p.propose("good", [1, 2, 1, 2])
+    p.propose("poor", [3, 4, 3, 4])
+    p._tracks["poor"].expected = 1.0
+    fitted = p.fit({"good": [1, 2, 1, 2], "poor": [3, 4, 3, 4]}, free=2)
+    assert fitted == {"good": [1, 2, 1, 2], "poor": []}
+    fitted = p.fit({"good": [1, 2, 1, 2], "poor": [3, 4, 3, 4]}, free=7)
+    assert fitted == {"good": [1, 2, 1, 2], "poor": [3, 4, 3]}
