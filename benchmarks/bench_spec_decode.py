@@ -5,8 +5,9 @@
 One engine (default model, f32, greedy) serves every configuration: speculation is switched by
 swapping the engine's proposer (none, ngram, suffix) so all runs share the compiled programs.
 Workloads: "copy" (repeat a list, rewrite code with one change: the answer copies the prompt)
-and "open" (open-ended questions). Each (workload, batch, method) is run once after a warm-up
-generate; tokens/s = generated tokens / wall time of `LLM.chat`. Acceptance per draft position
+and "open" (open-ended questions). Each (workload, batch, method) runs after a warm-up
+generate, alternating with the baseline, best of `--repeats`; tokens/s = generated tokens / wall
+time of `LLM.chat`. Acceptance per draft position
 = accepted tokens at that position / drafts. Greedy outputs are checked to equal the baseline's.
 Prints a Markdown table and one JSON line.
 """
@@ -67,6 +68,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
@@ -83,9 +85,14 @@ def main():
     for workload, base_prompts in (("copy", COPY), ("open", OPEN)):
         for batch in batches:
             prompts = (base_prompts * (batch // len(base_prompts) + 1))[:batch]
-            base = run(llm, prompts, params, None, a.k, {})
             for method, extra in methods.items():
-                r = run(llm, prompts, params, method, a.k, extra)
+                # Best of `--repeats` alternating runs: the shared machine's load drifts.
+                base = r = None
+                for _ in range(a.repeats):
+                    b = run(llm, prompts, params, None, a.k, {})
+                    s = run(llm, prompts, params, method, a.k, extra)
+                    base = b if base is None or b["tok_s"] > base["tok_s"] else base
+                    r = s if r is None or s["tok_s"] > r["tok_s"] else r
                 same = r["ids"] == base["ids"]
                 speedup = r["tok_s"] / base["tok_s"]
                 rows.append(f"| {workload} | {batch} | {method} | {base['tok_s']:.1f} | "

@@ -351,11 +351,13 @@ def test_proposer_pauses_a_request_whose_drafts_keep_failing():
     # a copying request keeps full-length drafts
     q = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
     seq = [5, 6, 7, 8, 9] * 12
-    n = 12
+    n, lengths = 12, []
     while n < 50:
         drafts = q.propose("b", seq[:n])
-        assert drafts == seq[n:n + 4]
+        assert drafts == seq[n:n + len(drafts)]
+        lengths.append(len(drafts))
         n += len(drafts) + 1            # all accepted, plus the bonus token
+    assert lengths[0] == 3 and set(lengths[1:]) == {4}     # starts cautious, earns full drafts
 
 
 def test_fit_gives_free_bucket_room_to_the_likeliest_and_growth_only_to_good_copiers():

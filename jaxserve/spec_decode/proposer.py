@@ -49,7 +49,10 @@ class Proposer:
         k = c.num_speculative_tokens
         tr = self._tracks.get(request_id)
         if tr is None:
-            tr = self._tracks[request_id] = _Track([], len(tokens), float(k))
+            # A new request starts at the growth threshold: one rejected draft stops it from
+            # growing the step's bucket, a few accepted ones earn full-length drafts.
+            tr = self._tracks[request_id] = _Track([], len(tokens), min(float(k),
+                                                                        self.GROW_MIN_EXPECTED))
         elif tr.drafts:
             new = tokens[tr.at:]
             n = 0
@@ -96,7 +99,8 @@ class Proposer:
 
     def expected(self, request_id: str) -> float:
         tr = self._tracks.get(request_id)
-        return tr.expected if tr is not None else float(self.config.num_speculative_tokens)
+        return tr.expected if tr is not None else min(float(self.config.num_speculative_tokens),
+                                                      self.GROW_MIN_EXPECTED)
 
     def retain(self, live_ids) -> None:
         """Forget requests that are not in `live_ids` (a container of request ids)."""
