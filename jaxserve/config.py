@@ -292,6 +292,75 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` keys. `method`: "ngram" (prompt lookup) or "suffix" (suffix
+    trie over the request's tokens and, with suffix_cache_requests > 0, earlier outputs).
+    Opt-out: no drafts for a request whose prompt is longer than `max_prompt_len` or while the
+    running batch has `disable_by_batch_size` requests or more."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = None
+    max_prompt_len: int | None = 4096
+    suffix_max_depth: int = 16
+    suffix_min_count: int = 1
+    suffix_cache_requests: int = 0
+    # Adaptive opt-out: pause a request's drafts while fewer than this many are accepted per
+    # verification (moving average); 0 = never pause.
+    min_expected_accepted: float = 0.5
+
+    METHODS = ("ngram", "suffix")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
+        if not d:
+            return None
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        if "model" in d and d.get("method") in (None, "draft_model"):
+            raise ValueError("speculative_config.model (a draft model) is not supported yet; "
+                             "use method 'ngram' or 'suffix'")
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; allowed: "
+                             f"{sorted(names)}")
+        if "method" not in d:
+            raise ValueError("speculative_config.method is required: one of "
+                             f"{', '.join(cls.METHODS)}")
+        return cls(**d)
+
+    def __post_init__(self):
+        if self.method not in self.METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(self.METHODS)}"
+                             f", got {self.method!r}")
+        for name, lo in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1),
+                         ("prompt_lookup_max", 1), ("suffix_max_depth", 1),
+                         ("suffix_min_count", 1), ("suffix_cache_requests", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"speculative_config.{name} must be an int >= {lo}, got {v!r}")
+        if self.num_speculative_tokens > 16:
+            raise ValueError("speculative_config.num_speculative_tokens must be <= 16, got "
+                             f"{self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
+                             f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+        v = self.min_expected_accepted
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= \
+                self.num_speculative_tokens:
+            raise ValueError("speculative_config.min_expected_accepted must be a number in "
+                             f"[0, num_speculative_tokens], got {v!r}")
+        for name in ("disable_by_batch_size", "max_prompt_len"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"speculative_config.{name} must be None or an int >= 1, "
+                                 f"got {v!r}")
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -366,6 +435,7 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         # The sub-configs validate their own fields; build them once here so errors surface early.
         self.cache_config()
+        self.spec_config()
         ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel)
 
     @classmethod
@@ -382,11 +452,14 @@ class EngineArgs:
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         budget = self.max_num_batched_tokens or max(2048, 0 if self.enable_chunked_prefill
                                                     else max_model_len)
-        spec = self.speculative_config or {}
+        spec = self.spec_config()
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                max_model_len=max_model_len, policy=self.scheduling_policy,
                                enable_chunked_prefill=self.enable_chunked_prefill,
-                               num_speculative_tokens=int(spec.get("num_speculative_tokens", 0)))
+                               num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+
+    def spec_config(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel)

@@ -330,14 +330,18 @@ def test_add_request_rejects_bad_prompts():
         add(sched, "ok", [1])
 
 
-def test_speculative_tokens_are_reserved_in_the_budget():
+def test_draft_tokens_are_scheduled_within_the_budget():
     sched, runner = make(num_blocks=64, block_size=4, budget=10, spec=3)
     for i in range(3):
-        add(sched, f"r{i}", [i + 1], max_tokens=5)
-    out, _ = step(sched, runner)
-    # each sampling row costs 1 + 3 speculative tokens: only two fit in 10, the third gets 2
-    assert [r.num_lookahead_tokens for r in out.scheduled] == [3, 3, 1]
-    assert all(len(r.block_ids) * 4 >= r.num_computed_tokens + 1 + r.num_lookahead_tokens
+        add(sched, f"r{i}", [i + 1], max_tokens=8)
+    step(sched, runner)                                  # prefills: no drafts yet
+    for r in sched.running:
+        r.spec_token_ids = [7, 7, 7]
+    out = sched.schedule()
+    # each sampling row costs 1 + its drafts: two rows of 4 fit in 10, the third gets 1 draft
+    assert [len(r.spec_token_ids) for r in out.scheduled] == [3, 3, 1]
+    assert [len(r.token_ids) for r in out.scheduled] == [4, 4, 2]
+    assert all(len(r.block_ids) * 4 >= r.num_computed_tokens + len(r.token_ids)
                for r in out.scheduled)
 
 

@@ -90,6 +90,9 @@ class Request:
         # accept(token) -> bool, is_finished, error) that the scheduler advances with each
         # sampled token; None when unconstrained. Kept across preemption.
         self.structured = None
+        # Draft tokens proposed for the positions after all_token_ids (speculative decoding);
+        # never part of all_token_ids until the target has verified them.
+        self.spec_token_ids: list[int] = []
         if sampling_params.seed is not None:
             sample_seed = sampling_params.seed
         elif sample_seed is None:

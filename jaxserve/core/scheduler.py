@@ -65,6 +65,27 @@ class ScheduledRequest:
     prompt_logprobs: bool = False
     num_lookahead_tokens: int = 0
     new_request: NewRequestData | None = None
+    # Draft tokens appended at the end of `token_ids` (speculative decoding): the row's logits
+    # at each of them and at its last known token are sampled and verified.
+    spec_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SpecDecodingStats:
+    """Counters since start (vLLM's spec_decode metrics)."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        while len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+            self.num_accepted_tokens_per_pos.append(0)
+        for i in range(num_accepted):
+            self.num_accepted_tokens_per_pos[i] += 1
 
 
 @dataclass
@@ -105,6 +126,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: list[str] = []
         self.num_preemptions_total = 0
+        self.spec_stats = SpecDecodingStats()
 
     # --- requests in and out -----------------------------------------------------------------
 
@@ -198,16 +220,19 @@ class Scheduler:
 
     # --- the step -----------------------------------------------------------------------------
 
-    def _lookahead(self, request: Request, start: int, num_new: int, budget: int) -> int:
+    def _drafts(self, request: Request, start: int, num_new: int, budget: int) -> list[int]:
         """The one place speculative tokens enter the budget: a row that samples this step
-        (computes up to the last known token) may carry up to num_speculative_tokens extra
-        tokens, within what is left of the budget and of max_model_len."""
-        if start + num_new < request.num_tokens:
-            return 0
-        room = self.config.max_model_len - request.num_tokens
-        return max(0, min(self.config.num_speculative_tokens, budget - num_new, room))
+        (computes up to the last known token) carries the request's draft tokens, within what
+        is left of the budget, of max_model_len and of max_tokens (the bonus token included)."""
+        if start + num_new < request.num_tokens or not request.spec_token_ids:
+            return []
+        room = min(self.config.max_model_len - request.num_tokens,
+                   request.max_tokens - request.num_output_tokens - 1)
+        n = max(0, min(len(request.spec_token_ids), self.config.num_speculative_tokens,
+                       budget - num_new, room))
+        return request.spec_token_ids[:n]
 
-    def _row(self, request: Request, num_new: int, lookahead: int,
+    def _row(self, request: Request, num_new: int, drafts: list[int] = (),
              new: bool = False) -> ScheduledRequest:
         start = request.num_computed_tokens
         new_request = NewRequestData(list(request.prompt_token_ids),
@@ -215,13 +240,13 @@ class Scheduler:
                                      request.sample_seed) if new else None
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_new],
+            token_ids=request.all_token_ids[start:start + num_new] + list(drafts),
             num_computed_tokens=start,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             sample=start + num_new == request.num_tokens,
             prompt_logprobs=(request.sampling_params.prompt_logprobs is not None
                              and start < request.num_prompt_tokens),
-            num_lookahead_tokens=lookahead, new_request=new_request)
+            new_request=new_request, spec_token_ids=list(drafts))
 
     def _preemption_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -236,6 +261,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.add(request, front=True)
@@ -255,9 +281,8 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
-            lookahead = self._lookahead(request, request.num_computed_tokens, num_new, budget)
-            while self.kv_cache_manager.allocate_slots(
-                    request, num_new, num_lookahead_tokens=lookahead) is None:
+            drafts = self._drafts(request, request.num_computed_tokens, num_new, budget)
+            while self.kv_cache_manager.allocate_slots(request, num_new + len(drafts)) is None:
                 victim = self._preemption_victim()
                 if victim.request_id in rows:   # priority policy may pick a scheduled row
                     del rows[victim.request_id]
@@ -270,9 +295,9 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue
-            rows[request.request_id] = self._row(request, num_new, lookahead)
-            cost[request.request_id] = num_new + lookahead
-            budget -= num_new + lookahead
+            rows[request.request_id] = self._row(request, num_new, drafts)
+            cost[request.request_id] = num_new + len(drafts)
+            budget -= num_new + len(drafts)
 
         # 2. Waiting requests. Not after a preemption: blocks are short, admitting more now would
         # only thrash.
@@ -284,8 +309,7 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break   # head of line waits for a step with room for its whole prompt
             num_new = min(num_new, budget)
-            lookahead = self._lookahead(request, num_hit_tokens, num_new, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new, hits, lookahead) is None:
+            if self.kv_cache_manager.allocate_slots(request, num_new, hits) is None:
                 break
             self.waiting.pop()
             request.num_computed_tokens = num_hit_tokens
@@ -296,8 +320,9 @@ class Scheduler:
             self.running.append(request)
             # Every request leaving the waiting queue is new to the worker: fresh, or resumed
             # after a preemption (the worker dropped it when it was preempted).
-            rows[request.request_id] = self._row(request, num_new, lookahead, new=True)
-            budget -= num_new + lookahead
+            request.spec_token_ids = []
+            rows[request.request_id] = self._row(request, num_new, new=True)
+            budget -= num_new
 
         scheduled = list(rows.values())
         output = SchedulerOutput(scheduled=scheduled,
@@ -318,12 +343,23 @@ class Scheduler:
             request = self.requests.get(row.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += len(row.token_ids)
             new_tokens = sampled.get(row.request_id, []) if row.sample else []
             if row.sample and not new_tokens:
                 # Without a token the request would have nothing left to compute: a silent hang.
                 raise ValueError(f"no sampled token for request {row.request_id!r}, whose row "
                                  "had sample=True")
+            num_drafts = len(row.spec_token_ids)
+            if len(new_tokens) > num_drafts + 1:
+                raise ValueError(f"{len(new_tokens)} sampled tokens for request "
+                                 f"{row.request_id!r}, whose row verified {num_drafts} drafts")
+            # Rejected drafts roll back: their KV slots stay allocated but count as not
+            # computed, so the next step overwrites them before anything reads them. Accepted
+            # drafts are the first len(new_tokens) - 1 sampled tokens.
+            num_accepted = max(0, len(new_tokens) - 1) if num_drafts else 0
+            request.num_computed_tokens += len(row.token_ids) - num_drafts + num_accepted
+            if num_drafts:
+                self.spec_stats.observe(num_drafts, num_accepted)
+            request.spec_token_ids = []
             for token in new_tokens:
                 request.append_output_token(int(token))
                 if request.structured is not None and not request.structured.accept(int(token)):

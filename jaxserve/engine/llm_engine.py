@@ -29,6 +29,7 @@ from jaxserve.loader.loader import load_model, resolve_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sharding.mesh import make_mesh
 from jaxserve.sharding.plan import plan_for
+from jaxserve.spec_decode import make_proposer
 from jaxserve.structured_output import StructuredOutputManager
 from jaxserve.tokenizer.tokenizer import Tokenizer
 from jaxserve.worker.kv_sizing import num_kv_blocks, probe_blocks, profile_peak_bytes
@@ -48,6 +49,11 @@ class EngineStats:
     prefix_cache_hits: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # Speculative decoding counters (zeros without it).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 def enable_compilation_cache(directory: str | None) -> str | None:
@@ -120,7 +126,8 @@ class LLMEngine:
             cache_config = dataclasses.replace(args.cache_config(), num_blocks=num_blocks)
             return ModelRunner(cfg, weights, cache_config, self.scheduler_config, dtype=dtype,
                                backend=self.attention_backend, max_logprobs=args.max_logprobs,
-                               kv_quantize=kv_quantize, kv_dtype=kv_dtype, plan=self.plan)
+                               kv_quantize=kv_quantize, kv_dtype=kv_dtype, plan=self.plan,
+                               num_speculative_tokens=self.scheduler_config.num_speculative_tokens)
 
         blocks = num_kv_blocks(args, per_block * host_copies, weight_bytes,
                                profile=lambda n: profile_peak_bytes(make_runner(n)),
@@ -137,6 +144,7 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
                                                   self._eos_token_ids(cfg))
+        self.proposer = make_proposer(args.spec_config())
         self._rng = random.Random(args.seed)
         self._pending = []          # outputs produced outside step() (aborts)
         self._eos_ids = self._eos_token_ids(cfg)
@@ -284,6 +292,8 @@ class LLMEngine:
         prompt_lps = {rid: [(first_pos[rid] + j, entry) for j, entry in enumerate(entries)]
                       for rid, entries in result.prompt_logprobs.items()}
         updated = self.scheduler.update_from_output(sched, result.sampled)
+        if self.proposer is not None:
+            self._propose(updated)
         for req in updated:
             new = len(result.sampled.get(req.request_id, ()))
             self.generation_tokens_total += new
@@ -309,6 +319,32 @@ class LLMEngine:
                     states.append(req.structured)
         return GrammarBitmask(ids, self.structured.bitmask(states)) if ids else None
 
+    def _propose(self, updated) -> None:
+        """Draft tokens for each running request that just got tokens; forget finished ones.
+        Opt-out: structured output, penalties that depend on the output history (their draft positions would need
+        the drafts counted), what `Proposer.enabled_for` refuses, and drafts that would push the
+        step into a larger token bucket without enough expected acceptance (`Proposer.fit`)."""
+        batch_size = self.scheduler.num_running
+        self.proposer.retain(self.scheduler.requests)      # aborted / stop-string finished
+        proposals = {}
+        for req in updated:
+            if req.is_finished():
+                self.proposer.finish(req.request_id, req.output_token_ids)
+                continue
+            sp = req.sampling_params
+            # A constrained request gets no drafts (its mask covers one position per step).
+            if (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
+                    or req.structured is not None
+                    or not self.proposer.enabled_for(req.num_prompt_tokens, batch_size)):
+                continue
+            proposals[req] = self.proposer.propose(req.request_id, req.all_token_ids)
+        if not proposals:
+            return
+        free = self.runner.bucket_for(min(batch_size, self.runner.buckets[-1])) - batch_size
+        fitted = self.proposer.fit({r.request_id: d for r, d in proposals.items()}, free)
+        for req in proposals:
+            req.spec_token_ids = fitted[req.request_id]
+
     def _runner_usable(self) -> bool:
         """False when the failed step consumed the donated KV cache (nothing can run again)."""
         runner = self.runner
@@ -330,10 +366,12 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         pc = self.scheduler.prefix_cache_stats
+        sd = self.scheduler.spec_stats
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting,
                            self.scheduler.kv_cache_usage, self.scheduler.num_preemptions_total,
                            pc.queries, pc.hits, self.prompt_tokens_total,
-                           self.generation_tokens_total)
+                           self.generation_tokens_total, sd.num_drafts, sd.num_draft_tokens,
+                           sd.num_accepted_tokens, tuple(sd.num_accepted_tokens_per_pos))
 
     def follow(self) -> int:
         """A process with node_rank > 0: run the steps process 0 sends until it stops (exit code
@@ -376,8 +414,6 @@ def _check_supported(args: EngineArgs) -> None:
     if args.quantization is not None and args.tensor_parallel_size != 1:
         raise ValueError("quantization='fp8' with tensor_parallel_size > 1 is not supported yet "
                          "(the FP8 weights are not sharded); use one of them")
-    if args.speculative_config:
-        raise ValueError("speculative_config is not supported yet")
 
 
 def _kv_quantization(kv_cache_dtype: str, model_dtype):

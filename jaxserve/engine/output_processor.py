@@ -141,17 +141,19 @@ class OutputProcessor:
             elif lps[pos] is None:
                 lps[pos] = self._logprob_entry(tok, lp, rank, ids, vals)
 
-    def _add_tokens(self, child: _Child, new_ids: list[int], lp, text_ids: list[int]) -> int:
-        """Returns the number of new characters (of `text_ids`, the new ids that show as text)."""
+    def _add_tokens(self, child: _Child, new_ids: list[int], lps, text_ids: list[int]) -> int:
+        """lps: one (logprob, rank, top ids, top logprobs) per sampled token (tokens dropped
+        after a stop have none here either). Returns the number of new characters (of
+        `text_ids`, the new ids that show as text)."""
         child.num_tokens += len(new_ids)
         delta = child.detok.add_tokens(text_ids) if child.detok is not None and text_ids else ""
         child.text += delta
-        if child.logprobs is not None and lp is not None:
-            logprob, rank, top_ids, top_vals = lp
+        if child.logprobs is not None and lps is not None:
             k = child.params.logprobs
-            child.logprobs.append(self._logprob_entry(new_ids[-1], logprob, rank, top_ids[:k],
-                                                      top_vals[:k]))
-            child.cumulative_logprob += logprob
+            for tok, (logprob, rank, top_ids, top_vals) in zip(new_ids, lps):
+                child.logprobs.append(self._logprob_entry(tok, logprob, rank, top_ids[:k],
+                                                          top_vals[:k]))
+                child.cumulative_logprob += logprob
         return len(delta)
 
     def _check_stop(self, child: _Child, new_chars: int) -> bool:

@@ -126,6 +126,11 @@ class InputBatch:
         writes, self._penalty_writes = self._penalty_writes, []
         return writes
 
+    def min_tokens_of(self, slots: np.ndarray) -> np.ndarray:
+        """min_tokens of each slot in `slots` [R] (slot C, padding: 0)."""
+        padded = np.append(self.min_tokens, 0)
+        return padded[np.minimum(slots, self.capacity)]
+
     def slot_of(self, request_id: str) -> int:
         return self.requests[request_id].slot
 

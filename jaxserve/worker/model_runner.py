@@ -26,6 +26,7 @@ from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.host_memory import release_freed_host_memory
 from jaxserve.models import get_model
 from jaxserve.sample import penalties
+from jaxserve.sample.rejection import accept, emitted_mask
 from jaxserve.sample.sampler import sample, score
 from jaxserve.sharding.plan import ShardingPlan, single_device_plan
 from jaxserve.worker.input_batch import InputBatch
@@ -76,8 +77,9 @@ def score_rows(logits_fn, hidden, rows, targets, k: int, chunk: int = PROMPT_LOG
 @dataclasses.dataclass
 class RunnerOutput:
     sampled: dict[str, list[int]]                 # request_id -> new token ids
-    # request_id -> (logprob of the sampled token, rank, top ids, top logprobs), for `sample` rows
-    logprobs: dict[str, tuple[float, int, np.ndarray, np.ndarray]]
+    # request_id -> [(logprob of the sampled token, rank, top ids, top logprobs)], one per new
+    # token, for `sample` rows
+    logprobs: dict[str, list[tuple[float, int, np.ndarray, np.ndarray]]]
     # request_id -> [(target token, logprob, rank, top ids, top logprobs)] for prompt positions
     prompt_logprobs: dict[str, list[tuple]]
 
@@ -85,7 +87,8 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, *, dtype, backend: str, max_logprobs: int,
-                 kv_quantize=None, kv_dtype=None, plan: ShardingPlan | None = None):
+                 kv_quantize=None, kv_dtype=None, plan: ShardingPlan | None = None,
+                 num_speculative_tokens: int = 0):
         self.cfg = model_config
         # How weights, KV pool and the step split over the devices (default: one device).
         self.plan = plan = plan or single_device_plan(model_config)
@@ -96,6 +99,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-scheduler_config.max_model_len // self.block_size)
         self.buckets = token_buckets(scheduler_config.max_num_batched_tokens)
         self.max_logprobs = max_logprobs
+        # Speculative decoding: each sampling request may verify this many drafts in a step.
+        self.num_spec = num_speculative_tokens
         self.cache = self._allocate_cache(kv_dtype or dtype, kv_quantize is not None)
         self.input_batch = InputBatch(self.max_seqs, model_config.vocab_size)
         # [max_num_seqs, vocab] x 4 on the device: the penalties never change shape.
@@ -121,7 +126,12 @@ class ModelRunner:
             if x.prompt_targets is not None:
                 scores = score_rows(logits_of, hidden, x.prompt_rows, x.prompt_targets, k)
             out = sample(logits, x.sampling, pen, k=k, bitmask=x.bitmask)
-            pen = penalties.count_sampled(pen, x.sampling.slots, out.token_ids)
+            slots = x.sampling.slots
+            if x.draft_ids is not None:
+                # Only emitted samples join the output history (rejected rows are dropped).
+                keep = emitted_mask(out.token_ids, x.draft_ids, x.group_start)
+                slots = jnp.where(keep, slots, pen.output_counts.shape[0])
+            pen = penalties.count_sampled(pen, slots, out.token_ids)
             return out, scores, cache, pen
 
         # Donated state leaves with the sharding it came in with, so the buffers are reused.
@@ -169,28 +179,37 @@ class ModelRunner:
         T = self.bucket_for(sum(len(s.token_ids) for s in scheduled))
         return self._build(scheduled, T, with_prompt_logprobs)
 
+    def _sample_rows(self, token_bucket: int) -> int:
+        """Sampler rows of a bucket: one per sequence, or with speculation one per draft and
+        bonus position (never more than the bucket's tokens: each row is a distinct token)."""
+        S = self._seq_bucket(token_bucket)
+        return min(token_bucket, S * (self.num_spec + 1)) if self.num_spec else S
+
     def _build(self, scheduled, num_tokens: int, with_prompt_logprobs: bool):
-        S = self._seq_bucket(num_tokens)
         inputs, layout = build_inputs(scheduled, self.input_batch, num_tokens=num_tokens,
-                                      num_seqs=S, num_blocks=self.num_blocks,
-                                      block_size=self.block_size,
+                                      num_seqs=self._seq_bucket(num_tokens),
+                                      num_blocks=self.num_blocks, block_size=self.block_size,
                                       max_blocks_per_seq=self.max_blocks_per_seq,
-                                      with_prompt_logprobs=with_prompt_logprobs)
-        inputs.bitmask = self._all_allowed_mask(S)
+                                      with_prompt_logprobs=with_prompt_logprobs,
+                                      num_sample_rows=self._sample_rows(num_tokens),
+                                      speculative=self.num_spec > 0)
+        # One mask row per sampler row (S, or S x (k + 1) rows with speculation).
+        inputs.bitmask = self._all_allowed_mask(self._sample_rows(num_tokens))
         return inputs, layout
 
-    def _all_allowed_mask(self, num_seqs: int) -> jax.Array:
-        mask = self._all_allowed.get(num_seqs)
+    def _all_allowed_mask(self, num_rows: int) -> jax.Array:
+        mask = self._all_allowed.get(num_rows)
         if mask is None:
-            mask = jax.device_put(np.full((num_seqs, self.mask_words), -1, np.int32),
+            mask = jax.device_put(np.full((num_rows, self.mask_words), -1, np.int32),
                                   self.plan.replicated)
-            self._all_allowed[num_seqs] = mask
+            self._all_allowed[num_rows] = mask
         return mask
 
-    def _step_bitmask(self, grammar, layout, num_seqs: int) -> np.ndarray:
-        """[S, W] host bitmask: the grammar rows (a core.scheduler.GrammarBitmask) at their
-        sampling rows, all ones elsewhere."""
-        mask = np.full((num_seqs, self.mask_words), -1, np.int32)
+    def _step_bitmask(self, grammar, layout, num_rows: int) -> np.ndarray:
+        """[R, W] host bitmask: the grammar rows (a core.scheduler.GrammarBitmask) at their
+        (first) sampling rows, all ones elsewhere. A constrained request gets no drafts, so its
+        first row is its only one."""
+        mask = np.full((num_rows, self.mask_words), -1, np.int32)
         words = min(self.mask_words, grammar.bitmask.shape[1])
         for i, rid in enumerate(grammar.request_ids):
             row = layout.sample_rows.get(rid)
@@ -250,13 +269,16 @@ class ModelRunner:
         if grammar is not None and grammar.request_ids:
             inputs.bitmask = self._step_bitmask(grammar, layout, len(inputs.logit_rows))
         res, scores = jax.device_get(self.run_model(inputs))
+        drafts = {s.request_id: s.spec_token_ids for s in scheduled}
         for rid, r in layout.sample_rows.items():
-            token = int(res.token_ids[r])
-            out.sampled[rid] = [token]
+            d = drafts[rid]
+            n = accept(res.token_ids[r:r + len(d) + 1], d) + 1 if d else 1
+            tokens = [int(t) for t in res.token_ids[r:r + n]]
+            out.sampled[rid] = tokens
             if batch.requests[rid].sampling_params.logprobs is not None:
-                out.logprobs[rid] = (float(res.logprob[r]), int(res.rank[r]), res.top_ids[r],
-                                     res.top_logprobs[r])
-            batch.append_sampled(rid, [token])
+                out.logprobs[rid] = [(float(res.logprob[i]), int(res.rank[i]), res.top_ids[i],
+                                      res.top_logprobs[i]) for i in range(r, r + n)]
+            batch.append_sampled(rid, tokens)
         if want_prompt_lp:
             out.prompt_logprobs = self._prompt_logprobs(scheduled, layout.offsets,
                                                         inputs.prompt_targets, scores)

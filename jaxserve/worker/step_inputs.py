@@ -34,6 +34,10 @@ class StepInputs:
     # [S, ceil(V / 32)] i32 structured-output token bitmask of the sampling rows (all ones when
     # unconstrained); the runner sets it (build_inputs leaves None).
     bitmask: jax.Array | None = None
+    # Speculative decoding only (else None): the sampler has R = min(T, S * (k + 1)) rows, one
+    # per draft position and bonus position of each sampling request, packed in schedule order.
+    draft_ids: jax.Array | None = None        # [R] i32, draft the row's sample verifies; -1 none
+    group_start: jax.Array | None = None      # [R] i32, row of its request's first sampling row
 
 
 @dataclasses.dataclass
@@ -41,11 +45,12 @@ class StepLayout:
     """Where each scheduled row landed: its first token's offset and, for sampling rows, the
     sampler row (rows are packed in schedule order)."""
     offsets: list[int]
-    sample_rows: dict[str, int]     # request_id -> row of the sampler's output
+    sample_rows: dict[str, int]     # request_id -> (first) row of the sampler's output
 
 
 def build_inputs(scheduled, batch, *, num_tokens: int, num_seqs: int, num_blocks: int,
-                 block_size: int, max_blocks_per_seq: int, with_prompt_logprobs: bool):
+                 block_size: int, max_blocks_per_seq: int, with_prompt_logprobs: bool,
+                 num_sample_rows: int | None = None, speculative: bool = False):
     """Host arrays (numpy) for one step -> (StepInputs, StepLayout). `scheduled`: the step's
     ScheduledRequests; `batch`: the InputBatch already updated from this SchedulerOutput."""
     T, S, B, N = num_tokens, num_seqs, block_size, num_blocks
@@ -55,7 +60,12 @@ def build_inputs(scheduled, batch, *, num_tokens: int, num_seqs: int, num_blocks
     tables = np.zeros((S, max_blocks_per_seq), np.int32)
     kv_lens = np.zeros(S, np.int32)
     cu = np.zeros(S + 1, np.int32)
-    logit_rows = np.zeros(S, np.int32)
+    R = num_sample_rows or S
+    logit_rows = np.zeros(R, np.int32)
+    draft_ids = np.full(R, -1, np.int32) if speculative else None
+    group_start = np.zeros(R, np.int32) if speculative else None
+    row_offsets = []                                 # output position offset of each sample row
+    num_rows = 0
     targets = np.zeros(T, np.int32) if with_prompt_logprobs else None
     prompt_rows = np.full(T, T, np.int32) if with_prompt_logprobs else None
     num_prompt_rows = 0
@@ -72,9 +82,17 @@ def build_inputs(scheduled, batch, *, num_tokens: int, num_seqs: int, num_blocks
         kv_lens[i] = s.num_computed_tokens + n
         offsets.append(start)
         if s.sample:
-            logit_rows[len(sample_rows)] = start + n - 1
-            sample_rows[s.request_id] = len(sample_rows)
-            sample_slots.append(batch.slot_of(s.request_id))
+            d = len(s.spec_token_ids)
+            first = start + n - 1 - d                # the last known token's logits
+            sample_rows[s.request_id] = num_rows
+            for j in range(d + 1):
+                logit_rows[num_rows + j] = first + j
+                sample_slots.append(batch.slot_of(s.request_id))
+                row_offsets.append(j)
+            if speculative:
+                draft_ids[num_rows:num_rows + d] = s.spec_token_ids
+                group_start[num_rows:num_rows + d + 1] = num_rows
+            num_rows += d + 1
         if targets is not None and s.prompt_logprobs:
             prompt = batch.requests[s.request_id].prompt_token_ids
             nxt = pos + 1                            # the token each position predicts
@@ -87,6 +105,17 @@ def build_inputs(scheduled, batch, *, num_tokens: int, num_seqs: int, num_blocks
         cu[i + 1] = start
     cu[len(scheduled) + 1:] = start
     meta = AttentionMetadata(slots, tables, kv_lens, cu, np.array([len(scheduled)], np.int32))
-    sampling = SamplingTensors(**batch.sampling_arrays(sample_slots, S))
-    inputs = StepInputs(tokens, positions, meta, logit_rows, sampling, targets, prompt_rows)
+    arrays = batch.sampling_arrays(sample_slots, R)
+    if speculative and row_offsets:
+        # Each draft position samples the output index it would fill.
+        off = np.zeros(R, np.int32)
+        off[:len(row_offsets)] = row_offsets
+        before = arrays["positions"]
+        arrays["positions"] = before + off
+        # min_tokens_active was positions < min_tokens; shift it with the positions.
+        min_tokens = batch.min_tokens_of(arrays["slots"])
+        arrays["min_tokens_active"] = arrays["positions"] < min_tokens
+    sampling = SamplingTensors(**arrays)
+    inputs = StepInputs(tokens, positions, meta, logit_rows, sampling, targets, prompt_rows,
+                        draft_ids, group_start)
     return inputs, StepLayout(offsets, sample_rows)

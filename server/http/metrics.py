@@ -64,6 +64,18 @@ class _EngineCollector:
                       "queried tokens.", get("prefix_cache_queries"))
         yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
                       "tokens.", get("prefix_cache_hits"))
+        yield counter("spec_decode_num_drafts", "Number of spec decoding drafts.",
+                      get("spec_num_drafts"))
+        yield counter("spec_decode_num_draft_tokens", "Number of draft tokens.",
+                      get("spec_num_draft_tokens"))
+        yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                      get("spec_num_accepted_tokens"))
+        per_pos = CounterMetricFamily("jaxserve:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.",
+                                      labels=["model_name", "position"])
+        for pos, n in enumerate(get("spec_num_accepted_tokens_per_pos") or ()):
+            per_pos.add_metric(label + [str(pos)], n)
+        yield per_pos
 
 
 class ServerMetrics:

@@ -1,0 +1,118 @@
+"""Speculative decoding on this CPU: tokens/s with and without drafts, in one run.
+
+    python benchmarks/bench_spec_decode.py [--max-tokens 96] [--k 4] [--batches 1,16]
+
+One engine (default model, f32, greedy) serves every configuration: speculation is switched by
+swapping the engine's proposer (none, ngram, suffix) so all runs share the compiled programs.
+Workloads: "copy" (repeat a list, rewrite code with one change: the answer copies the prompt)
+and "open" (open-ended questions). Each (workload, batch, method) runs after a warm-up
+generate, alternating with the baseline, best of `--repeats`; tokens/s = generated tokens / wall
+time of `LLM.chat`. Acceptance per draft position
+= accepted tokens at that position / drafts. Greedy outputs are checked to equal the baseline's.
+Prints a Markdown table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import SpeculativeConfig
+from jaxserve.spec_decode import make_proposer
+
+COPY = [
+    "Repeat this list exactly, one item per line: apple, banana, cherry, date, elderberry, fig, "
+    "grape, honeydew, kiwi, lemon, mango, nectarine, orange, papaya, quince, raspberry.",
+    "Rewrite this code with one change: rename the function total to sum_all.\n\n"
+    "def total(values):\n    result = 0\n    for v in values:\n        result = result + v\n"
+    "    return result\n\n\nprint(total([1, 2, 3]))\n",
+    "Repeat this sentence three times: The quick brown fox jumps over the lazy dog.",
+    "Rewrite this list in reverse order: one, two, three, four, five, six, seven, eight, nine, "
+    "ten.",
+]
+OPEN = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain why the sky is blue to a child.",
+    "What are three good habits for staying healthy?",
+    "Describe your ideal weekend.",
+]
+
+
+def run(llm, prompts, params, method, k, extra):
+    engine = llm.llm_engine
+    engine.proposer = make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=k,
+                                                      **extra)) if method else None
+    before = engine.stats()
+    t0 = time.perf_counter()
+    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = engine.stats()
+    engine.proposer = None
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    per_pos = [a - (before.spec_num_accepted_tokens_per_pos[i]
+                    if i < len(before.spec_num_accepted_tokens_per_pos) else 0)
+               for i, a in enumerate(after.spec_num_accepted_tokens_per_pos)]
+    return dict(tokens=toks, wall_s=wall, tok_s=toks / wall, drafts=drafts,
+                draft_tokens=after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+                accepted=after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
+                accept_per_pos=[round(n / drafts, 3) if drafts else 0.0 for n in per_pos],
+                ids=[o.outputs[0].token_ids for o in outs])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--disable-by-batch-size", type=int, default=None)
+    a = ap.parse_args()
+    batches = [int(b) for b in a.batches.split(",")]
+    llm = LLM(max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=max(batches),
+              num_gpu_blocks_override=512, enable_prefix_caching=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": a.k})
+    params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
+    methods = {"ngram": dict(prompt_lookup_min=2, prompt_lookup_max=4),
+               "suffix": dict()}
+    for extra in methods.values():
+        extra["disable_by_batch_size"] = a.disable_by_batch_size
+    run(llm, COPY[:2] + OPEN[:2], SamplingParams(temperature=0, max_tokens=8), "ngram", a.k, {})
+    rows, results = [], []
+    for workload, base_prompts in (("copy", COPY), ("open", OPEN)):
+        for batch in batches:
+            prompts = (base_prompts * (batch // len(base_prompts) + 1))[:batch]
+            for method, extra in methods.items():
+                # Best of `--repeats` alternating runs: the shared machine's load drifts.
+                base = r = None
+                for _ in range(a.repeats):
+                    b = run(llm, prompts, params, None, a.k, {})
+                    s = run(llm, prompts, params, method, a.k, extra)
+                    base = b if base is None or b["tok_s"] > base["tok_s"] else base
+                    r = s if r is None or s["tok_s"] > r["tok_s"] else r
+                same = r["ids"] == base["ids"]
+                speedup = r["tok_s"] / base["tok_s"]
+                rows.append(f"| {workload} | {batch} | {method} | {base['tok_s']:.1f} | "
+                            f"{r['tok_s']:.1f} | **{speedup:.2f}x** | "
+                            f"{r['accepted'] / max(1, r['draft_tokens']):.2f} | "
+                            f"{r['accept_per_pos']} | {same} |")
+                results.append(dict(workload=workload, batch=batch, method=method,
+                                    base_tok_s=base["tok_s"], spec_tok_s=r["tok_s"],
+                                    speedup=speedup, drafts=r["drafts"],
+                                    draft_tokens=r["draft_tokens"], accepted=r["accepted"],
+                                    accept_per_pos=r["accept_per_pos"], identical=same))
+                print(rows[-1], flush=True)
+    print("\n| workload | batch | method | tok/s off | tok/s on | speedup | acceptance | "
+          "accepted / drafts per position | greedy identical |")
+    print("|---|---:|---|---:|---:|---:|---:|---|---|")
+    print("\n".join(rows))
+    print(json.dumps(dict(machine=platform.machine(), k=a.k, max_tokens=a.max_tokens,
+                          results=results)))
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

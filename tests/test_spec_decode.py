@@ -1,0 +1,372 @@
+"""Speculative decoding: speculative_config validation, the n-gram and suffix proposers, exact
+verification (the emitted tokens are distributed as the target's), the scheduler's rollback of
+rejected drafts (a fake paged cache read back through the block tables), and the engine on the
+default model: greedy and seeded outputs identical with and without speculation."""
+
+from __future__ import annotations
+
+import random
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import EngineArgs, SpeculativeConfig
+from jaxserve.core.request import Request
+from jaxserve.sample import penalties
+from jaxserve.sample.rejection import accept, emitted_mask
+from jaxserve.sample.sampler import SamplingTensors, _apply_filters, sample
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.spec_decode import SuffixProposer, propose_ngram
+
+# -- config ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad,field", [
+    ({"method": "eagle"}, "method"),
+    ({"num_speculative_tokens": 3}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"method": "suffix", "bogus": 1}, "bogus"),
+    ({"model": "some/draft", "num_speculative_tokens": 3}, "model"),
+])
+def test_bad_speculative_config_names_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        EngineArgs(speculative_config=bad)
+
+
+def test_speculative_config_sets_the_scheduler_budget():
+    args = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                          "prompt_lookup_max": 5})
+    assert args.spec_config() == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=5)
+    assert args.scheduler_config(256).num_speculative_tokens == 3
+    assert EngineArgs().scheduler_config(256).num_speculative_tokens == 0
+
+
+# -- proposers ------------------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_longest_recent_match():
+    #            0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 2, 3, 4]
+    # suffix [2, 3, 4] last occurred at 6..8, followed by 6, 7
+    assert propose_ngram(tokens, 2, 1, 3) == [6, 7]
+    assert propose_ngram(tokens, 5, 1, 3) == [6, 7, 2, 3, 4]
+    assert propose_ngram([1, 2, 3], 3, 1, 3) == []                 # nothing repeats
+    assert propose_ngram([5, 1, 5], 2, 2, 3) == []                 # only a 1-gram matches
+    assert propose_ngram([5, 1, 5], 2, 1, 3) == [1, 5]
+
+
+def test_suffix_proposer_follows_the_most_frequent_continuation():
+    p = SuffixProposer(k=3, max_depth=4)
+    # after "1 2" came 3 twice and 8 once; after "2 3" came 4 twice
+    tokens = [1, 2, 3, 4, 0, 1, 2, 8, 0, 1, 2, 3, 4, 0, 9, 1, 2]
+    assert p.propose("a", tokens) == [3, 4, 0]
+    # incremental: the trie keeps its counts; the longest match wins ("4 0 1 2" was followed by 8)
+    assert p.propose("a", tokens + [3, 4, 0, 1, 2]) == [8, 0, 1]
+    assert p.propose("b", [5, 6, 7]) == []
+    p.finish("a")
+    assert "a" not in p.tries
+
+
+def test_suffix_proposer_learns_from_earlier_outputs():
+    p = SuffixProposer(k=4, max_depth=8, max_cached_requests=2)
+    p.propose("a", [1, 2, 3])
+    p.finish("a", [10, 11, 12, 13, 14])
+    assert p.propose("b", [7, 10, 11]) == [12, 13, 14]
+
+
+# -- verification ---------------------------------------------------------------------------
+
+
+def test_emitted_mask_stops_at_the_first_rejected_draft():
+    # request A: rows 0..3 verify drafts 5, 6, 7 then the bonus; B: rows 4..5 one draft
+    sampled = jnp.array([5, 6, 9, 1, 3, 4], jnp.int32)
+    drafts = jnp.array([5, 6, 7, -1, 2, -1], jnp.int32)
+    group = jnp.array([0, 0, 0, 0, 4, 4], jnp.int32)
+    assert emitted_mask(sampled, drafts, group).tolist() == [True, True, True, False, True, False]
+    assert accept(np.array([5, 6, 9, 1]), [5, 6, 7]) == 2
+    assert accept(np.array([5, 6, 7, 1]), [5, 6, 7]) == 3
+
+
+V, N = 32, 20_000
+
+
+def _tensors(R, positions, top_p, penalised, repetition=1.0, presence=0.0):
+    full = lambda v, dt: np.full(R, v, dt)   # noqa: E731
+    return SamplingTensors(full(1.0, np.float32), full(0, np.int32), full(top_p, np.float32),
+                           full(0.0, np.float32), np.repeat(np.arange(R // 2, dtype=np.uint32), 2),
+                           np.asarray(positions, np.int32), full(0, np.int32),
+                           full(penalised, bool), full(False, bool), full(presence, np.float32),
+                           full(0.0, np.float32), full(repetition, np.float32), full(False, bool))
+
+
+@pytest.mark.parametrize("case", ["top_p", "penalties"])
+def test_verified_tokens_are_distributed_as_the_target(case):
+    """Many seeded requests, each verifying one draft then a bonus position, all on one logits
+    row: the emitted first token follows the target distribution (TV bound), a draft d is
+    accepted with probability p(d), and a rejection emits p with d removed, renormalised."""
+    rng = np.random.default_rng(0)
+    logits = (rng.normal(size=V) * 2).astype(np.float32)
+    state = penalties.zeros(1, V)
+    kw = dict(top_p=0.9, penalised=False)
+    if case == "penalties":
+        counts = np.zeros((1, V), np.int32)
+        counts[0, np.argsort(logits)[-3:]] = 2              # the three likeliest were output
+        state = penalties.PenaltyState(jnp.asarray(counts), jnp.zeros((1, V), bool),
+                                       jnp.zeros((1, V), jnp.float32), jnp.zeros((1, V), bool))
+        kw = dict(top_p=0.95, penalised=True, repetition=1.5, presence=0.7)
+    R = 2 * N
+    t = _tensors(R, np.tile([0, 1], N), **kw)
+    # The target: the sampler's own processing of one row, then softmax.
+    one = jax_row = jnp.asarray(logits[None])
+    if kw["penalised"]:
+        one = penalties.apply_penalties(jax_row, jnp.zeros(1, jnp.int32), jnp.ones(1, bool),
+                                        jnp.zeros(1, bool), t.presence[:1], t.frequency[:1],
+                                        t.repetition[:1], state)
+    t1 = SamplingTensors(*(np.asarray(a)[:1] for a in (
+        t.temperature, t.top_k, t.top_p, t.min_p, t.seeds, t.positions, t.slots, t.penalised,
+        t.min_tokens_active, t.presence, t.frequency, t.repetition, t.logprobs)))
+    p = np.asarray(jnp.exp(_apply_filters(one, t1) - jnp.max(one)))[0].astype(np.float64)
+    p /= p.sum()
+    out = np.asarray(sample(jnp.tile(jax_row, (R, 1)), t, state).token_ids)
+    first = out[0::2]
+    order = np.argsort(p)[::-1]
+    for d in (order[0], order[2], order[-1]):       # likely, middling, filtered out (p = 0)
+        drafts = np.tile([d, -1], N).astype(np.int32)
+        group = np.repeat(np.arange(0, R, 2, dtype=np.int32), 2)
+        keep = np.asarray(emitted_mask(jnp.asarray(out), jnp.asarray(drafts), jnp.asarray(group)))
+        emitted_first = first                       # row 0 is always emitted
+        assert keep[0::2].all()
+        accepted = first == d
+        assert (keep[1::2] == accepted).all()       # the bonus only after an acceptance
+        hist = np.bincount(emitted_first, minlength=V) / N
+        assert 0.5 * np.abs(hist - p).sum() < 0.03
+        assert abs(accepted.mean() - p[d]) < 4 * np.sqrt(p[d] * (1 - p[d]) / N) + 1e-9
+        if p[d] < 0.99:
+            resid = p.copy()
+            resid[d] = 0
+            resid /= resid.sum()
+            rej = np.bincount(emitted_first[~accepted], minlength=V) / max(1, (~accepted).sum())
+            assert 0.5 * np.abs(rej - resid).sum() < 0.04
+
+
+# -- scheduler: rollback of rejected drafts ---------------------------------------------------
+
+VOCAB = 7
+
+
+def oracle(tokens):
+    return (sum(tokens[-3:]) * 5 + len(tokens)) % VOCAB
+
+
+def test_rejected_drafts_roll_back_without_leaks_or_stale_kv():
+    """A fake runner keeps a paged cache of tokens; every row's context is read back through its
+    block table and must equal the request's known tokens. Drafts are right or wrong at random;
+    outputs must equal plain decoding, prefix hits must only ever hit verified blocks, and the
+    pool must end empty."""
+    from jaxserve.config import CacheConfig, SchedulerConfig
+    from jaxserve.core.scheduler import Scheduler
+    rng = random.Random(0)
+    for caching, num_blocks in ((True, 40), (False, 40), (True, 14)):
+        sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24,
+                                          max_model_len=64, num_speculative_tokens=3),
+                          CacheConfig(block_size=4, enable_prefix_caching=caching),
+                          num_blocks=num_blocks)
+        cache = [None] * (num_blocks * 4)
+        prompts = {f"r{i}": [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 12))]
+                   for i in range(10)}
+        prompts["dup"] = list(prompts["r0"])                       # a prefix-cache hit
+        expected = {}
+        for rid, prompt in prompts.items():
+            toks = list(prompt)
+            for _ in range(20):
+                toks.append(oracle(toks))
+            expected[rid] = toks[len(prompt):]
+            sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=20, ignore_eos=True),
+                                      max_model_len=64))
+        done = {}
+        for _ in range(2000):
+            if not sched.has_unfinished_requests():
+                break
+            out = sched.schedule()
+            slot = lambda b, p: b[p // 4] * 4 + p % 4   # noqa: E731
+            for row in out.scheduled:
+                for i, tok in enumerate(row.token_ids):
+                    cache[slot(row.block_ids, row.num_computed_tokens + i)] = tok
+            sampled = {}
+            for row in out.scheduled:
+                req = sched.requests[row.request_id]
+                known = row.num_computed_tokens + len(row.token_ids) - len(row.spec_token_ids)
+                ctx = [cache[slot(row.block_ids, p)] for p in range(known)]
+                assert ctx == req.all_token_ids[:known]
+                if row.sample:
+                    seq, new = list(ctx), []
+                    for d in row.spec_token_ids + [None]:
+                        new.append(oracle(seq))
+                        if d is None or new[-1] != d:
+                            break
+                        seq.append(d)
+                    sampled[row.request_id] = new
+            for req in sched.update_from_output(out, sampled):
+                if req.is_finished():
+                    done[req.request_id] = list(req.output_token_ids)
+            for req in sched.running:      # propose: the right next tokens or junk
+                seq, drafts = list(req.all_token_ids), []
+                for _ in range(rng.randrange(0, 4)):
+                    drafts.append(oracle(seq) if rng.random() < 0.7 else rng.randrange(VOCAB))
+                    seq.append(drafts[-1])
+                req.spec_token_ids = drafts
+        assert done == expected
+        assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks
+        assert sched.spec_stats.num_accepted_tokens > 0
+        assert sched.spec_stats.num_draft_tokens > sched.spec_stats.num_accepted_tokens
+
+
+# -- the engine on the default model ----------------------------------------------------------
+
+COPY = ["Repeat this list exactly, one per line: apple, banana, cherry, date, elderberry, fig, "
+        "grape, honeydew.",
+        "Rewrite this code with the variable x renamed to y:\n\ndef f(x):\n    x = x + 1\n"
+        "    return x * 2\n"]
+OPEN = ["Write a short poem about the sea.", "What is the capital of France? Explain briefly."]
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    from jaxserve import LLM
+    llm = LLM(warmup=False, max_model_len=512, max_num_batched_tokens=128, max_num_seqs=16,
+              num_gpu_blocks_override=256, seed=0,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    yield llm
+    llm.shutdown()
+
+
+def _chat(llm, prompts, params, proposer):
+    from jaxserve.spec_decode import make_proposer
+    engine = llm.llm_engine
+    engine.proposer = make_proposer(SpeculativeConfig(**proposer)) if proposer else None
+    try:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                        use_tqdm=False)
+    finally:
+        engine.proposer = None
+    return [o.outputs[0] for o in outs]
+
+
+NGRAM = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3)
+SUFFIX = dict(method="suffix", num_speculative_tokens=4)
+
+
+@pytest.mark.slow
+def test_greedy_outputs_identical_with_and_without_speculation(spec_llm):
+    engine = spec_llm.llm_engine
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    base = [o.token_ids for o in _chat(spec_llm, COPY + OPEN, greedy, None)]
+    for method in (NGRAM, SUFFIX):
+        before = engine.stats()
+        mixed = _chat(spec_llm, COPY + OPEN, greedy, method)
+        alone = _chat(spec_llm, COPY[:1], greedy, method)
+        assert [o.token_ids for o in mixed] == base, method["method"]
+        assert alone[0].token_ids == base[0]
+        after = engine.stats()
+        assert after.spec_num_accepted_tokens > before.spec_num_accepted_tokens
+    assert not engine.scheduler.kv_cache_manager.req_to_blocks
+
+
+@pytest.mark.slow
+def test_greedy_identical_under_preemption_and_prefix_caching(spec_llm, variant):
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    base = [o.token_ids for o in _chat(spec_llm, COPY * 2, greedy, None)]
+    with variant(spec_llm, num_blocks=9) as sched:     # 144 slots: preempts
+        tight = _chat(spec_llm, COPY * 2, greedy, NGRAM)
+        assert sched.num_preemptions_total > 0
+    assert [o.token_ids for o in tight] == base
+    with variant(spec_llm, enable_prefix_caching=True) as sched:
+        first = _chat(spec_llm, COPY, greedy, SUFFIX)
+        again = _chat(spec_llm, COPY, greedy, SUFFIX)               # prefix-cache hits
+        assert sched.prefix_cache_stats.hits > 0
+    assert [o.token_ids for o in first] == [o.token_ids for o in again] == base[:2]
+
+
+@pytest.mark.slow
+def test_seeded_sampling_identical_with_speculation(spec_llm):
+    """Verification keeps each position's noise: a seeded request samples the same tokens, with
+    the same logprobs, with and without drafts (top-p, min_p, logit_bias, min_tokens;
+    a history-dependent penalty opts its request out)."""
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=32, logprobs=2),
+              SamplingParams(temperature=0.8, min_p=0.05, seed=8, max_tokens=32, min_tokens=20,
+                             logit_bias={11: 2.0}),
+              SamplingParams(temperature=1.0, seed=9, max_tokens=32, repetition_penalty=1.3,
+                             presence_penalty=0.5)]
+    prompts = [COPY[0], COPY[1], COPY[0]]
+    from jaxserve.spec_decode import make_proposer
+    engine = spec_llm.llm_engine
+
+    def run(proposer):
+        engine.proposer = make_proposer(SpeculativeConfig(**proposer)) if proposer else None
+        try:
+            convs = [[{"role": "user", "content": p}] for p in prompts]
+            return [o.outputs[0] for o in spec_llm.chat(convs, params, use_tqdm=False)]
+        finally:
+            engine.proposer = None
+
+    base, spec = run(None), run(NGRAM)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in base]
+    for a, b in zip(base[0].logprobs, spec[0].logprobs):
+        assert a.keys() == b.keys()
+        for tok in a:
+            assert a[tok].logprob == pytest.approx(b[tok].logprob, abs=1e-4)
+
+
+def test_spec_decode_counters_render_in_prometheus():
+    from jaxserve.engine.llm_engine import EngineStats
+    from jaxserve.server.http.metrics import ServerMetrics
+    stats = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, spec_num_drafts=5, spec_num_draft_tokens=20,
+                        spec_num_accepted_tokens=9, spec_num_accepted_tokens_per_pos=(5, 3, 1, 0))
+    text = ServerMetrics("m", lambda: stats).render().decode()
+    assert 'jaxserve:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
+    assert 'jaxserve:spec_decode_num_draft_tokens_total{model_name="m"} 20.0' in text
+    assert 'jaxserve:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
+    assert ('jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} '
+            '3.0') in text
+
+
+def test_proposer_pauses_a_request_whose_drafts_keep_failing():
+    from jaxserve.spec_decode import Proposer
+    p = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    tokens = [1, 2, 3, 1, 2, 3, 1, 2]
+    assert p.propose("a", tokens) == [3, 1, 2]
+    calls_with_drafts = 0
+    junk = 100
+    for _ in range(40):                 # every draft is rejected: the target says something new
+        tokens = tokens + [junk]
+        junk += 1
+        tokens_for_ngram = tokens + [1, 2]
+        tokens = tokens_for_ngram
+        calls_with_drafts += bool(p.propose("a", tokens))
+    assert calls_with_drafts <= 10      # pauses of 4, 8, 16, ... calls between retries
+    # a copying request keeps full-length drafts
+    q = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    seq = [5, 6, 7, 8, 9] * 12
+    n, lengths = 12, []
+    while n < 50:
+        drafts = q.propose("b", seq[:n])
+        assert drafts == seq[n:n + len(drafts)]
+        lengths.append(len(drafts))
+        n += len(drafts) + 1            # all accepted, plus the bonus token
+    assert lengths[0] == 3 and set(lengths[1:]) == {4}     # starts cautious, earns full drafts
+
+
+def test_fit_gives_free_bucket_room_to_the_likeliest_and_growth_only_to_good_copiers():
+    from jaxserve.spec_decode import Proposer
+    p = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    p.propose("good", [1, 2, 1, 2])
+    p.propose("poor", [3, 4, 3, 4])
+    p._tracks["poor"].expected = 1.0
+    fitted = p.fit({"good": [1, 2, 1, 2], "poor": [3, 4, 3, 4]}, free=2)
+    assert fitted == {"good": [1, 2, 1, 2], "poor": []}
+    fitted = p.fit({"good": [1, 2, 1, 2], "poor": [3, 4, 3, 4]}, free=7)
+    assert fitted == {"good": [1, 2, 1, 2], "poor": [3, 4, 3]}
