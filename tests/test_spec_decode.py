@@ -370,3 +370,31 @@ def test_fit_gives_free_bucket_room_to_the_likeliest_and_growth_only_to_good_cop
     assert fitted == {"good": [1, 2, 1, 2], "poor": []}
     fitted = p.fit({"good": [1, 2, 1, 2], "poor": [3, 4, 3, 4]}, free=7)
     assert fitted == {"good": [1, 2, 1, 2], "poor": [3, 4, 3]}
+
+
+def test_structured_output_beside_speculating_requests(spec_llm):
+    """A constrained request gets no drafts and its one mask row lands on its sampling row while
+    other rows verify drafts: its output matches its regex, the copying neighbour's greedy text
+    is unchanged, and drafts were still accepted for the neighbour."""
+    import re
+
+    from jaxserve.sampling_params import StructuredOutputsParams
+    from jaxserve.spec_decode import make_proposer
+    engine = spec_llm.llm_engine
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    base = _chat(spec_llm, COPY[:1], greedy, None)[0].token_ids
+    regex = r"[a-z]{3,8}( [a-z]{3,8}){2}\."
+    constrained = SamplingParams(temperature=0.8, seed=1, max_tokens=40,
+                                 structured_outputs=StructuredOutputsParams(regex=regex))
+    engine.proposer = make_proposer(SpeculativeConfig(**NGRAM))
+    try:
+        before = engine.stats().spec_num_accepted_tokens
+        outs = spec_llm.chat([[{"role": "user", "content": COPY[0]}],
+                              [{"role": "user", "content": "Name three animals."}]],
+                             [greedy, constrained], use_tqdm=False)
+        after = engine.stats().spec_num_accepted_tokens
+    finally:
+        engine.proposer = None
+    assert outs[0].outputs[0].token_ids == base
+    assert re.fullmatch(regex, outs[1].outputs[0].text), outs[1].outputs[0].text
+    assert outs[1].outputs[0].finish_reason == "stop" and after > before
