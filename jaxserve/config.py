@@ -44,14 +44,17 @@ class MoeConfig:
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
                              f"num_experts ({self.num_experts})")
-        # Every layer is scanned with one body, so all layers must hold experts. Released
-        # Qwen3-MoE and Mixtral checkpoints do (decoder_sparse_step 1, no mlp_only_layers).
-        if self.decoder_sparse_step != 1:
-            raise ValueError(f"decoder_sparse_step must be 1 (dense layers between sparse ones "
-                             f"are not supported), got {self.decoder_sparse_step}")
-        if self.mlp_only_layers:
-            raise ValueError(f"mlp_only_layers must be empty (dense layers in a sparse model are "
-                             f"not supported), got {list(self.mlp_only_layers)}")
+        if not all(isinstance(i, int) and i >= 0 for i in self.mlp_only_layers):
+            raise ValueError(f"model config field mlp_only_layers must list layer indices >= 0, "
+                             f"got {list(self.mlp_only_layers)}")
+
+    def sparse_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layers whose MLP is the mixture of experts; the others have a dense MLP of the
+        model's intermediate_size. Transformers' rule (Qwen3-MoE, Qwen2-MoE): layer i is sparse
+        unless listed in mlp_only_layers, and only every decoder_sparse_step-th layer is
+        ((i + 1) % step == 0). Indices past the last layer are ignored, as transformers does."""
+        return tuple(i for i in range(num_layers)
+                     if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
 
 
 @dataclass(frozen=True)

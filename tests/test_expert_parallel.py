@@ -24,9 +24,9 @@ HIDDEN, VOCAB, EXPERTS = 64, 128, 8
 
 
 def _save(path, config_class: str, model_class: str, **kw):
-    config = getattr(transformers, config_class)(
+    config = getattr(transformers, config_class)(**dict(dict(
         vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, **kw)
+        num_key_value_heads=4, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5), **kw))
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(config).float().eval()
     with torch.no_grad():       # O(1) activations: routing and tokens are not decided by noise
@@ -39,7 +39,7 @@ def _save(path, config_class: str, model_class: str, **kw):
 
 
 def _expert_bytes(r: dict, num_layers: int = 2) -> int:
-    """Device 0's bytes of the stacked expert weights [L, X, ...]."""
+    """Device 0's bytes of the stacked expert weights [L, X, ...] (L: the sparse layers)."""
     return sum(b for s, b in zip(r["weight_shapes"], r["leaf_bytes"])
                if len(s) == 4 and s[:2] == [num_layers, EXPERTS])
 
@@ -49,36 +49,87 @@ def test_moe_expert_and_tensor_parallel_match_one_device(tmp_path):
     splits every expert's intermediate dimension; with --enable-expert-parallel each device holds
     8 / tp whole experts. Same greedy tokens as one device either way; each layer body
     all-reduces only [T, E] activations (attention output, the experts' psum), never gathers an
-    expert weight; device 0's expert bytes fall as 1 / tp. Tiny Qwen3 (dense) at TP 2, 4, 8."""
+    expert weight; device 0's expert bytes fall as 1 / tp. Tiny Qwen3 (dense) at TP 2, 4, 8.
+    A Qwen3-MoE mixing dense and MoE layers (decoder_sparse_step 2: dense, sparse, dense,
+    sparse) under TP and TP x EP."""
     qwen3_moe = _save(tmp_path / "qwen3-moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                       num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, intermediate_size=96)
     mixtral = _save(tmp_path / "mixtral", "MixtralConfig", "MixtralForCausalLM",
                     num_local_experts=EXPERTS, num_experts_per_tok=2, intermediate_size=48)
     qwen3 = _save(tmp_path / "qwen3", "Qwen3Config", "Qwen3ForCausalLM", intermediate_size=96)
+    mixed = _save(tmp_path / "qwen3-moe-mixed", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=32,
+                  norm_topk_prob=True, intermediate_size=96, num_hidden_layers=4,
+                  decoder_sparse_step=2)
     f32 = dict(dtype="float32")
     runs = ([dict(model=qwen3_moe, tp=tp, enable_expert_parallel=ep, **f32)
              for tp, ep in ((1, False), (2, False), (4, False), (2, True), (8, True))]
             + [dict(model=mixtral, tp=tp, enable_expert_parallel=ep, **f32)
                for tp, ep in ((1, False), (4, False), (4, True))]
-            + [dict(model=qwen3, tp=tp, **f32) for tp in (1, 2, 4, 8)])
+            + [dict(model=qwen3, tp=tp, **f32) for tp in (1, 2, 4, 8)]
+            + [dict(model=mixed, tp=tp, enable_expert_parallel=ep, **f32)
+               for tp, ep in ((1, False), (4, False), (4, True))])
     res = _run(runs)
-    for name, group in (("qwen3-moe", res[0:5]), ("mixtral", res[5:8]), ("qwen3", res[8:12])):
+    for name, group in (("qwen3-moe", res[0:5]), ("mixtral", res[5:8]), ("qwen3", res[8:12]),
+                        ("qwen3-moe-mixed", res[12:15])):
         one = group[0]
         assert not any(one["ops"].values()), name
         for run, r in zip(runs[res.index(one) + 1:], group[1:]):
             tag = (name, run["tp"], run.get("enable_expert_parallel"))
             assert r["tokens"] == one["tokens"], tag
-            _check_collectives(r, 3, HIDDEN, VOCAB)
+            # embedding, attention output, the MLP (mixed: each branch of the layer's cond)
+            _check_collectives(r, 4 if name == "qwen3-moe-mixed" else 3, HIDDEN, VOCAB)
             if name != "qwen3":
-                assert _expert_bytes(r) * run["tp"] == _expert_bytes(one), tag
+                assert _expert_bytes(r) * run["tp"] == _expert_bytes(one) > 0, tag
     print({f"{run['model'].rsplit('/', 1)[1]} tp{run['tp']} ep={run.get('enable_expert_parallel')}":
            _expert_bytes(r) for run, r in zip(runs, res)})
+
+
+def test_mixed_dense_and_moe_layers_load_dummy_and_quantised(tmp_path):
+    """A config.json mixing dense and MoE MLPs (layers 0 and 2 dense, 1 and 3 sparse): each kind
+    of MLP is stacked over its own layers, with the checkpoint layer of each stacked index;
+    `--load-format dummy` generates, alone and with `--quantization fp8` (the dense MLP
+    matrices become FP8, the experts stay as they are)."""
+    import json
+
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.config import ModelConfig
+    from jaxserve.layers.fp8 import Fp8Weight
+    from jaxserve.models.registry import get_model
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": VOCAB, "hidden_size": HIDDEN,
+              "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "num_experts": EXPERTS,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 2,
+              "eos_token_id": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = ModelConfig.from_hf(config)
+    params = {p.path: p for p in get_model(cfg.architecture).declare(cfg)}
+    assert params["layers.w_gate"].shape == (2, HIDDEN, 96)
+    assert params["layers.we_gate"].shape == (2, EXPERTS, HIDDEN, 32)
+    assert [n for _, n in params["layers.w_down"].checkpoint_names()] == [
+        "model.layers.0.mlp.down_proj.weight", "model.layers.2.mlp.down_proj.weight"]
+    assert params["layers.router"].checkpoint_name(1) == "model.layers.3.mlp.gate.weight"
+    assert params["layers.wq"].shape[0] == 4
+
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [5, 17, 30, 42, 7]}]
+    outs = {}
+    for quantization in (None, "fp8"):
+        with LLM(model=str(tmp_path), load_format="dummy", seed=3, max_model_len=64,
+                 kv_cache_memory_bytes=8 << 20, warmup=False, quantization=quantization) as llm:
+            layers = llm.llm_engine.runner.weights.layers
+            if quantization:
+                assert isinstance(layers.w_gate, Fp8Weight) and layers.w_gate.shape[0] == 2
+            outs[quantization] = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(outs[None]) == 8 and len(set(outs[None])) > 1
+    assert len(outs["fp8"]) == 8
 
 
 def _cfg(**moe):
     from jaxserve.config import MoeConfig
     return types.SimpleNamespace(num_heads=8, num_kv_heads=4, intermediate_size=96, vocab_size=128,
+                                 num_layers=2,
                                  moe=MoeConfig(**dict(dict(num_experts=6, num_experts_per_tok=2,
                                                            moe_intermediate_size=24), **moe)))
 
@@ -120,12 +171,20 @@ def test_moe_config_fields_parse_per_family_and_refuse_bad_values():
         ModelConfig.from_hf(dict(base, architectures=["Qwen3MoeForCausalLM"], num_experts=8,
                                  num_experts_per_tok=2))
     for bad, field in ((dict(num_experts_per_tok=9), "num_experts_per_tok"),
-                       (dict(decoder_sparse_step=2), "decoder_sparse_step"),
-                       (dict(mlp_only_layers=(0,)), "mlp_only_layers"),
+                       (dict(decoder_sparse_step=0), "decoder_sparse_step"),
+                       (dict(mlp_only_layers=(-1,)), "mlp_only_layers"),
                        (dict(num_experts=0), "num_experts")):
         with pytest.raises(ValueError, match=field):
             MoeConfig(**dict(dict(num_experts=8, num_experts_per_tok=2,
                                   moe_intermediate_size=32), **bad))
+    # which layers are sparse: transformers' rule, and the config.json fields that set it
+    mixed = ModelConfig.from_hf(dict(base, architectures=["Qwen3MoeForCausalLM"], num_experts=8,
+                                     num_experts_per_tok=2, moe_intermediate_size=32,
+                                     num_hidden_layers=6, decoder_sparse_step=2,
+                                     mlp_only_layers=[3, 5, 9]))
+    assert mixed.moe.sparse_layers(mixed.num_layers) == (1,)
+    assert MoeConfig(8, 2, 32, mlp_only_layers=(0,)).sparse_layers(4) == (1, 2, 3)
+    assert MoeConfig(8, 2, 32, decoder_sparse_step=3).sparse_layers(6) == (2, 5)
 
 
 _SHARD_CHILD = """
@@ -146,7 +205,7 @@ dense = jnp.einsum("tx,txe->te", jnp.zeros((T, X)).at[jnp.arange(T)[:, None], id
                               * jnp.einsum("te,xef->txf", x, wu), wd))
 np.testing.assert_allclose(moe.expert_mlp(x, weights, ids, wg, wu, wd), dense, atol=1e-4)
 cfg = types.SimpleNamespace(num_heads=8, num_kv_heads=8, intermediate_size=96, vocab_size=64,
-                            moe=MoeConfig(X, k, F))
+                            num_layers=2, moe=MoeConfig(X, k, F))
 for tp, ep, expert_parallel in ((2, 2, False), (2, 2, True), (4, 2, False), (2, 4, True)):
     plan = plan_for(cfg, make_mesh(tp, ep), expert_parallel)
     put = lambda a, axes: jax.device_put(a, plan.sharding(axes))

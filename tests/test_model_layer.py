@@ -56,6 +56,9 @@ def test_linear_dispatches_on_the_weight_type():
                                    {"tie_word_embeddings": True},
                                    {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
                                     "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+                                   {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
+                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                    "mlp_only_layers": [1]},
                                    {"architectures": ["MixtralForCausalLM"],
                                     "num_local_experts": 4, "num_experts_per_tok": 2}])
 def test_declaration_covers_the_pytree_and_every_axis_has_a_rule(extra):

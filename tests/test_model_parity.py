@@ -243,6 +243,11 @@ TINY_MODELS = {
         hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=32, num_experts=4,
         num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=False,
         tie_word_embeddings=True), "40KB"),
+    # dense and MoE MLPs mixed: layer 0 dense (mlp_only_layers), 1..3 sparse
+    "qwen3-moe-mixed-mlp-only-layer-0": ("Qwen3MoeConfig", dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        num_hidden_layers=4, mlp_only_layers=[0], intermediate_size=80), None),
     "mixtral-8-experts-top2-gqa2": ("MixtralConfig", dict(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
         num_experts_per_tok=2), None),
@@ -262,9 +267,9 @@ def build_tiny_checkpoint(path, config_class: str, kwargs: dict, max_shard_size=
     rope = kwargs.pop("rope_scaling", None)
     theta = kwargs.pop("rope_theta", 10000.0)
     params = dict(rope or {"rope_type": "default"}, rope_theta=theta)
-    config = getattr(transformers, config_class)(
+    config = getattr(transformers, config_class)(**dict(dict(
         vocab_size=96, intermediate_size=192, num_hidden_layers=2, max_position_embeddings=256,
-        rms_norm_eps=1e-5, rope_parameters=params, **kwargs)
+        rms_norm_eps=1e-5, rope_parameters=params), **kwargs))
     torch.manual_seed(seed)
     model = getattr(transformers, _MODEL_CLASSES[config_class])(config).float().eval()
     with torch.no_grad():

@@ -50,7 +50,8 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         out.update(num_experts_per_tok=m.num_experts_per_tok, num_local_experts=m.num_experts)
         if cfg.architecture == "Qwen3MoeForCausalLM":
             out.update(num_experts=m.num_experts, moe_intermediate_size=m.moe_intermediate_size,
-                       norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+                       norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=m.decoder_sparse_step,
+                       mlp_only_layers=list(m.mlp_only_layers))
     return out
 
 

@@ -3,7 +3,9 @@ with a mixture-of-experts MLP Qwen3-MoE and Mixtral: `qwen3_moe.py`, `mixtral.py
 checkpoint tensors) as pure functions over registered pytrees.
 
 Per-layer weights are stacked along a leading layer axis and the forward pass scans over them, so
-one layer body is compiled however deep the model is. `declare(cfg)` is the one list of the
+one layer body is compiled however deep the model is. A model that mixes dense and MoE MLPs
+(Qwen3-MoE's `mlp_only_layers`, `decoder_sparse_step`) stacks each kind of MLP over its own layers
+and the scanned body picks the layer's kind with a `lax.cond` (one branch runs). `declare(cfg)` is the one list of the
 model's arrays (shape, logical axes, checkpoint name, dummy init) that the loaders and the
 sharding rules read; this file never names a mesh axis. Matrices are stored `[in, out]` as
 `DenseWeight`s, so other weight types (FP8, LoRA) change no code here.
@@ -37,18 +39,24 @@ class LayerWeights:
     wv: DenseWeight               # [L, E, K*D]
     wo: DenseWeight               # [L, H*D, E]
     mlp_norm: jax.Array           # [L, E]
-    w_gate: DenseWeight | None = None   # [L, E, F]  (dense MLP)
-    w_up: DenseWeight | None = None     # [L, E, F]
-    w_down: DenseWeight | None = None   # [L, F, E]
-    router: jax.Array | None = None     # [L, E, X]  (mixture of experts: X experts)
-    we_gate: jax.Array | None = None    # [L, X, E, Fe]
-    we_up: jax.Array | None = None      # [L, X, E, Fe]
-    we_down: jax.Array | None = None    # [L, X, Fe, E]
+    # The MLP: dense, or a mixture of experts. When a model mixes both, the dense arrays stack
+    # only the dense layers (Ld) and the expert arrays only the sparse ones (Ls).
+    w_gate: DenseWeight | None = None   # [L or Ld, E, F]  (dense MLP)
+    w_up: DenseWeight | None = None     # [L or Ld, E, F]
+    w_down: DenseWeight | None = None   # [L or Ld, F, E]
+    router: jax.Array | None = None     # [L or Ls, E, X]  (mixture of experts: X experts)
+    we_gate: jax.Array | None = None    # [L or Ls, X, E, Fe]
+    we_up: jax.Array | None = None      # [L or Ls, X, E, Fe]
+    we_down: jax.Array | None = None    # [L or Ls, X, Fe, E]
     bq: jax.Array | None = None   # [L, H*D]  (Qwen2)
     bk: jax.Array | None = None   # [L, K*D]
     bv: jax.Array | None = None   # [L, K*D]
     q_norm: jax.Array | None = None  # [L, D]  (Qwen3)
     k_norm: jax.Array | None = None  # [L, D]
+
+
+DENSE_MLP = ("w_gate", "w_up", "w_down")
+SPARSE_MLP = ("router", "we_gate", "we_up", "we_down")
 
 
 @jax.tree_util.register_dataclass
@@ -70,12 +78,15 @@ def declare(cfg: ModelConfig, moe_names: tuple[str, str, str, str] | None = None
     HD, KD = cfg.num_heads * D, cfg.num_kv_heads * D
     layer = "model.layers.{layer}."
 
-    def per_layer(name, shape, axes, suffix, **kw):
-        return Param(f"layers.{name}", (L, *shape), ("layers", *axes), layer + suffix,
-                     stacked=True, **kw)
+    sparse = cfg.moe.sparse_layers(L) if cfg.moe is not None else ()
+    dense = tuple(i for i in range(L) if i not in sparse)
 
-    def matrix(name, shape, axes, suffix):
-        return per_layer(name, shape, axes, suffix, transpose=True, dense=True)
+    def per_layer(name, shape, axes, suffix, ids=tuple(range(L)), **kw):
+        return Param(f"layers.{name}", (len(ids), *shape), ("layers", *axes), layer + suffix,
+                     stacked=True, layers=None if ids == tuple(range(L)) else ids, **kw)
+
+    def matrix(name, shape, axes, suffix, ids=tuple(range(L))):
+        return per_layer(name, shape, axes, suffix, ids, transpose=True, dense=True)
 
     params = [
         Param("embed", (V, E), ("vocab", "embed"), "model.embed_tokens.weight"),
@@ -85,10 +96,11 @@ def declare(cfg: ModelConfig, moe_names: tuple[str, str, str, str] | None = None
         matrix("wv", (E, KD), ("embed", "kv_heads"), "self_attn.v_proj.weight"),
         matrix("wo", (HD, E), ("q_heads", "embed"), "self_attn.o_proj.weight"),
         per_layer("mlp_norm", (E,), ("embed",), "post_attention_layernorm.weight", init="ones"),
-        *(_moe_params(cfg, moe_names, per_layer) if cfg.moe is not None else [
-            matrix("w_gate", (E, F), ("embed", "mlp"), "mlp.gate_proj.weight"),
-            matrix("w_up", (E, F), ("embed", "mlp"), "mlp.up_proj.weight"),
-            matrix("w_down", (F, E), ("mlp", "embed"), "mlp.down_proj.weight")]),
+        *(_moe_params(cfg, moe_names, per_layer, sparse) if sparse else []),
+        *([matrix("w_gate", (E, F), ("embed", "mlp"), "mlp.gate_proj.weight", dense),
+           matrix("w_up", (E, F), ("embed", "mlp"), "mlp.up_proj.weight", dense),
+           matrix("w_down", (F, E), ("mlp", "embed"), "mlp.down_proj.weight", dense)]
+          if dense else []),
         Param("final_norm", (E,), ("embed",), "model.norm.weight", init="ones"),
     ]
     if cfg.attention_bias:
@@ -106,9 +118,10 @@ def declare(cfg: ModelConfig, moe_names: tuple[str, str, str, str] | None = None
     return params
 
 
-def _moe_params(cfg: ModelConfig, names, per_layer) -> list[Param]:
-    """The router [L, E, X] and the experts stacked [L, X, ...] (one checkpoint tensor per layer
-    and expert), split on the `experts` and `moe_mlp` logical axes."""
+def _moe_params(cfg: ModelConfig, names, per_layer, ids) -> list[Param]:
+    """The router [Ls, E, X] and the experts stacked [Ls, X, ...] over the sparse layers `ids`
+    (one checkpoint tensor per layer and expert), split on the `experts` and `moe_mlp` logical
+    axes."""
     if names is None:
         raise ValueError(f"{cfg.architecture}: a mixture-of-experts config needs the family's "
                          "checkpoint names (declare(cfg, moe_names=...))")
@@ -116,10 +129,10 @@ def _moe_params(cfg: ModelConfig, names, per_layer) -> list[Param]:
     router, gate, up, down = names
 
     def expert(name, shape, axes, suffix):
-        return per_layer(name, (X, *shape), ("experts", *axes), suffix, per_expert=True,
+        return per_layer(name, (X, *shape), ("experts", *axes), suffix, ids, per_expert=True,
                          transpose=True)
 
-    return [per_layer("router", (E, X), ("embed", "router"), router, transpose=True),
+    return [per_layer("router", (E, X), ("embed", "router"), router, ids, transpose=True),
             expert("we_gate", (E, Fe), ("embed", "moe_mlp"), gate),
             expert("we_up", (E, Fe), ("embed", "moe_mlp"), up),
             expert("we_down", (Fe, E), ("moe_mlp", "embed"), down)]
@@ -141,9 +154,11 @@ def build(cfg: ModelConfig, arrays: dict[str, jax.Array]) -> Weights:
                    lm_head=get("lm_head"))
 
 
-def _layer(cfg: ModelConfig, backend: str, kv_quantize, plan: ShardingPlan | None, carry, xs):
+def _layer(cfg: ModelConfig, backend: str, kv_quantize, plan: ShardingPlan | None, mlp_stacks,
+           carry, xs):
     x, cache, cos, sin, meta = carry
-    w, layer = xs
+    w, layer, *kind = xs
+    mixed = (mlp_stacks, kind) if kind else None
     T = x.shape[0]
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
@@ -165,14 +180,27 @@ def _layer(cfg: ModelConfig, backend: str, kv_quantize, plan: ShardingPlan | Non
     x = x + linear(o.reshape(T, H * D), w.wo)
 
     h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-    if w.router is None:
-        x = x + linear(jax.nn.silu(linear(h, w.w_gate)) * linear(h, w.w_up), w.w_down)
-    else:     # the weights say which MLP this family has; cfg.moe holds the router's settings
-        logits = jnp.einsum("te,ex->tx", h, w.router, preferred_element_type=jnp.float32)
-        weights, ids = moe.route(logits, cfg.moe.num_experts_per_tok, cfg.moe.norm_topk_prob)
-        x = x + shard_experts(plan, moe.expert_mlp, h, weights, ids, w.we_gate, w.we_up,
-                              w.we_down)
+    if mixed is None:
+        x = x + _mlp(cfg, plan, w, h)
+    else:     # this layer's MLP from its kind's stack: (is_sparse, index in that stack)
+        (dense, sparse), (is_sparse, index) = mixed
+
+        def run(stack, h):
+            one = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False),
+                               stack)
+            return _mlp(cfg, plan, dataclasses.replace(w, **one), h)
+
+        x = x + jax.lax.cond(is_sparse, partial(run, sparse), partial(run, dense), h)
     return (x, cache, cos, sin, meta), None
+
+
+def _mlp(cfg: ModelConfig, plan: ShardingPlan | None, w: LayerWeights, h: jax.Array):
+    if w.router is None:
+        return linear(jax.nn.silu(linear(h, w.w_gate)) * linear(h, w.w_up), w.w_down)
+    # the weights say which MLP this layer has; cfg.moe holds the router's settings
+    logits = jnp.einsum("te,ex->tx", h, w.router, preferred_element_type=jnp.float32)
+    weights, ids = moe.route(logits, cfg.moe.num_experts_per_tok, cfg.moe.norm_topk_prob)
+    return shard_experts(plan, moe.expert_mlp, h, weights, ids, w.we_gate, w.we_up, w.we_down)
 
 
 def forward(weights: Weights, cache: kvc.KVCache, tokens: jax.Array, positions: jax.Array,
@@ -184,8 +212,17 @@ def forward(weights: Weights, cache: kvc.KVCache, tokens: jax.Array, positions: 
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict))
     cos, sin = rope_cos_sin(positions, inv_freq)
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    body = partial(_layer, cfg, backend, kv_quantize, plan)
-    (x, cache, *_), _ = jax.lax.scan(body, (x, cache, cos, sin, meta), (weights.layers, layer_ids))
+    layers, stacks, xs = weights.layers, None, ()
+    if layers.router is not None and layers.w_gate is not None:    # dense and MoE layers mixed
+        sparse = cfg.moe.sparse_layers(cfg.num_layers)
+        is_sparse = [i in sparse for i in range(cfg.num_layers)]
+        index = [sum(k == s for k in is_sparse[:i]) for i, s in enumerate(is_sparse)]
+        stacks = ({n: getattr(layers, n) for n in DENSE_MLP},
+                  {n: getattr(layers, n) for n in SPARSE_MLP})
+        layers = dataclasses.replace(layers, **{n: None for n in DENSE_MLP + SPARSE_MLP})
+        xs = (jnp.asarray(is_sparse), jnp.asarray(index, jnp.int32))
+    body = partial(_layer, cfg, backend, kv_quantize, plan, stacks)
+    (x, cache, *_), _ = jax.lax.scan(body, (x, cache, cos, sin, meta), (layers, layer_ids, *xs))
     return rms_norm(x, weights.final_norm, cfg.rms_norm_eps), cache
 
 

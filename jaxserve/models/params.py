@@ -30,6 +30,8 @@ class Param:
         in its name), stacked here on axes 0 (layer) and 1 (expert).
     transpose: the checkpoint stores the matrix [out, in]; the model uses [in, out].
     dense: a matmul operand, wrapped in a weight type (DenseWeight) in the pytree.
+    layers: (stacked only) the checkpoint layer of each stacked index, when the array holds only
+        some layers (a model mixing dense and MoE MLPs); None: layers 0 .. shape[0] - 1.
     init: how `--load-format dummy` fills it: normal(0, 0.02), ones or zeros.
     """
 
@@ -42,6 +44,7 @@ class Param:
     transpose: bool = False
     dense: bool = False
     init: str = "normal"
+    layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
@@ -50,10 +53,15 @@ class Param:
             raise ValueError(f"{self.path}: init must be one of {INITS}, got {self.init!r}")
         if self.per_expert and not self.stacked:
             raise ValueError(f"{self.path}: per_expert arrays must also be stacked by layer")
+        if self.layers is not None and (not self.stacked or len(self.layers) != self.shape[0]):
+            raise ValueError(f"{self.path}: layers {self.layers} must name one checkpoint layer "
+                             f"per stacked index ({self.shape[0] if self.shape else 0})")
 
-    def checkpoint_name(self, layer: int | None = None, expert: int | None = None) -> str:
+    def checkpoint_name(self, index: int | None = None, expert: int | None = None) -> str:
+        """The checkpoint tensor of stacked index `index` (and `expert`)."""
         if not self.stacked:
             return self.checkpoint
+        layer = index if self.layers is None else self.layers[index]
         return self.checkpoint.format(layer=layer, expert=expert)
 
     @property

@@ -77,7 +77,8 @@ def plan_for(cfg, mesh: Mesh, expert_parallel: bool = False) -> ShardingPlan:
     rules = dict(RULES)
     H, K, F, V = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size
     moe = getattr(cfg, "moe", None)
-    if moe is None and F % tp:
+    dense_layers = moe is None or len(moe.sparse_layers(cfg.num_layers)) < cfg.num_layers
+    if dense_layers and F % tp:
         raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's intermediate_size "
                          f"({F})")
     if moe is not None:
