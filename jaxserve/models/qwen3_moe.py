@@ -1,6 +1,7 @@
 """Qwen3-MoE (`Qwen3MoeForCausalLM`): Qwen3's attention (q/k norm, explicit head_dim) with a
-mixture-of-experts MLP in every layer; the forward pass is `llama.py`'s, only the checkpoint
-names of the router and experts are this family's."""
+mixture-of-experts MLP in every layer, or (`decoder_sparse_step` > 1, `mlp_only_layers`) in some
+layers and a dense MLP in the others; the forward pass is `llama.py`'s, only the checkpoint names
+of the router and experts are this family's."""
 
 from __future__ import annotations
 
