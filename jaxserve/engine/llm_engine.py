@@ -340,12 +340,13 @@ class LLMEngine:
                 self.proposer.finish(req.request_id, req.output_token_ids)
                 continue
             sp = req.sampling_params
-            # A constrained request gets no drafts (its mask covers one position per step).
             if (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
-                    or req.structured is not None
                     or not self.proposer.enabled_for(req.num_prompt_tokens, batch_size)):
                 continue
-            proposals[req] = self.proposer.propose(req.request_id, req.all_token_ids)
+            drafts = self.proposer.propose(req.request_id, req.all_token_ids)
+            if req.structured is not None:
+                drafts = drafts[:req.structured.validate_tokens(drafts)]
+            proposals[req] = drafts
         if not proposals:
             return
         free = self.runner.bucket_for(min(batch_size, self.runner.buckets[-1])) - batch_size

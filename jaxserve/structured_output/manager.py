@@ -234,10 +234,13 @@ class StructuredOutputManager:
         if entries:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
-            if any(e[2] for e in entries):
-                fill_next_token_bitmask_par_with_draft_tokens(self._executor, entries, mask)
-            else:
-                fill_next_token_bitmask_par(self._executor, [e[:2] for e in entries], mask)
+            # (llguidance refuses an empty draft list: rows without drafts take the plain fill)
+            plain = [e[:2] for e in entries if not e[2]]
+            if plain:
+                fill_next_token_bitmask_par(self._executor, plain, mask)
+            if len(plain) < len(entries):
+                fill_next_token_bitmask_par_with_draft_tokens(
+                    self._executor, [e for e in entries if e[2]], mask)
         bits = mask.view(np.uint32)
         for row, token in marker_bits:
             bits[row, token >> 5] |= np.uint32(1 << (token & 31))
