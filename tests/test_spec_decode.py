@@ -455,3 +455,41 @@ def test_sampled_constrained_rows_with_speculation_always_satisfy_the_schema(spe
             jsonschema.validate(json.loads(c.text), FRUITS)
         else:
             assert c.finish_reason == "length" and len(c.token_ids) == 48
+
+
+def test_drafts_cross_the_end_of_reasoning_and_greedy_is_unchanged(spec_llm, monkeypatch):
+    """With a reasoning parser, the copying model's drafts run through `</think>` into the
+    answer: reasoning rows are free, the rows after the marker masked by the grammar; greedy
+    output equals decoding without drafts and the answer fits the schema."""
+    import json
+
+    from test_structured_output_reasoning import CONVERSATION, VERDICT, reasoning_parser
+
+    from jaxserve.sampling_params import StructuredOutputsParams
+    from jaxserve.spec_decode import make_proposer
+    from jaxserve.structured_output import StructuredRequest
+    engine = spec_llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(json=VERDICT))
+    splits = []         # (reasoning rows, drafts) of each masked draft list
+    reasoning_rows = StructuredRequest.reasoning_rows
+
+    def recording(self, drafts):
+        splits.append((reasoning_rows(self, drafts), len(drafts)))
+        return splits[-1][0]
+
+    monkeypatch.setattr(StructuredRequest, "reasoning_rows", recording)
+    with reasoning_parser(spec_llm, "deepseek_r1"):
+        base = spec_llm.chat([CONVERSATION], params, use_tqdm=False)[0].outputs[0]
+        # full-length drafts (no adaptive trimming), so some run through the marker
+        engine.proposer = make_proposer(SpeculativeConfig(**NGRAM, min_expected_accepted=0))
+        try:
+            before = engine.stats().spec_num_accepted_tokens
+            spec = spec_llm.chat([CONVERSATION], params, use_tqdm=False)[0].outputs[0]
+            after = engine.stats().spec_num_accepted_tokens
+        finally:
+            engine.proposer = None
+    assert spec.token_ids == base.token_ids and after > before
+    assert any(0 < g <= n for g, n in splits), splits     # a draft list crossed </think>
+    reasoning, _, answer = spec.text.partition("</think>")
+    assert reasoning.startswith("<think>") and json.loads(answer)["white"] in (True, False)
