@@ -18,6 +18,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton", "mosaic")
+# `<think>` markers the engine knows (structured_output/reasoning.py; the server's parsers)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -414,6 +416,9 @@ class EngineArgs:
     # alone; the jaxserve CLI passes ~/.cache/jaxserve/xla unless --compilation-cache-dir says.
     compilation_cache_dir: str | None = None
     max_logprobs: int = 20
+    # vLLM's structured_outputs_config.reasoning_parser (--reasoning-parser): a request's
+    # structured output applies after its <think>...</think> reasoning (None: from its start).
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -436,6 +441,9 @@ class EngineArgs:
             raise ValueError(f"master_port must be a TCP port (1..65535), got {self.master_port!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be None or one of "
+                             f"{', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         # The sub-configs validate their own fields; build them once here so errors surface early.
         self.cache_config()
         self.spec_config()

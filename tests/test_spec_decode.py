@@ -373,9 +373,10 @@ def test_fit_gives_free_bucket_room_to_the_likeliest_and_growth_only_to_good_cop
 
 
 def test_structured_output_beside_speculating_requests(spec_llm):
-    """A constrained request gets no drafts and its one mask row lands on its sampling row while
-    other rows verify drafts: its output matches its regex, the copying neighbour's greedy text
-    is unchanged, and drafts were still accepted for the neighbour."""
+    """A constrained request speculates too (its drafts cut at the first token its grammar
+    refuses, one mask row per verified position) while other rows verify theirs: its output
+    matches its regex, the copying neighbour's greedy text is unchanged, and drafts were
+    accepted."""
     import re
 
     from jaxserve.sampling_params import StructuredOutputsParams
@@ -398,3 +399,97 @@ def test_structured_output_beside_speculating_requests(spec_llm):
     assert outs[0].outputs[0].token_ids == base
     assert re.fullmatch(regex, outs[1].outputs[0].text), outs[1].outputs[0].text
     assert outs[1].outputs[0].finish_reason == "stop" and after > before
+
+
+# A repetitive structure: n-gram drafts of `"}, {"fruit": "` keep being right.
+FRUITS = {"type": "array", "minItems": 4, "maxItems": 5,
+          "items": {"type": "object", "additionalProperties": False, "required": ["fruit"],
+                    "properties": {"fruit": {"type": "string", "maxLength": 12}}}}
+
+
+def test_constrained_greedy_is_unchanged_by_speculation_and_accepts_drafts(spec_llm):
+    import json
+
+    from jaxserve.sampling_params import StructuredOutputsParams
+    engine = spec_llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(
+        json=FRUITS, disable_any_whitespace=True))
+    base = _chat(spec_llm, COPY[:1], params, None)[0]
+    before = engine.stats()
+    spec = _chat(spec_llm, COPY[:1], params, NGRAM)[0]
+    after = engine.stats()
+    assert spec.token_ids == base.token_ids
+    assert len(json.loads(spec.text)) >= 4 and spec.finish_reason == "stop"
+    assert after.spec_num_accepted_tokens > before.spec_num_accepted_tokens
+
+
+def test_sampled_constrained_rows_with_speculation_always_satisfy_the_schema(spec_llm):
+    """16 seeded samples at temperature 1 (drafts verified against masked rows): every output
+    is accepted token by token by a fresh matcher of its schema and every finished one
+    validates; drafts were accepted along the way."""
+    import json
+
+    import jsonschema
+
+    from jaxserve.sampling_params import StructuredOutputsParams
+    from jaxserve.spec_decode import make_proposer
+    engine = spec_llm.llm_engine
+    so = StructuredOutputsParams(json=FRUITS, disable_any_whitespace=True)
+    params = [SamplingParams(n=8, temperature=1.0, seed=seed, max_tokens=48,
+                             structured_outputs=so) for seed in (100, 200)]
+    engine.proposer = make_proposer(SpeculativeConfig(**NGRAM))
+    try:
+        before = engine.stats()
+        outs = spec_llm.chat([[{"role": "user", "content": COPY[0]}]] * 2, params,
+                             use_tqdm=False)
+        after = engine.stats()
+    finally:
+        engine.proposer = None
+    assert after.spec_num_accepted_tokens > before.spec_num_accepted_tokens
+    samples = [c for o in outs for c in o.outputs]
+    assert len(samples) == 16 and len({tuple(c.token_ids) for c in samples}) > 8
+    for c in samples:
+        matcher = engine.structured.new_request(params[0])
+        assert all(matcher.accept(t) for t in c.token_ids), c.text
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), FRUITS)
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == 48
+
+
+def test_drafts_cross_the_end_of_reasoning_and_greedy_is_unchanged(spec_llm, monkeypatch):
+    """With a reasoning parser, the copying model's drafts run through `</think>` into the
+    answer: reasoning rows are free, the rows after the marker masked by the grammar; greedy
+    output equals decoding without drafts and the answer fits the schema."""
+    import json
+
+    from test_structured_output_reasoning import CONVERSATION, VERDICT, reasoning_parser
+
+    from jaxserve.sampling_params import StructuredOutputsParams
+    from jaxserve.spec_decode import make_proposer
+    from jaxserve.structured_output import StructuredRequest
+    engine = spec_llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(json=VERDICT))
+    splits = []         # (reasoning rows, drafts) of each masked draft list
+    reasoning_rows = StructuredRequest.reasoning_rows
+
+    def recording(self, drafts):
+        splits.append((reasoning_rows(self, drafts), len(drafts)))
+        return splits[-1][0]
+
+    monkeypatch.setattr(StructuredRequest, "reasoning_rows", recording)
+    with reasoning_parser(spec_llm, "deepseek_r1"):
+        base = spec_llm.chat([CONVERSATION], params, use_tqdm=False)[0].outputs[0]
+        # full-length drafts (no adaptive trimming), so some run through the marker
+        engine.proposer = make_proposer(SpeculativeConfig(**NGRAM, min_expected_accepted=0))
+        try:
+            before = engine.stats().spec_num_accepted_tokens
+            spec = spec_llm.chat([CONVERSATION], params, use_tqdm=False)[0].outputs[0]
+            after = engine.stats().spec_num_accepted_tokens
+        finally:
+            engine.proposer = None
+    assert spec.token_ids == base.token_ids and after > before
+    assert any(0 < g <= n for g, n in splits), splits     # a draft list crossed </think>
+    reasoning, _, answer = spec.text.partition("</think>")
+    assert reasoning.startswith("<think>") and json.loads(answer)["white"] in (True, False)

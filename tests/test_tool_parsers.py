@@ -330,17 +330,20 @@ def test_tool_flags_are_checked_before_the_model_loads(capsys):
             ns.chat_template) == (True, "llama3_json", "deepseek_r1", "{{ messages }}")
 
 
-def test_constrained_output_is_not_split_as_reasoning():
-    """deepseek_r1 reads text without </think> as reasoning; a grammar-shaped output (named or
-    required tool_choice, response_format) has none, so the split is skipped for it."""
+def test_constrained_output_is_split_as_reasoning_too():
+    """The engine applies a grammar (named or required tool_choice, response_format) after the
+    reasoning, so a constrained output is split like any other: the call is the text after
+    </think>."""
     from jaxserve.server.openai.protocol import ChatCompletionRequest
     r1 = get_reasoning_parser("deepseek_r1")
     base = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
     named = ChatCompletionRequest.model_validate(
         {**base, "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
-    message = ChatOutputParser.for_request(named, get_tool_parser("hermes"), r1).message("{}")
-    assert message["reasoning"] is None
+    message = ChatOutputParser.for_request(named, get_tool_parser("hermes"), r1).message(
+        "Time, then.</think>{}")
+    assert message["reasoning"] == "Time, then."
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_time"]
+    assert message["tool_calls"][0]["function"]["arguments"] == "{}"
     auto = ChatCompletionRequest.model_validate(base)
     parser = ChatOutputParser.for_request(auto, get_tool_parser("hermes"), r1)
     assert parser.message("thinking</think>hi")["reasoning"] == "thinking"

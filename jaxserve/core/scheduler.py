@@ -91,8 +91,9 @@ class SpecDecodingStats:
 @dataclass
 class GrammarBitmask:
     """The tokens the structured-output rows of a step may sample (vLLM's GrammarOutput), filled
-    by the engine after `schedule()`: row i of `bitmask` ([n, ceil(V / 32)] int32 numpy; bit j of
-    word w set = token 32 * w + j allowed) belongs to the sampling row of `request_ids[i]`."""
+    by the engine after `schedule()`: `bitmask` ([n, ceil(V / 32)] int32 numpy; bit j of word w
+    set = token 32 * w + j allowed) holds, for each of `request_ids` in turn, 1 + len(its row's
+    spec_token_ids) rows: its sampling position, then the position after each draft."""
 
     request_ids: list[str]
     bitmask: Any

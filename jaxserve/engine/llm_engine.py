@@ -143,7 +143,8 @@ class LLMEngine:
         self.runner = make_runner(blocks)
         self.processor = OutputProcessor(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
-                                                  self._eos_token_ids(cfg))
+                                                  self._eos_token_ids(cfg),
+                                                  reasoning_parser=args.reasoning_parser)
         self.proposer = make_proposer(args.spec_config())
         self._rng = random.Random(args.seed)
         self._pending = []          # outputs produced outside step() (aborts)
@@ -229,7 +230,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.compile_structured(params)     # a cache hit when AsyncLLM compiled it already
             for req in requests:
-                req.structured = self.structured.new_request(req.sampling_params)
+                req.structured = self.structured.new_request(req.sampling_params, token_ids)
         # Validate every child before adding any, so a refusal leaves nothing behind.
         for req in requests:
             if self.processor.has_child(req.request_id):
@@ -309,21 +310,28 @@ class LLMEngine:
         return outputs
 
     def _grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask | None:
-        """The allowed next tokens of this step's constrained sampling rows (None: none)."""
-        ids, states = [], []
+        """The allowed tokens of this step's constrained sampling rows, one row per verified
+        position (None: no row is constrained, e.g. all inside their reasoning)."""
+        ids, states, drafts = [], [], []
         for row in sched.scheduled:
             if row.sample:
                 req = self.scheduler.get_request(row.request_id)
-                if req is not None and req.structured is not None:
+                if req is not None and req.structured is not None and (
+                        req.structured.constrains or row.spec_token_ids):
                     ids.append(row.request_id)
                     states.append(req.structured)
-        return GrammarBitmask(ids, self.structured.bitmask(states)) if ids else None
+                    drafts.append(row.spec_token_ids)
+        if not ids:
+            return None
+        mask = self.structured.bitmask(states, drafts)
+        return GrammarBitmask(ids, mask) if (mask != -1).any() else None
 
     def _propose(self, updated) -> None:
         """Draft tokens for each running request that just got tokens; forget finished ones.
-        Opt-out: structured output, penalties that depend on the output history (their draft positions would need
+        Opt-out: penalties that depend on the output history (their draft positions would need
         the drafts counted), what `Proposer.enabled_for` refuses, and drafts that would push the
-        step into a larger token bucket without enough expected acceptance (`Proposer.fit`)."""
+        step into a larger token bucket without enough expected acceptance (`Proposer.fit`).
+        A constrained request's drafts end before the first token its grammar refuses."""
         batch_size = self.scheduler.num_running
         self.proposer.retain(self.scheduler.requests)      # aborted / stop-string finished
         proposals = {}
@@ -332,12 +340,13 @@ class LLMEngine:
                 self.proposer.finish(req.request_id, req.output_token_ids)
                 continue
             sp = req.sampling_params
-            # A constrained request gets no drafts (its mask covers one position per step).
             if (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
-                    or req.structured is not None
                     or not self.proposer.enabled_for(req.num_prompt_tokens, batch_size)):
                 continue
-            proposals[req] = self.proposer.propose(req.request_id, req.all_token_ids)
+            drafts = self.proposer.propose(req.request_id, req.all_token_ids)
+            if req.structured is not None:
+                drafts = drafts[:req.structured.validate_tokens(drafts)]
+            proposals[req] = drafts
         if not proposals:
             return
         free = self.runner.bucket_for(min(batch_size, self.runner.buckets[-1])) - batch_size

@@ -205,16 +205,19 @@ class ModelRunner:
             self._all_allowed[num_rows] = mask
         return mask
 
-    def _step_bitmask(self, grammar, layout, num_rows: int) -> np.ndarray:
-        """[R, W] host bitmask: the grammar rows (a core.scheduler.GrammarBitmask) at their
-        (first) sampling rows, all ones elsewhere. A constrained request gets no drafts, so its
-        first row is its only one."""
+    def _step_bitmask(self, grammar, layout, num_rows: int, num_drafts: dict[str, int]
+                      ) -> np.ndarray:
+        """[R, W] host bitmask: the grammar rows (a core.scheduler.GrammarBitmask; 1 + drafts
+        rows per request, in order) at their request's sampling rows, all ones elsewhere."""
         mask = np.full((num_rows, self.mask_words), -1, np.int32)
         words = min(self.mask_words, grammar.bitmask.shape[1])
-        for i, rid in enumerate(grammar.request_ids):
+        src = 0
+        for rid in grammar.request_ids:
+            n = 1 + num_drafts.get(rid, 0)
             row = layout.sample_rows.get(rid)
             if row is not None:
-                mask[row, :words] = grammar.bitmask[i, :words]
+                mask[row:row + n, :words] = grammar.bitmask[src:src + n, :words]
+            src += n
         return mask
 
     def _executable(self, num_tokens: int, with_prompt_logprobs: bool):
@@ -265,11 +268,12 @@ class ModelRunner:
             return out
         want_prompt_lp = any(s.prompt_logprobs for s in scheduled)
         inputs, layout = self.prepare(scheduled, want_prompt_lp)
+        drafts = {s.request_id: s.spec_token_ids for s in scheduled}
         grammar = getattr(scheduler_output, "grammar_bitmask", None)
         if grammar is not None and grammar.request_ids:
-            inputs.bitmask = self._step_bitmask(grammar, layout, len(inputs.logit_rows))
+            inputs.bitmask = self._step_bitmask(grammar, layout, len(inputs.logit_rows),
+                                                {r: len(d) for r, d in drafts.items()})
         res, scores = jax.device_get(self.run_model(inputs))
-        drafts = {s.request_id: s.spec_token_ids for s in scheduled}
         for rid, r in layout.sample_rows.items():
             d = drafts[rid]
             n = accept(res.token_ids[r:r + len(d) + 1], d) + 1 if d else 1

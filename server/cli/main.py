@@ -30,6 +30,7 @@ from jaxserve.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    REASONING_PARSERS,
     EngineArgs,
 )
 
@@ -103,6 +104,10 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("speculative_config", "SpeculativeConfig", dict(type=_json_dict, help="JSON, e.g. "
                                                      "'{\"method\": \"ngram\", "
                                                      "\"num_speculative_tokens\": 4}'.")),
+    ("reasoning_parser", "StructuredOutputsConfig",
+     dict(choices=REASONING_PARSERS, help="Put <think>...</think> text in a chat message's "
+          "`reasoning` field (deepseek_r1: the start tag may be in the prompt; qwen3); "
+          "structured output then applies after the reasoning.")),
     ("attention_backend", "CompilationConfig", dict(choices=ATTENTION_BACKENDS,
                                                     help="Attention implementation.")),
     ("compilation_cache_dir", "CompilationConfig", dict(help="Persistent XLA compilation cache "
@@ -230,9 +235,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_tool_arguments(p: argparse.ArgumentParser) -> None:
-    """--chat-template, --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser
-    (serve and run-batch)."""
-    from jaxserve.server.openai.reasoning import REASONING_PARSERS
+    """--chat-template, --enable-auto-tool-choice, --tool-call-parser (serve and run-batch;
+    --reasoning-parser is an engine flag: the engine gates structured output with it)."""
     from jaxserve.server.openai.tool_parsers import TOOL_PARSERS
     g = p.add_argument_group("Chat: templates, tool calling and reasoning")
     g.add_argument("--chat-template", default=None,
@@ -245,9 +249,6 @@ def add_tool_arguments(p: argparse.ArgumentParser) -> None:
                    help="How to read tool calls out of the model's text: hermes (Hermes, "
                         "Qwen2.5/3 <tool_call>), llama3_json (Llama 3.x JSON), mistral "
                         "([TOOL_CALLS]), pythonic ([f(x=1)]).")
-    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
-                   help="Put <think>...</think> text in the message's `reasoning` field: "
-                        "deepseek_r1 (the start tag may be in the prompt) or qwen3.")
 
 
 def check_tool_arguments(ns: argparse.Namespace) -> None:

@@ -73,6 +73,9 @@ class Server:
         names = server_args.served_model_name
         if names:
             engine_args = engine_args.replace(served_model_name=names[0])
+        if server_args.reasoning_parser and engine_args.reasoning_parser is None:
+            # the engine applies structured output after the reasoning this server splits off
+            engine_args = engine_args.replace(reasoning_parser=server_args.reasoning_parser)
         self.engine_args = engine_args
         self.args = server_args
         self.chat_template = load_chat_template(server_args.chat_template)

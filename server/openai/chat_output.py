@@ -59,8 +59,6 @@ class ChatOutputParser:
                 tools = RequiredToolParser()
             elif tool_parser is not None:
                 tools = tool_parser()
-        if request.constrained:
-            reasoning_parser = None   # a grammar shapes the output from its first token
         if tools is None and reasoning_parser is None:
             return None
         return cls(reasoning_parser() if reasoning_parser else None, tools,

@@ -325,18 +325,6 @@ class ChatCompletionRequest(_SamplingFields):
     def uses_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice not in (None, "none")
 
-    @property
-    def constrained(self) -> bool:
-        """Whether the output is constrained from its first token (structured output, or a
-        required / named tool_choice): then it holds no reasoning to split off."""
-        if self.uses_tools and self.tool_choice != "auto":
-            return True
-        if (self.response_format or {}).get("type", "text") != "text":
-            return True
-        return self.structured_outputs is not None or any(
-            getattr(self, f"guided_{k}") is not None for k in ("json", "regex", "choice",
-                                                               "grammar"))
-
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
