@@ -31,6 +31,9 @@ class Proposer:
                                        config.suffix_min_count, config.suffix_cache_requests)
                         if config.method == "suffix" else None)
         self._tracks: dict[str, _Track] = {}
+        # Method "draft_model": the drafts the draft model proposed in the last step, by request
+        # (the runner computes them; the engine hands them over before proposing).
+        self.model_drafts: dict[str, list[int]] = {}
 
     def enabled_for(self, num_prompt_tokens: int, batch_size: int) -> bool:
         """Speculation pays when decode is bound by weight reads: small batches, prompts that
@@ -66,6 +69,8 @@ class Proposer:
             drafts = self._suffix.propose(request_id, tokens)
         elif tr.paused:
             drafts = []
+        elif c.method == "draft_model":
+            drafts = list(self.model_drafts.get(request_id, ()))[:k]
         else:
             drafts = propose_ngram(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max)
         if tr.paused:
