@@ -105,6 +105,9 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # freed since the last step
     grammar_bitmask: GrammarBitmask | None = None  # None: no constrained row samples this step
+    # Draft model only: request_id -> drafts the worker should propose after this step (filled
+    # by the engine from the proposer's opt-out; None: k for every sampling row).
+    draft_lengths: dict[str, int] | None = None
 
     @property
     def is_empty(self) -> bool:

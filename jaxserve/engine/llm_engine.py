@@ -296,6 +296,8 @@ class LLMEngine:
         """
         sched = self.scheduler.schedule()
         sched.grammar_bitmask = self._grammar_bitmask(sched)
+        if self.runner.drafter is not None:
+            sched.draft_lengths = self._draft_lengths(sched) if self.proposer else {}
         # Even an empty schedule goes to the runner: it carries the finished / preempted ids the
         # worker must drop from its input batch.
         try:
@@ -369,6 +371,21 @@ class LLMEngine:
         fitted = self.proposer.fit({r.request_id: d for r, d in proposals.items()}, free)
         for req in proposals:
             req.spec_token_ids = fitted[req.request_id]
+
+    def _draft_lengths(self, sched: SchedulerOutput) -> dict[str, int]:
+        """Draft model: how many drafts each sampling row's request may use after this step (the
+        proposer's opt-outs, judged now), so the draft computes no drafts that would be dropped."""
+        proposer, batch_size = self.proposer, self.scheduler.num_running
+        out = {}
+        for row in sched.scheduled:
+            req = self.scheduler.get_request(row.request_id)
+            if not row.sample or req is None:
+                continue
+            sp = req.sampling_params
+            penalised = sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
+            out[row.request_id] = 0 if penalised or not proposer.enabled_for(
+                req.num_prompt_tokens, batch_size) else proposer.draft_len(row.request_id)
+        return out
 
     def _runner_usable(self) -> bool:
         """False when the failed step consumed the donated KV cache (nothing can run again)."""

@@ -83,6 +83,18 @@ class Proposer:
         tr.drafts, tr.at = list(drafts), len(tokens)
         return drafts
 
+    def draft_len(self, request_id: str) -> int:
+        """At most how many drafts the next `propose` for the request can use, judged before
+        its step (0 while paused; one more than the current trim, as acceptance may grow): a
+        draft model computes only that many."""
+        c, tr = self.config, self._tracks.get(request_id)
+        k = c.num_speculative_tokens
+        if tr is None or c.min_expected_accepted <= 0:
+            return k
+        if tr.paused:
+            return 0
+        return max(1, min(k, math.ceil(tr.expected) + 2))
+
     # Expected accepted drafts per verification above which a request's drafts may push the
     # step into a larger (more costly) token bucket: doubling a step's tokens must buy tokens.
     GROW_MIN_EXPECTED = 2.0

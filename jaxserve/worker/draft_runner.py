@@ -112,8 +112,8 @@ class DraftRunner:
             _, cache = forward(weights, cache, tokens, positions, meta)
             return cache
 
-        def propose(weights, cache, tokens, positions, tables, limits, num_seqs):
-            # tokens, positions, limits [S]; tables [S, M]; num_seqs [1]
+        def propose(weights, cache, tokens, positions, tables, limits, num_seqs, num_steps):
+            # tokens, positions, limits [S]; tables [S, M]; num_seqs, num_steps [1] (<= k)
             S = tokens.shape[0]
             real = jnp.arange(S) < num_seqs[0]
             cu = jnp.minimum(jnp.arange(S + 1, dtype=jnp.int32), num_seqs[0])
@@ -133,7 +133,7 @@ class DraftRunner:
                 return cache, nxt, pos + 1, out.at[:, j].set(nxt)
 
             init = (cache, tokens, positions, jnp.zeros((S, k), jnp.int32))
-            cache, _, _, out = jax.lax.fori_loop(0, k, body, init)
+            cache, _, _, out = jax.lax.fori_loop(0, num_steps[0], body, init)
             return out, cache
 
         cache_sharding = self._cache_sharding(quantized, self.cache.codes)
@@ -184,7 +184,7 @@ class DraftRunner:
     def compiled_programs(self) -> list[tuple[str, int]]:
         return sorted(self._executables)
 
-    def _proposal_inputs(self, rows, S: int):
+    def _proposal_inputs(self, rows, S: int, num_steps: int = 0):
         """rows: (last token, its position, block ids) -> the proposal loop's host arrays."""
         tokens = np.zeros(S, np.int32)
         positions = np.zeros(S, np.int32)
@@ -194,7 +194,8 @@ class DraftRunner:
             tokens[i], positions[i] = tok, pos
             tables[i, :len(blocks)] = blocks
             limits[i] = min(len(blocks) * self.block_size, self.max_model_len)
-        return tokens, positions, tables, limits, np.array([len(rows)], np.int32)
+        return (tokens, positions, tables, limits, np.array([len(rows)], np.int32),
+                np.array([num_steps], np.int32))
 
     # -- the step --------------------------------------------------------------------------------
     def catch_up(self, inputs) -> None:
@@ -204,13 +205,18 @@ class DraftRunner:
         exe = self._executable("catch_up", len(inputs.tokens), args)
         self.cache = exe(self.weights, self.cache, *args)
 
-    def propose(self, scheduled, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
-        """k greedy drafts after the tokens emitted this step, for every sampling row."""
-        ids, rows = [], []
+    def propose(self, scheduled, sampled: dict[str, list[int]],
+                lengths: dict[str, int] | None = None) -> dict[str, list[int]]:
+        """Greedy drafts after the tokens emitted this step for each sampling row: as many as
+        `lengths` asks for the request (None: k for every row; a row asking 0 is skipped). The
+        loop runs the longest asked length, so a batch whose drafts are paused costs nothing."""
+        ids, rows, steps = [], [], 0
         for s in scheduled:
             new = sampled.get(s.request_id)
-            if not s.sample or not new:
+            n = self.k if lengths is None else min(self.k, lengths.get(s.request_id, 0))
+            if not s.sample or not new or n <= 0:
                 continue
+            steps = max(steps, n)
             known = len(s.token_ids) - len(s.spec_token_ids)
             ids.append(s.request_id)
             rows.append((new[-1], s.num_computed_tokens + known + len(new) - 1, s.block_ids))
@@ -219,12 +225,12 @@ class DraftRunner:
         out = {}
         for start in range(0, len(rows), self.seq_buckets[-1]):
             chunk = rows[start:start + self.seq_buckets[-1]]
-            args = self._proposal_inputs(chunk, self._seq_bucket(len(chunk)))
+            args = self._proposal_inputs(chunk, self._seq_bucket(len(chunk)), steps)
             exe = self._executable("propose", len(args[0]), args)
             drafts, self.cache = exe(self.weights, self.cache, *args)
             drafts = np.asarray(jax.device_get(drafts))
             for i, rid in enumerate(ids[start:start + len(chunk)]):
-                out[rid] = drafts[i].tolist()
+                out[rid] = drafts[i, :steps].tolist()
         return out
 
     def warmup(self, step_inputs_of, token_buckets) -> None:

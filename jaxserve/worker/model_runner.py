@@ -287,7 +287,8 @@ class ModelRunner:
                                       res.top_logprobs[i]) for i in range(r, r + n)]
             batch.append_sampled(rid, tokens)
         if self.drafter is not None:
-            out.draft_token_ids = self.drafter.propose(scheduled, out.sampled)
+            out.draft_token_ids = self.drafter.propose(
+                scheduled, out.sampled, getattr(scheduler_output, "draft_lengths", None))
         if want_prompt_lp:
             out.prompt_logprobs = self._prompt_logprobs(scheduled, layout.offsets,
                                                         inputs.prompt_targets, scores)
