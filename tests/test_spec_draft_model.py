@@ -124,7 +124,7 @@ def other_draft(llm, cfg, weights):
         runner.drafter = old
 
 
-GREEDY = SamplingParams(temperature=0, max_tokens=32)
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
 def test_greedy_identical_with_a_truncated_draft_alone_and_mixed(draft_llm):
