@@ -10,7 +10,9 @@ default model's first N decoder layers + final norm + head (LayerSkip-style earl
 written as a checkpoint with `loader/export.py` to a temporary directory; the engine is built
 with the first as `speculative_config.model` (so the scheduler reserves lookahead slots) and the
 others are swapped in as the runner's draft model (each with its own KV pool). Runs without
-the draft-model method switch the draft off, so they pay nothing for it.
+the draft-model method switch the draft off, so they pay nothing for it. `--early-exit-layers
+N,...` only prints, for choosing N, how often the first-N-layer exit's argmax equals the full
+model's greedy token, teacher-forced along each prompt's greedy answer (no drafting).
 Workloads: "copy" (repeat a list, rewrite code with one change: the answer copies the prompt)
 and "open" (open-ended questions). Each (workload, batch, method) runs after a warm-up
 generate, alternating with the baseline, best of `--repeats`; tokens/s = generated tokens / wall
@@ -94,6 +96,39 @@ def draft_runners(llm, paths: dict[int, str], k: int) -> dict[int, object]:
 DRAFTERS: dict[str, object] = {}     # "draft-N" -> DraftRunner
 
 
+def early_exit_agreement(llm, prompts, layers: list[int], max_tokens: int) -> dict[int, float]:
+    """Teacher-forced: along each prompt's greedy answer, the fraction of answer positions where
+    the first-N-layer exit (+ final norm + head) predicts the full model's token."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.attention import AttentionMetadata
+    from jaxserve.loader.export import truncate_layers
+    from jaxserve.models import get_model
+    from jaxserve.worker.kv_sizing import allocate_kv_cache
+    engine = llm.llm_engine
+    model = get_model(engine.model_config.architecture)
+    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
+                    SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    hits = {n: [] for n in layers}
+    for o in outs:
+        ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        P, T, B = len(o.prompt_token_ids), len(ids), 16
+        nb = -(-T // B)
+        pos = np.arange(T, dtype=np.int32)
+        meta = AttentionMetadata(pos.copy(), np.arange(nb, dtype=np.int32)[None],
+                                 np.array([T], np.int32), np.array([0, T], np.int32),
+                                 np.array([1], np.int32))
+        for n in layers:
+            cfg, w = truncate_layers(engine.model_config, engine.runner.weights, n)
+            cache = allocate_kv_cache(cfg, nb, B, jnp.float32, False)
+            h, _ = model.forward(w, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(pos), meta,
+                                 cfg=cfg)
+            pred = np.asarray(jnp.argmax(model.compute_logits(w, h), -1))[P - 1:T - 1]
+            hits[n].extend((pred == np.asarray(ids[P:])).tolist())
+    return {n: round(float(np.mean(h)), 3) for n, h in hits.items()}
+
+
 def run(llm, prompts, params, method, k, extra):
     engine = llm.llm_engine
     engine.runner.drafter = DRAFTERS.get(method)
@@ -130,7 +165,18 @@ def main():
     ap.add_argument("--draft-layers", default="",
                     help="comma-separated N: also run a draft model of the first N layers")
     ap.add_argument("--workloads", default="copy,open")
+    ap.add_argument("--early-exit-layers", default="",
+                    help="comma-separated N: print the early-exit agreement table and exit")
     a = ap.parse_args()
+    if a.early_exit_layers:
+        llm = LLM(max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=4,
+                  num_gpu_blocks_override=128, enable_prefix_caching=False, warmup=False)
+        layers = [int(n) for n in a.early_exit_layers.split(",")]
+        for workload, prompts in (("copy", COPY), ("open", OPEN)):
+            agree = early_exit_agreement(llm, prompts, layers, a.max_tokens)
+            print(f"{workload}: " + json.dumps(agree), flush=True)
+        llm.shutdown()
+        return
     batches = [int(b) for b in a.batches.split(",")]
     layers = [int(n) for n in a.draft_layers.split(",") if n]
     tmp = tempfile.TemporaryDirectory()
