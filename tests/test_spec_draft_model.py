@@ -214,3 +214,34 @@ def test_warmup_compiles_every_draft_program(draft_llm):
     with count_compilations() as seen:
         _run(draft_llm, COPY, params, drafts=True)
     assert not seen
+
+
+def test_abort_beside_a_drafting_request(draft_llm):
+    """The draft keeps no per-request state beyond its pool: aborting a drafting request mid-run
+    leaves its neighbour's greedy output as without drafts."""
+    engine = draft_llm.llm_engine
+
+    def run(drafts: bool, abort_after: int | None):
+        proposer = engine.proposer
+        engine.proposer = proposer if drafts else None
+        try:
+            engine.add_request("keep", COPY[0], GREEDY)
+            engine.add_request("gone", COPY[1], GREEDY)
+            done, steps = {}, 0
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out.outputs[0].token_ids
+                steps += 1
+                if steps == abort_after:
+                    engine.abort_request("gone")
+            return done
+        finally:
+            engine.proposer = proposer
+
+    base = run(False, None)
+    before = engine.stats()
+    spec = run(True, 4)
+    assert spec["keep"] == base["keep"] and len(spec["gone"]) < len(base["gone"])
+    assert engine.stats().spec_num_accepted_tokens > before.spec_num_accepted_tokens
+    assert not engine.scheduler.kv_cache_manager.req_to_blocks
