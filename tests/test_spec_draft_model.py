@@ -1,8 +1,10 @@
 """Speculative decoding with a draft model (`speculative_config={"model": PATH}`): config
-checks, the draft's vocabulary check, and the engine on the default model with a draft of its
-first two layers (exported as a checkpoint), with the target itself as draft (~100% acceptance,
-also on prefix-cache hits: the draft's KV must be valid for every cached block) and with a
-random draft: greedy and seeded outputs identical with and without drafts."""
+checks, the draft's vocabulary and tokenizer checks, and the engine on the default model with a
+draft of its first two layers (exported as a checkpoint), with the target itself as draft (~100%
+acceptance, also after a preemption and on prefix-cache hits: the draft's KV must be valid for
+every cached block) and with a random draft: greedy and seeded outputs identical with and
+without drafts, an abort beside a drafting request, and no compilation after the draft's
+warm-up."""
 
 from __future__ import annotations
 
@@ -245,3 +247,18 @@ def test_abort_beside_a_drafting_request(draft_llm):
     assert spec["keep"] == base["keep"] and len(spec["gone"]) < len(base["gone"])
     assert engine.stats().spec_num_draft_tokens > before.spec_num_draft_tokens
     assert not engine.scheduler.kv_cache_manager.req_to_blocks
+
+
+def test_draft_with_another_tokenizer_of_the_same_size_is_refused(draft_llm, tmp_path):
+    from jaxserve.tokenizer.tokenizer import Tokenizer
+    from jaxserve.worker.draft_runner import read_draft_config
+    engine = draft_llm.llm_engine
+    cfg = engine.model_config
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], vocab_size=cfg.vocab_size, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True)))
+    Tokenizer.synthetic(cfg.vocab_size).backend.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"speculative_config\.model.*tokenizer"):
+        read_draft_config(tmp_path, cfg, engine.tokenizer)
+    assert read_draft_config(tmp_path, cfg, None).vocab_size == cfg.vocab_size
