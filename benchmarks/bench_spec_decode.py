@@ -1,9 +1,18 @@
 """Speculative decoding on this CPU: tokens/s with and without drafts, in one run.
 
     python benchmarks/bench_spec_decode.py [--max-tokens 96] [--k 4] [--batches 1,16]
+        [--methods ngram,suffix] [--draft-layers 8,16]
 
 One engine (default model, f32, greedy) serves every configuration: speculation is switched by
-swapping the engine's proposer (none, ngram, suffix) so all runs share the compiled programs.
+swapping the engine's proposer (none, ngram, suffix, draft_model) so all runs share the compiled
+programs. `--draft-layers N,...` adds the draft-model method with self-speculative drafts: the
+default model's first N decoder layers + final norm + head (LayerSkip-style early exit), each
+written as a checkpoint with `loader/export.py` to a temporary directory; the engine is built
+with the first as `speculative_config.model` (so the scheduler reserves lookahead slots) and the
+others are swapped in as the runner's draft model (each with its own KV pool). Runs without
+the draft-model method switch the draft off, so they pay nothing for it. `--early-exit-layers
+N,...` only prints, for choosing N, how often the first-N-layer exit's argmax equals the full
+model's greedy token, teacher-forced along each prompt's greedy answer (no drafting).
 Workloads: "copy" (repeat a list, rewrite code with one change: the answer copies the prompt)
 and "open" (open-ended questions). Each (workload, batch, method) runs after a warm-up
 generate, alternating with the baseline, best of `--repeats`; tokens/s = generated tokens / wall
@@ -17,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import tempfile
 import time
 
 from jaxserve import LLM, SamplingParams
@@ -41,8 +51,89 @@ OPEN = [
 ]
 
 
+def export_drafts(layers: list[int], directory: str) -> dict[int, str]:
+    """The default model's first N layers (+ final norm and head) as checkpoints, by N."""
+    import jax.numpy as jnp
+
+    from jaxserve.default_model import default_model_path
+    from jaxserve.loader.export import export_model, truncate_layers
+    from jaxserve.loader.gguf import read_gguf
+    from jaxserve.loader.loader import load_model
+    from jaxserve.tokenizer.tokenizer import Tokenizer
+    reader = read_gguf(default_model_path())
+    cfg, weights = load_model(default_model_path(), jnp.float32, gguf_reader=reader)
+    tokenizer = Tokenizer.from_gguf(reader)
+    paths = {}
+    for n in layers:
+        paths[n] = f"{directory}/draft-{n}-layers"
+        draft_cfg, draft_weights = truncate_layers(cfg, weights, n)
+        export_model(paths[n], draft_cfg, tokenizer, draft_weights)
+    return paths
+
+
+def draft_runners(llm, paths: dict[int, str], k: int) -> dict[int, object]:
+    """A DraftRunner (own KV pool of the engine's blocks) per draft checkpoint."""
+    import jax.numpy as jnp
+
+    from jaxserve.worker.draft_runner import DraftRunner, load_draft
+    engine = llm.llm_engine
+    runner = engine.runner
+    out = {}
+    for n, path in paths.items():
+        if runner.drafter is not None and runner.drafter.cfg.num_layers == n:
+            out[n] = runner.drafter
+            continue
+        cfg, weights = load_draft(path, engine.model_config, engine.tokenizer, dtype=jnp.float32,
+                                  mesh=engine.mesh, load_format="auto", seed=0,
+                                  quantization=None, expert_parallel=False)
+        out[n] = DraftRunner(cfg, weights, num_blocks=runner.num_blocks,
+                             block_size=runner.block_size, max_model_len=engine.max_model_len,
+                             max_num_seqs=engine.args.max_num_seqs, num_speculative_tokens=k,
+                             dtype=jnp.float32, backend=engine.attention_backend)
+    return out
+
+
+DRAFTERS: dict[str, object] = {}     # "draft-N" -> DraftRunner
+
+
+def early_exit_agreement(llm, prompts, layers: list[int], max_tokens: int) -> dict[int, float]:
+    """Teacher-forced: along each prompt's greedy answer, the fraction of answer positions where
+    the first-N-layer exit (+ final norm + head) predicts the full model's token."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.attention import AttentionMetadata
+    from jaxserve.loader.export import truncate_layers
+    from jaxserve.models import get_model
+    from jaxserve.worker.kv_sizing import allocate_kv_cache
+    engine = llm.llm_engine
+    model = get_model(engine.model_config.architecture)
+    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
+                    SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    hits = {n: [] for n in layers}
+    for o in outs:
+        ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        P, T, B = len(o.prompt_token_ids), len(ids), 16
+        nb = -(-T // B)
+        pos = np.arange(T, dtype=np.int32)
+        meta = AttentionMetadata(pos.copy(), np.arange(nb, dtype=np.int32)[None],
+                                 np.array([T], np.int32), np.array([0, T], np.int32),
+                                 np.array([1], np.int32))
+        for n in layers:
+            cfg, w = truncate_layers(engine.model_config, engine.runner.weights, n)
+            cache = allocate_kv_cache(cfg, nb, B, jnp.float32, False)
+            h, _ = model.forward(w, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(pos), meta,
+                                 cfg=cfg)
+            pred = np.asarray(jnp.argmax(model.compute_logits(w, h), -1))[P - 1:T - 1]
+            hits[n].extend((pred == np.asarray(ids[P:])).tolist())
+    return {n: round(float(np.mean(h)), 3) for n, h in hits.items()}
+
+
 def run(llm, prompts, params, method, k, extra):
     engine = llm.llm_engine
+    engine.runner.drafter = DRAFTERS.get(method)
+    if method in DRAFTERS:
+        method, extra = "draft_model", dict(extra, model=method)
     engine.proposer = make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=k,
                                                       **extra)) if method else None
     before = engine.stats()
@@ -70,19 +161,43 @@ def main():
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
+    ap.add_argument("--methods", default="ngram,suffix", help="host proposers to run")
+    ap.add_argument("--draft-layers", default="",
+                    help="comma-separated N: also run a draft model of the first N layers")
+    ap.add_argument("--workloads", default="copy,open")
+    ap.add_argument("--early-exit-layers", default="",
+                    help="comma-separated N: print the early-exit agreement table and exit")
     a = ap.parse_args()
+    if a.early_exit_layers:
+        llm = LLM(max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=4,
+                  num_gpu_blocks_override=128, enable_prefix_caching=False, warmup=False)
+        layers = [int(n) for n in a.early_exit_layers.split(",")]
+        for workload, prompts in (("copy", COPY), ("open", OPEN)):
+            agree = early_exit_agreement(llm, prompts, layers, a.max_tokens)
+            print(f"{workload}: " + json.dumps(agree), flush=True)
+        llm.shutdown()
+        return
     batches = [int(b) for b in a.batches.split(",")]
+    layers = [int(n) for n in a.draft_layers.split(",") if n]
+    tmp = tempfile.TemporaryDirectory()
+    paths = export_drafts(layers, tmp.name) if layers else {}
+    spec = ({"model": paths[layers[0]], "num_speculative_tokens": a.k} if layers
+            else {"method": "ngram", "num_speculative_tokens": a.k})
     llm = LLM(max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=max(batches),
-              num_gpu_blocks_override=512, enable_prefix_caching=False,
-              speculative_config={"method": "ngram", "num_speculative_tokens": a.k})
+              num_gpu_blocks_override=512, enable_prefix_caching=False, speculative_config=spec)
+    DRAFTERS.update({f"draft-{n}": d for n, d in draft_runners(llm, paths, a.k).items()})
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
-    methods = {"ngram": dict(prompt_lookup_min=2, prompt_lookup_max=4),
-               "suffix": dict()}
+    known = {"ngram": dict(prompt_lookup_min=2, prompt_lookup_max=4), "suffix": dict()}
+    methods = {m: known[m] for m in a.methods.split(",") if m}
+    methods.update({name: dict() for name in DRAFTERS})
     for extra in methods.values():
         extra["disable_by_batch_size"] = a.disable_by_batch_size
-    run(llm, COPY[:2] + OPEN[:2], SamplingParams(temperature=0, max_tokens=8), "ngram", a.k, {})
+    for method in methods:      # warm-up: every program these runs need
+        run(llm, COPY[:2] + OPEN[:2], SamplingParams(temperature=0, max_tokens=8), method, a.k,
+            methods[method])
     rows, results = [], []
-    for workload, base_prompts in (("copy", COPY), ("open", OPEN)):
+    workloads = {"copy": COPY, "open": OPEN}
+    for workload, base_prompts in ((w, workloads[w]) for w in a.workloads.split(",")):
         for batch in batches:
             prompts = (base_prompts * (batch // len(base_prompts) + 1))[:batch]
             for method, extra in methods.items():
@@ -111,7 +226,9 @@ def main():
     print("\n".join(rows))
     print(json.dumps(dict(machine=platform.machine(), k=a.k, max_tokens=a.max_tokens,
                           results=results)))
+    llm.llm_engine.runner.drafter = DRAFTERS.get(f"draft-{layers[0]}") if layers else None
     llm.shutdown()
+    tmp.cleanup()
 
 
 if __name__ == "__main__":

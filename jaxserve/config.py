@@ -8,6 +8,7 @@ scheduler and mesh builder receive; `EngineArgs` is the kwargs/CLI surface that 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -278,6 +279,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Room in the token budget reserved per running request for speculative tokens (0 = none).
     num_speculative_tokens: int = 0
+    # KV slots allocated past a sampling row's tokens (a draft model writes its proposals'
+    # K/V there before the next step; 0 = none).
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -298,8 +302,10 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config` keys. `method`: "ngram" (prompt lookup) or "suffix" (suffix
-    trie over the request's tokens and, with suffix_cache_requests > 0, earlier outputs).
+    """vLLM's `speculative_config` keys. `method`: "ngram" (prompt lookup), "suffix" (suffix
+    trie over the request's tokens and, with suffix_cache_requests > 0, earlier outputs) or
+    "draft_model" (`model`: a smaller model sharing the target's tokenizer proposes greedily;
+    giving `model` without `method` means "draft_model").
     Opt-out: no drafts for a request whose prompt is longer than `max_prompt_len` or while the
     running batch has `disable_by_batch_size` requests or more."""
 
@@ -315,8 +321,10 @@ class SpeculativeConfig:
     # Adaptive opt-out: pause a request's drafts while fewer than this many are accepted per
     # verification (moving average); 0 = never pause.
     min_expected_accepted: float = 0.5
+    # The draft model's path (method "draft_model"): a Hugging Face directory or a .gguf file.
+    model: str | None = None
 
-    METHODS = ("ngram", "suffix")
+    METHODS = ("ngram", "suffix", "draft_model")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
@@ -325,9 +333,8 @@ class SpeculativeConfig:
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        if "model" in d and d.get("method") in (None, "draft_model"):
-            raise ValueError("speculative_config.model (a draft model) is not supported yet; "
-                             "use method 'ngram' or 'suffix'")
+        if d.get("model") is not None and "method" not in d:
+            d = {**d, "method": "draft_model"}      # vLLM: a model alone means a draft model
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"speculative_config has unknown key(s) {unknown}; allowed: "
@@ -350,6 +357,12 @@ class SpeculativeConfig:
         if self.num_speculative_tokens > 16:
             raise ValueError("speculative_config.num_speculative_tokens must be <= 16, got "
                              f"{self.num_speculative_tokens}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model (a draft model path) is required with "
+                             "method 'draft_model' and only allowed with it, got method "
+                             f"{self.method!r} and model {self.model!r}")
+        if self.model is not None and not isinstance(self.model, str | os.PathLike):
+            raise ValueError(f"speculative_config.model must be a path, got {self.model!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
                              f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
@@ -467,7 +480,10 @@ class EngineArgs:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                max_model_len=max_model_len, policy=self.scheduling_policy,
                                enable_chunked_prefill=self.enable_chunked_prefill,
-                               num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+                               num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                               num_lookahead_tokens=(spec.num_speculative_tokens
+                                                     if spec and spec.method == "draft_model"
+                                                     else 0))
 
     def spec_config(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.from_dict(self.speculative_config)

@@ -29,7 +29,7 @@ from jaxserve.spec_decode import SuffixProposer, propose_ngram
     ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"method": "suffix", "bogus": 1}, "bogus"),
-    ({"model": "some/draft", "num_speculative_tokens": 3}, "model"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "model"),
 ])
 def test_bad_speculative_config_names_the_field(bad, field):
     with pytest.raises(ValueError, match=field):

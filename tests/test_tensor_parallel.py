@@ -46,7 +46,8 @@ _CHILD = textwrap.dedent("""
             result.append(dict(tokens=[o.outputs[0].token_ids for o in outs], ops=ops,
                               weight_bytes=dev0(runner.weights), kv_bytes=dev0(runner.cache),
                                weight_shapes=[list(x.shape) for x in jax.tree.leaves(runner.weights)],
-                               leaf_bytes=[dev0(x) for x in jax.tree.leaves(runner.weights)]))
+                               leaf_bytes=[dev0(x) for x in jax.tree.leaves(runner.weights)],
+                               accepted=llm.llm_engine.stats().spec_num_accepted_tokens))
     print("RESULT" + json.dumps(result))
 """)
 
@@ -82,7 +83,8 @@ def test_tensor_parallel_tiny_llama_and_qwen3_match_one_device(tmp_path):
     """8 heads, 4 KV heads: TP 2 and 4 split the KV heads, TP 8 repeats each in the cache (two
     devices per KV head). Same greedy tokens as one device; wo and w_down all-reduce; bytes
     fall with TP. Also: the Pallas kernel (interpret mode) inside the shard_map at TP 2 and 8,
-    and a Qwen3 (q/k norms) with an int8 KV cache (per-head scales split with the pages) at TP 4."""
+    and a Qwen3 (q/k norms) with an int8 KV cache (per-head scales split with the pages) at TP 4,
+    and a draft model at TP 2 (the model as its own draft, its KV pool split like the target's)."""
     cfg = json.loads((TINY / "config.json").read_text())
     cfg.update(num_attention_heads=8, num_key_value_heads=4, head_dim=64)
     llama, qwen3 = tmp_path / "llama", tmp_path / "qwen3"
@@ -92,7 +94,9 @@ def test_tensor_parallel_tiny_llama_and_qwen3_match_one_device(tmp_path):
     dummy = dict(load_format="dummy", seed=0, dtype="float32")
     res = _run([dict(model=str(llama), tp=tp, **dummy) for tp in (1, 2, 4, 8)]
                + [dict(model=str(llama), tp=tp, attention_backend="pallas", **dummy) for tp in (2, 8)]
-               + [dict(model=str(qwen3), tp=tp, kv_cache_dtype="int8", **dummy) for tp in (1, 4)])
+               + [dict(model=str(qwen3), tp=tp, kv_cache_dtype="int8", **dummy) for tp in (1, 4)]
+               + [dict(model=str(llama), tp=2, **dummy,
+                       speculative_config={"model": str(llama), "num_speculative_tokens": 3})])
     one = res[0]
     assert not any(one["ops"].values())
     for tp, r in zip((2, 4, 8), res[1:4]):
@@ -106,6 +110,7 @@ def test_tensor_parallel_tiny_llama_and_qwen3_match_one_device(tmp_path):
     assert res[7]["tokens"] == res[6]["tokens"]
     _check_collectives(res[7], 3, cfg["hidden_size"], cfg["vocab_size"])
     assert res[7]["kv_bytes"] * 4 == res[6]["kv_bytes"]     # int8 pages and their scales split
+    assert res[8]["tokens"] == one["tokens"] and res[8]["accepted"] > 0     # draft model at TP 2
 
 
 def test_tensor_parallel_default_model_matches_one_device():

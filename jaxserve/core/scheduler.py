@@ -106,6 +106,9 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # freed since the last step
     grammar_bitmask: GrammarBitmask | None = None  # None: no constrained row samples this step
+    # Draft model only: request_id -> drafts the worker should propose after this step (filled
+    # by the engine from the proposer's opt-out; None: k for every sampling row).
+    draft_lengths: dict[str, int] | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -146,7 +149,7 @@ class Scheduler:
             raise InvalidRequestError(f"The decoder prompt (length {n}) is longer than the "
                                       f"maximum model length of {self.config.max_model_len}.",
                                       "prompt")
-        spec = self.config.num_speculative_tokens
+        spec = self.config.num_speculative_tokens + self.config.num_lookahead_tokens
         capacity = self.kv_cache_manager.num_blocks * self.block_size
         if -(-(n + spec) // self.block_size) > self.kv_cache_manager.num_blocks:
             raise InvalidRequestError(
@@ -233,6 +236,14 @@ class Scheduler:
                        budget - num_new, room))
         return request.spec_token_ids[:n]
 
+    def _lookahead(self, request: Request, end: int) -> int:
+        """KV slots to allocate past position `end` (this row's last token + 1) for a draft
+        model's proposals: only on a row that samples (reaches the last known token), never past
+        max_model_len (the worker's block tables stop there)."""
+        if not self.config.num_lookahead_tokens or end < request.num_tokens:
+            return 0
+        return max(0, min(self.config.num_lookahead_tokens, self.config.max_model_len - end))
+
     def _row(self, request: Request, num_new: int, drafts: list[int] = (),
              new: bool = False) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -283,7 +294,9 @@ class Scheduler:
             if num_new <= 0:
                 continue
             drafts = self._drafts(request, request.num_computed_tokens, num_new, budget)
-            while self.kv_cache_manager.allocate_slots(request, num_new + len(drafts)) is None:
+            lookahead = self._lookahead(request, request.num_computed_tokens + num_new + len(drafts))
+            while self.kv_cache_manager.allocate_slots(request, num_new + len(drafts),
+                                                       num_lookahead_tokens=lookahead) is None:
                 victim = self._preemption_victim()
                 if victim.request_id in rows:   # priority policy may pick a scheduled row
                     del rows[victim.request_id]
@@ -310,7 +323,9 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break   # head of line waits for a step with room for its whole prompt
             num_new = min(num_new, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new, hits) is None:
+            if self.kv_cache_manager.allocate_slots(
+                    request, num_new, hits,
+                    self._lookahead(request, num_hit_tokens + num_new)) is None:
                 break
             self.waiting.pop()
             request.num_computed_tokens = num_hit_tokens

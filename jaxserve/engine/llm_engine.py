@@ -32,6 +32,7 @@ from jaxserve.sharding.plan import plan_for
 from jaxserve.spec_decode import make_proposer
 from jaxserve.structured_output import StructuredOutputManager
 from jaxserve.tokenizer.tokenizer import Tokenizer
+from jaxserve.worker.draft_runner import DraftRunner, load_draft
 from jaxserve.worker.kv_sizing import num_kv_blocks, probe_blocks, profile_peak_bytes
 from jaxserve.worker.model_runner import ModelRunner
 
@@ -107,14 +108,24 @@ class LLMEngine:
                              f"max_position_embeddings ({cfg.max_position_embeddings})")
         kv_quantize, kv_dtype = _kv_quantization(args.kv_cache_dtype, dtype)
         self.plan = plan_for(cfg, self.mesh, args.enable_expert_parallel)
+        # Speculative decoding with a draft model: its own pool of the same blocks.
+        spec = args.spec_config()
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_draft(spec.model, cfg, self.tokenizer, dtype=dtype, mesh=self.mesh,
+                               load_format=args.load_format, seed=args.seed,
+                               quantization=args.quantization,
+                               expert_parallel=args.enable_expert_parallel)
         # Sized per device: a block costs its heads on one device, the budget is one device's.
-        per_block = kvc.bytes_per_block(cfg.num_layers, args.block_size,
-                                        self.plan.kv_heads_per_device(cfg.num_kv_heads),
-                                        cfg.head_dim, kv_dtype, kv_quantize is not None)
+        per_block = sum(kvc.bytes_per_block(c.num_layers, args.block_size,
+                                            plan_for(c, self.mesh, args.enable_expert_parallel)
+                                            .kv_heads_per_device(c.num_kv_heads),
+                                            c.head_dim, kv_dtype, kv_quantize is not None)
+                        for c in [cfg] + ([draft[0]] if draft else []))
         # One device's share, from the sharding (no per-shard array objects: on CPU those would
         # stay alive beside the weights and count twice in jax.live_arrays()).
         weight_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                           for x in jax.tree_util.tree_leaves(weights))
+                           for x in jax.tree_util.tree_leaves((weights, draft and draft[1])))
         # Simulated CPU devices share the host's memory: there a budget covers all of them.
         host_copies = self.mesh.size if jax.default_backend() == "cpu" else 1
         self.scheduler_config = args.scheduler_config(self.max_model_len)
@@ -122,12 +133,25 @@ class LLMEngine:
             args.attention_backend, AttentionCase.of(cfg, dtype, kv_dtype, args.block_size))
         logger.info("attention backend: %s (asked: %s)", self.attention_backend, args.attention_backend)
 
-        def make_runner(num_blocks: int) -> ModelRunner:
+        def make_runner(num_blocks: int, drafter: DraftRunner | None = None) -> ModelRunner:
             cache_config = dataclasses.replace(args.cache_config(), num_blocks=num_blocks)
             return ModelRunner(cfg, weights, cache_config, self.scheduler_config, dtype=dtype,
                                backend=self.attention_backend, max_logprobs=args.max_logprobs,
                                kv_quantize=kv_quantize, kv_dtype=kv_dtype, plan=self.plan,
-                               num_speculative_tokens=self.scheduler_config.num_speculative_tokens)
+                               num_speculative_tokens=self.scheduler_config.num_speculative_tokens,
+                               drafter=drafter)
+
+        def make_drafter(num_blocks: int) -> DraftRunner | None:
+            if draft is None:
+                return None
+            dcfg, dweights = draft
+            backend = select_backend(args.attention_backend,
+                                     AttentionCase.of(dcfg, dtype, kv_dtype, args.block_size))
+            return DraftRunner(dcfg, dweights, num_blocks=num_blocks, block_size=args.block_size,
+                               max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
+                               num_speculative_tokens=spec.num_speculative_tokens, dtype=dtype,
+                               backend=backend, kv_quantize=kv_quantize, kv_dtype=kv_dtype,
+                               plan=plan_for(dcfg, self.mesh, args.enable_expert_parallel))
 
         blocks = num_kv_blocks(args, per_block * host_copies, weight_bytes,
                                profile=lambda n: profile_peak_bytes(make_runner(n)),
@@ -140,7 +164,7 @@ class LLMEngine:
                     "for %d tokens per request: %.2fx", blocks, args.block_size, tokens,
                     blocks * per_block / 2**30, self.max_model_len, tokens / self.max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
-        self.runner = make_runner(blocks)
+        self.runner = make_runner(blocks, make_drafter(blocks))
         self.processor = OutputProcessor(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
                                                   self._eos_token_ids(cfg),
@@ -273,6 +297,8 @@ class LLMEngine:
         """
         sched = self.scheduler.schedule()
         sched.grammar_bitmask = self._grammar_bitmask(sched)
+        if self.runner.drafter is not None:
+            sched.draft_lengths = self._draft_lengths(sched) if self.proposer else {}
         # Even an empty schedule goes to the runner: it carries the finished / preempted ids the
         # worker must drop from its input batch.
         try:
@@ -294,6 +320,7 @@ class LLMEngine:
                       for rid, entries in result.prompt_logprobs.items()}
         updated = self.scheduler.update_from_output(sched, result.sampled)
         if self.proposer is not None:
+            self.proposer.model_drafts = result.draft_token_ids
             self._propose(updated)
         for req in updated:
             new = len(result.sampled.get(req.request_id, ()))
@@ -354,11 +381,27 @@ class LLMEngine:
         for req in proposals:
             req.spec_token_ids = fitted[req.request_id]
 
+    def _draft_lengths(self, sched: SchedulerOutput) -> dict[str, int]:
+        """Draft model: how many drafts each sampling row's request may use after this step (the
+        proposer's opt-outs, judged now), so the draft computes no drafts that would be dropped."""
+        proposer, batch_size = self.proposer, self.scheduler.num_running
+        out = {}
+        for row in sched.scheduled:
+            req = self.scheduler.get_request(row.request_id)
+            if not row.sample or req is None:
+                continue
+            sp = req.sampling_params
+            penalised = sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
+            out[row.request_id] = 0 if penalised or not proposer.enabled_for(
+                req.num_prompt_tokens, batch_size) else proposer.draft_len(row.request_id)
+        return out
+
     def _runner_usable(self) -> bool:
         """False when the failed step consumed the donated KV cache (nothing can run again)."""
         runner = self.runner
         return runner is not None and not any(
-            x.is_deleted() for x in jax.tree_util.tree_leaves((runner.cache, runner.penalties)))
+            x.is_deleted() for x in jax.tree_util.tree_leaves(
+                (runner.cache, runner.penalties, runner.drafter and runner.drafter.cache)))
 
     def _fail_step(self, sched, error: Exception):
         """Finish the failed step's requests with "error" (uncaching the blocks it would have
@@ -396,6 +439,8 @@ class LLMEngine:
             group.close()
         runner = getattr(self, "runner", None)
         if runner is not None:
+            if runner.drafter is not None:
+                runner.drafter.release()
             for x in jax.tree_util.tree_leaves((runner.cache, runner.weights, runner.penalties)):
                 x.delete()
             runner.cache = runner.weights = runner.penalties = None

@@ -101,3 +101,14 @@ def export_model(directory: str | os.PathLike, cfg: ModelConfig, tokenizer, weig
                   metadata={"format": "pt"})
         written.append("model.safetensors")
     return written
+
+
+def truncate_layers(cfg: ModelConfig, weights, num_layers: int):
+    """The model's first `num_layers` decoder layers with its final norm and head (LayerSkip-
+    style early exit): a self-speculative draft model sharing the tokenizer. -> (cfg, weights)."""
+    if not 1 <= num_layers <= cfg.num_layers:
+        raise ValueError(f"num_layers must be in [1, {cfg.num_layers}], got {num_layers}")
+    import dataclasses
+    layers = jax.tree.map(lambda x: x[:num_layers], weights.layers)
+    return (dataclasses.replace(cfg, num_layers=num_layers),
+            dataclasses.replace(weights, layers=layers))

@@ -31,6 +31,9 @@ class Proposer:
                                        config.suffix_min_count, config.suffix_cache_requests)
                         if config.method == "suffix" else None)
         self._tracks: dict[str, _Track] = {}
+        # Method "draft_model": the drafts the draft model proposed in the last step, by request
+        # (the runner computes them; the engine hands them over before proposing).
+        self.model_drafts: dict[str, list[int]] = {}
 
     def enabled_for(self, num_prompt_tokens: int, batch_size: int) -> bool:
         """Speculation pays when decode is bound by weight reads: small batches, prompts that
@@ -66,6 +69,8 @@ class Proposer:
             drafts = self._suffix.propose(request_id, tokens)
         elif tr.paused:
             drafts = []
+        elif c.method == "draft_model":
+            drafts = list(self.model_drafts.get(request_id, ()))[:k]
         else:
             drafts = propose_ngram(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max)
         if tr.paused:
@@ -77,6 +82,18 @@ class Proposer:
             drafts = drafts[:max(1, min(k, math.ceil(tr.expected) + 1))]
         tr.drafts, tr.at = list(drafts), len(tokens)
         return drafts
+
+    def draft_len(self, request_id: str) -> int:
+        """At most how many drafts the next `propose` for the request can use, judged before
+        its step (0 while paused; one more than the current trim, as acceptance may grow): a
+        draft model computes only that many."""
+        c, tr = self.config, self._tracks.get(request_id)
+        k = c.num_speculative_tokens
+        if tr is None or c.min_expected_accepted <= 0:
+            return k
+        if tr.paused:
+            return 0
+        return max(1, min(k, math.ceil(tr.expected) + 2))
 
     # Expected accepted drafts per verification above which a request's drafts may push the
     # step into a larger (more costly) token bucket: doubling a step's tokens must buy tokens.

@@ -82,13 +82,15 @@ class RunnerOutput:
     logprobs: dict[str, list[tuple[float, int, np.ndarray, np.ndarray]]]
     # request_id -> [(target token, logprob, rank, top ids, top logprobs)] for prompt positions
     prompt_logprobs: dict[str, list[tuple]]
+    # request_id -> the draft model's next drafts, for each row that sampled (draft model only)
+    draft_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, *, dtype, backend: str, max_logprobs: int,
                  kv_quantize=None, kv_dtype=None, plan: ShardingPlan | None = None,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, drafter=None):
         self.cfg = model_config
         # How weights, KV pool and the step split over the devices (default: one device).
         self.plan = plan = plan or single_device_plan(model_config)
@@ -101,6 +103,8 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         # Speculative decoding: each sampling request may verify this many drafts in a step.
         self.num_spec = num_speculative_tokens
+        # A draft model (worker/draft_runner.DraftRunner) or None.
+        self.drafter = drafter
         self.cache = self._allocate_cache(kv_dtype or dtype, kv_quantize is not None)
         self.input_batch = InputBatch(self.max_seqs, model_config.vocab_size)
         # [max_num_seqs, vocab] x 4 on the device: the penalties never change shape.
@@ -273,7 +277,10 @@ class ModelRunner:
         if grammar is not None and grammar.request_ids:
             inputs.bitmask = self._step_bitmask(grammar, layout, len(inputs.logit_rows),
                                                 {r: len(d) for r, d in drafts.items()})
-        res, scores = jax.device_get(self.run_model(inputs))
+        step_out = self.run_model(inputs)
+        if self.drafter is not None:        # the draft's K/V for the same tokens (async)
+            self.drafter.catch_up(inputs)
+        res, scores = jax.device_get(step_out)
         for rid, r in layout.sample_rows.items():
             d = drafts[rid]
             n = accept(res.token_ids[r:r + len(d) + 1], d) + 1 if d else 1
@@ -283,6 +290,9 @@ class ModelRunner:
                 out.logprobs[rid] = [(float(res.logprob[i]), int(res.rank[i]), res.top_ids[i],
                                       res.top_logprobs[i]) for i in range(r, r + n)]
             batch.append_sampled(rid, tokens)
+        if self.drafter is not None:
+            out.draft_token_ids = self.drafter.propose(
+                scheduled, out.sampled, getattr(scheduler_output, "draft_lengths", None))
         if want_prompt_lp:
             out.prompt_logprobs = self._prompt_logprobs(scheduled, layout.offsets,
                                                         inputs.prompt_targets, scores)
@@ -337,8 +347,12 @@ class ModelRunner:
         self.penalties = penalties.write_row(self.penalties, np.asarray(self.max_seqs, np.int32),
                                              *rows)
         jax.block_until_ready(self.penalties)
+        if self.drafter is not None:
+            self.drafter.warmup(lambda T: self._build([], T, False)[0], self.buckets)
         release_freed_host_memory()     # what the compiler freed
         elapsed = time.perf_counter() - t0
-        logger.info("warm-up: %d step programs for token buckets %s in %.1f s",
-                    len(self._executables), self.buckets, elapsed)
+        logger.info("warm-up: %d step programs for token buckets %s%s in %.1f s",
+                    len(self._executables), self.buckets,
+                    "" if self.drafter is None else
+                    f" and {len(self.drafter.compiled_programs)} draft-model programs", elapsed)
         return elapsed

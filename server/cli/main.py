@@ -103,6 +103,8 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("master_port", "ParallelConfig", dict(type=int, help="Coordinator port on process 0.")),
     ("speculative_config", "SpeculativeConfig", dict(type=_json_dict, help="JSON, e.g. "
                                                      "'{\"method\": \"ngram\", "
+                                                     "\"num_speculative_tokens\": 4}' or, with a "
+                                                     "draft model, '{\"model\": PATH, "
                                                      "\"num_speculative_tokens\": 4}'.")),
     ("reasoning_parser", "StructuredOutputsConfig",
      dict(choices=REASONING_PARSERS, help="Put <think>...</think> text in a chat message's "
