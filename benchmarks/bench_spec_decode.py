@@ -18,6 +18,8 @@ and "open" (open-ended questions). Each (workload, batch, method) runs after a w
 generate, alternating with the baseline, best of `--repeats`; tokens/s = generated tokens / wall
 time of `LLM.chat`. Acceptance per draft position
 = accepted tokens at that position / drafts. Greedy outputs are checked to equal the baseline's.
+Also per row: steps run (off / on) and the engine's host milliseconds drafting per step, and at
+the end the runner's measured step times per token bucket (what the draft budget weighs).
 Prints a Markdown table and one JSON line.
 """
 
@@ -136,18 +138,33 @@ def run(llm, prompts, params, method, k, extra):
         method, extra = "draft_model", dict(extra, model=method)
     engine.proposer = make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=k,
                                                       **extra)) if method else None
+    # where the time goes: host seconds drafting (the engine's _propose) and steps run
+    host = {"propose_s": 0.0, "steps": 0}
+    propose, execute = engine._propose, engine.runner.execute
+
+    def timed_propose(updated):
+        t = time.perf_counter()
+        propose(updated)
+        host["propose_s"] += time.perf_counter() - t
+
+    def counted_execute(sched):
+        host["steps"] += bool(sched.scheduled)
+        return execute(sched)
+
+    engine._propose, engine.runner.execute = timed_propose, counted_execute
     before = engine.stats()
     t0 = time.perf_counter()
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     after = engine.stats()
+    del engine._propose, engine.runner.execute
     engine.proposer = None
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     drafts = after.spec_num_drafts - before.spec_num_drafts
     per_pos = [a - (before.spec_num_accepted_tokens_per_pos[i]
                     if i < len(before.spec_num_accepted_tokens_per_pos) else 0)
                for i, a in enumerate(after.spec_num_accepted_tokens_per_pos)]
-    return dict(tokens=toks, wall_s=wall, tok_s=toks / wall, drafts=drafts,
+    return dict(tokens=toks, wall_s=wall, tok_s=toks / wall, drafts=drafts, **host,
                 draft_tokens=after.spec_num_draft_tokens - before.spec_num_draft_tokens,
                 accepted=after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
                 accept_per_pos=[round(n / drafts, 3) if drafts else 0.0 for n in per_pos],
@@ -218,14 +235,19 @@ def main():
                                     base_tok_s=base["tok_s"], spec_tok_s=r["tok_s"],
                                     speedup=speedup, drafts=r["drafts"],
                                     draft_tokens=r["draft_tokens"], accepted=r["accepted"],
-                                    accept_per_pos=r["accept_per_pos"], identical=same))
-                print(rows[-1], flush=True)
+                                    accept_per_pos=r["accept_per_pos"], identical=same,
+                                    steps_off=base["steps"], steps_on=r["steps"],
+                                    propose_ms_per_step=1e3 * r["propose_s"] / max(1, r["steps"])))
+                print(rows[-1], f"steps off/on {base['steps']}/{r['steps']}, drafting "
+                      f"{1e3 * r['propose_s'] / max(1, r['steps']):.2f} ms/step", flush=True)
     print("\n| workload | batch | method | tok/s off | tok/s on | speedup | acceptance | "
           "accepted / drafts per position | greedy identical |")
     print("|---|---:|---|---:|---:|---:|---:|---|---|")
     print("\n".join(rows))
+    steps = {b: round(t * 1e3, 1) for b, t in sorted(llm.llm_engine.runner.step_seconds.items())}
+    print("measured step ms per token bucket:", steps)
     print(json.dumps(dict(machine=platform.machine(), k=a.k, max_tokens=a.max_tokens,
-                          results=results)))
+                          step_ms=steps, results=results)))
     llm.llm_engine.runner.drafter = DRAFTERS.get(f"draft-{layers[0]}") if layers else None
     llm.shutdown()
     tmp.cleanup()

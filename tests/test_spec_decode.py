@@ -338,7 +338,7 @@ def test_proposer_pauses_a_request_whose_drafts_keep_failing():
     from jaxserve.spec_decode import Proposer
     p = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
     tokens = [1, 2, 3, 1, 2, 3, 1, 2]
-    assert p.propose("a", tokens) == [3, 1, 2]
+    assert p.propose("a", tokens) == [3, 1]      # a new request starts with short drafts
     calls_with_drafts = 0
     junk = 100
     for _ in range(40):                 # every draft is rejected: the target says something new
@@ -357,19 +357,35 @@ def test_proposer_pauses_a_request_whose_drafts_keep_failing():
         assert drafts == seq[n:n + len(drafts)]
         lengths.append(len(drafts))
         n += len(drafts) + 1            # all accepted, plus the bonus token
-    assert lengths[0] == 3 and set(lengths[1:]) == {4}     # starts cautious, earns full drafts
+    assert lengths[:2] == [2, 3] and set(lengths[2:]) == {4}    # cautious, earns full drafts
 
 
-def test_fit_gives_free_bucket_room_to_the_likeliest_and_growth_only_to_good_copiers():
+def test_fit_gives_free_room_to_the_likeliest_and_growth_only_when_measured_cost_pays():
     from jaxserve.spec_decode import Proposer
     p = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
     p.propose("good", [1, 2, 1, 2])
     p.propose("poor", [3, 4, 3, 4])
-    p._tracks["poor"].expected = 1.0
-    fitted = p.fit({"good": [1, 2, 1, 2], "poor": [3, 4, 3, 4]}, free=2)
-    assert fitted == {"good": [1, 2, 1, 2], "poor": []}
-    fitted = p.fit({"good": [1, 2, 1, 2], "poor": [3, 4, 3, 4]}, free=7)
-    assert fitted == {"good": [1, 2, 1, 2], "poor": [3, 4, 3]}
+    p._tracks["good"].expected = 4.0
+    p._tracks["poor"].expected = 0.5
+    props = {"good": [1, 2, 1, 2], "poor": [3, 4, 3, 4]}
+    # no step times measured: only the free room, to the likeliest drafts
+    assert p.fit(props, free=2) == {"good": [1, 2], "poor": []}
+    assert p.fit(props, free=7) == {"good": [1, 2, 1, 2], "poor": [3, 4, 3]}
+    # a step of 16 tokens (free room 0); a larger bucket costs twice as much
+    twice = lambda n: 1.0 if n == 0 else 2.0          # noqa: E731
+    assert p.fit(props, free=0, cost=twice, tokens=16) == {"good": [], "poor": []}
+    # the next bucket at 1.1x the time: 16 + 4 expected tokens pay, and once there the poor
+    # request's drafts ride along (worth a little, no further cost)
+    cheap = lambda n: 1.0 if n == 0 else 1.1          # noqa: E731
+    assert p.fit(props, free=0, cost=cheap, tokens=16) == props
+    # ... but not into a third bucket at twice the time
+    steps = lambda n: 1.0 if n == 0 else 1.1 if n <= 4 else 2.0      # noqa: E731
+    assert p.fit(props, free=0, cost=steps, tokens=16) == {"good": [1, 2, 1, 2], "poor": []}
+    # at batch 1 growth is cheap: a lone good copier keeps its drafts
+    assert p.fit({"good": [1, 2, 1, 2]}, free=0, cost=cheap, tokens=1) == {"good": [1, 2, 1, 2]}
+    # unknown cost beyond the free room: nothing beyond it
+    assert p.fit(props, free=1, cost=lambda n: None if n > 1 else 1.0, tokens=16) == \
+        {"good": [1], "poor": []}
 
 
 def test_structured_output_beside_speculating_requests(spec_llm):

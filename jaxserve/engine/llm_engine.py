@@ -357,8 +357,9 @@ class LLMEngine:
         """Draft tokens for each running request that just got tokens; forget finished ones.
         Opt-out: penalties that depend on the output history (their draft positions would need
         the drafts counted), what `Proposer.enabled_for` refuses, and drafts that would push the
-        step into a larger token bucket without enough expected acceptance (`Proposer.fit`).
-        A constrained request's drafts end before the first token its grammar refuses."""
+        step into a larger token bucket unless the runner's measured step times say the expected
+        accepted tokens pay for it (`Proposer.fit`). A constrained request's drafts end before
+        the first token its grammar refuses."""
         batch_size = self.scheduler.num_running
         self.proposer.retain(self.scheduler.requests)      # aborted / stop-string finished
         proposals = {}
@@ -376,8 +377,10 @@ class LLMEngine:
             proposals[req] = drafts
         if not proposals:
             return
-        free = self.runner.bucket_for(min(batch_size, self.runner.buckets[-1])) - batch_size
-        fitted = self.proposer.fit({r.request_id: d for r, d in proposals.items()}, free)
+        n = min(batch_size, self.runner.buckets[-1])      # the next step's tokens, drafts aside
+        fitted = self.proposer.fit({r.request_id: d for r, d in proposals.items()},
+                                   self.runner.bucket_for(n) - n,
+                                   cost=lambda extra: self.runner.step_cost(n + extra), tokens=n)
         for req in proposals:
             req.spec_token_ids = fitted[req.request_id]
 

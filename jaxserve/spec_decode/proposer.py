@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -52,10 +53,11 @@ class Proposer:
         k = c.num_speculative_tokens
         tr = self._tracks.get(request_id)
         if tr is None:
-            # A new request starts at the growth threshold: one rejected draft stops it from
-            # growing the step's bucket, a few accepted ones earn full-length drafts.
+            # A new request starts cautious: short drafts, and its drafts are worth too little
+            # to grow a full step's bucket until it has shown that they get accepted (its record
+            # is kept from the drafts proposed, whether or not `fit` let them run).
             tr = self._tracks[request_id] = _Track([], len(tokens), min(float(k),
-                                                                        self.GROW_MIN_EXPECTED))
+                                                                        self.PRIOR_EXPECTED))
         elif tr.drafts:
             new = tokens[tr.at:]
             n = 0
@@ -95,29 +97,49 @@ class Proposer:
             return 0
         return max(1, min(k, math.ceil(tr.expected) + 2))
 
-    # Expected accepted drafts per verification above which a request's drafts may push the
-    # step into a larger (more costly) token bucket: doubling a step's tokens must buy tokens.
-    GROW_MIN_EXPECTED = 2.0
+    # A new request's expected accepted drafts per verification before it has any record.
+    PRIOR_EXPECTED = 1.0
+    # Drafts may push a step into a larger token bucket only when the expected tokens per second
+    # of that step beat the step without them by this factor (measurement noise, optimism).
+    GROWTH_MARGIN = 1.1
 
-    def fit(self, proposals: dict[str, list[int]], free: int) -> dict[str, list[int]]:
-        """Trim drafts to what pays: `free` draft tokens cost nothing (the step's token bucket
-        pads to that many anyway); they go to the requests most likely to accept. Beyond them
-        only requests expecting >= GROW_MIN_EXPECTED accepted drafts keep theirs."""
-        order = sorted(proposals, key=lambda r: -self.expected(r))
-        out = {}
-        for rid in order:
-            d = proposals[rid]
-            if self.expected(rid) >= self.GROW_MIN_EXPECTED:
-                out[rid] = d
-            else:
-                out[rid] = d[:max(0, free)]
-            free -= len(out[rid])
-        return out
+    def fit(self, proposals: dict[str, list[int]], free: int, cost=None,
+            tokens: int = 1) -> dict[str, list[int]]:
+        """Trim drafts to what pays. `free` draft tokens cost nothing (the step's token bucket
+        pads to that many anyway); they go to the drafts most likely to be accepted. Beyond them
+        a draft token is kept only when the step's expected tokens per second say so:
+        `cost(n)` is the measured (or interpolated) seconds of the step with n draft tokens
+        (None: unknown, nothing beyond the free room), `tokens` what it emits without drafts.
+        The j-th draft (from 0) of a request expecting e accepted drafts per verification is
+        worth a ** (j + 1) tokens, a the per-draft acceptance with a + a^2 + ... + a^k = e (k
+        drafts); the kept drafts maximise (tokens + worth) / cost, and must beat the free-room
+        step by GROWTH_MARGIN."""
+        k = self.config.num_speculative_tokens
+        rate = {rid: _acceptance_rate(self.expected(rid), k) for rid in proposals}
+        worth = sorted(((rate[rid] ** (j + 1), j, rid)
+                        for rid, d in proposals.items() for j in range(len(d))),
+                       key=lambda c: (-c[0], c[1]))
+        keep = min(free, len(worth))
+        gain = sum(w for w, _, _ in worth[:keep])
+        base = cost(keep) if cost is not None and keep < len(worth) else None
+        if base is not None:
+            best = (tokens + gain) / base * self.GROWTH_MARGIN
+            for n in range(keep + 1, len(worth) + 1):
+                gain += worth[n - 1][0]
+                t = cost(n)
+                if t is None:
+                    break
+                if (tokens + gain) / t > best:
+                    best, keep = (tokens + gain) / t, n
+        counts = dict.fromkeys(proposals, 0)
+        for _, _, rid in worth[:keep]:
+            counts[rid] += 1
+        return {rid: d[:counts[rid]] for rid, d in proposals.items()}
 
     def expected(self, request_id: str) -> float:
         tr = self._tracks.get(request_id)
         return tr.expected if tr is not None else min(float(self.config.num_speculative_tokens),
-                                                      self.GROW_MIN_EXPECTED)
+                                                      self.PRIOR_EXPECTED)
 
     def retain(self, live_ids) -> None:
         """Forget requests that are not in `live_ids` (a container of request ids)."""
@@ -128,6 +150,23 @@ class Proposer:
         self._tracks.pop(request_id, None)
         if self._suffix is not None:
             self._suffix.finish(request_id, output_tokens)
+
+
+@functools.lru_cache(maxsize=4096)     # moving averages of small integers repeat
+def _acceptance_rate(expected: float, k: int) -> float:
+    """The per-draft acceptance a in [0, 1] with a + a^2 + ... + a^k = expected (clipped)."""
+    if expected <= 0:
+        return 0.0
+    if expected >= k:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(30):
+        a = (lo + hi) / 2
+        if sum(a ** i for i in range(1, k + 1)) < expected:
+            lo = a
+        else:
+            hi = a
+    return (lo + hi) / 2
 
 
 def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:

@@ -105,6 +105,10 @@ class ModelRunner:
         self.num_spec = num_speculative_tokens
         # A draft model (worker/draft_runner.DraftRunner) or None.
         self.drafter = drafter
+        # Measured wall seconds of a step (host inputs, device run, results back) per token
+        # bucket, a moving average over steps without prompt logprobs: what speculation weighs
+        # its drafts against when they would push a step into a larger bucket.
+        self.step_seconds: dict[int, float] = {}
         self.cache = self._allocate_cache(kv_dtype or dtype, kv_quantize is not None)
         self.input_batch = InputBatch(self.max_seqs, model_config.vocab_size)
         # [max_num_seqs, vocab] x 4 on the device: the penalties never change shape.
@@ -271,16 +275,20 @@ class ModelRunner:
         if not scheduled:
             return out
         want_prompt_lp = any(s.prompt_logprobs for s in scheduled)
+        t0 = time.perf_counter()
         inputs, layout = self.prepare(scheduled, want_prompt_lp)
         drafts = {s.request_id: s.spec_token_ids for s in scheduled}
         grammar = getattr(scheduler_output, "grammar_bitmask", None)
         if grammar is not None and grammar.request_ids:
             inputs.bitmask = self._step_bitmask(grammar, layout, len(inputs.logit_rows),
                                                 {r: len(d) for r, d in drafts.items()})
+        compiled = (len(inputs.tokens), want_prompt_lp) in self._executables
         step_out = self.run_model(inputs)
         if self.drafter is not None:        # the draft's K/V for the same tokens (async)
             self.drafter.catch_up(inputs)
         res, scores = jax.device_get(step_out)
+        if compiled and not want_prompt_lp:          # a first run's compile is not its cost
+            self._time_step(len(inputs.tokens), time.perf_counter() - t0)
         for rid, r in layout.sample_rows.items():
             d = drafts[rid]
             n = accept(res.token_ids[r:r + len(d) + 1], d) + 1 if d else 1
@@ -297,6 +305,29 @@ class ModelRunner:
             out.prompt_logprobs = self._prompt_logprobs(scheduled, layout.offsets,
                                                         inputs.prompt_targets, scores)
         return out
+
+    def _time_step(self, bucket: int, seconds: float) -> None:
+        prev = self.step_seconds.get(bucket)
+        self.step_seconds[bucket] = seconds if prev is None else 0.75 * prev + 0.25 * seconds
+
+    def step_cost(self, num_tokens: int) -> float | None:
+        """Expected seconds of a step of `num_tokens` tokens: its bucket's measured time, or
+        interpolated linearly in tokens between the nearest measured buckets below and above,
+        or (nothing measured above) the nearest below's; None when nothing is measured at or
+        below its bucket."""
+        if num_tokens > self.buckets[-1]:
+            return None
+        b = self.bucket_for(num_tokens)
+        t = self.step_seconds
+        if b in t:
+            return t[b]
+        lo = max((x for x in t if x < b), default=None)
+        hi = min((x for x in t if x > b), default=None)
+        if lo is None:
+            return None
+        if hi is None:
+            return t[lo]
+        return t[lo] + (t[hi] - t[lo]) * (b - lo) / (hi - lo)
 
     def _prompt_logprobs(self, scheduled, offsets, targets, scores):
         """Each prompt token of a chunk scored under the logits of the token before it."""
