@@ -37,7 +37,7 @@ from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import ModelConfig
 from jaxserve.models import get_model
 from jaxserve.sharding.plan import ShardingPlan, single_device_plan
-from jaxserve.worker.kv_sizing import allocate_kv_cache
+from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, kv_cache_sharding
 
 logger = logging.getLogger(__name__)
 
@@ -144,20 +144,11 @@ class DraftRunner:
 
     # -- the pool (the target's layout: [L, N, B, K, D], split on KV heads) ----------------------
     def _cache_sharding(self, quantized: bool, codes: str | None) -> kvc.KVCache:
-        pages = self.plan.sharding(kvc.KV_AXES)
-        scales = self.plan.sharding(kvc.SCALE_AXES) if quantized else None
-        return kvc.KVCache(pages, pages, scales, scales, codes=codes)
+        return kv_cache_sharding(self.plan, quantized, codes)
 
     def _allocate_cache(self, dtype, quantized: bool) -> kvc.KVCache:
-        cfg, plan = self.cfg, self.plan
-        if plan.tp == 1:
-            return allocate_kv_cache(cfg, self.num_blocks, self.block_size, dtype,
-                                     quantized=quantized)
-        make = partial(kvc.allocate, cfg.num_layers, self.num_blocks, self.block_size,
-                       plan.cache_kv_heads(cfg.num_kv_heads), cfg.head_dim, dtype,
-                       quantized=quantized, fp8_as_bytes=jax.default_backend() == "cpu")
-        codes = jax.eval_shape(make).codes
-        return jax.jit(make, out_shardings=self._cache_sharding(quantized, codes))()
+        return allocate_sharded_kv_cache(self.cfg, self.plan, self.num_blocks, self.block_size,
+                                         dtype, quantized)
 
     # -- programs --------------------------------------------------------------------------------
     def _seq_bucket(self, n: int) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import jax
 
@@ -127,3 +128,24 @@ def allocate_kv_cache(model_config, num_blocks: int, block_size: int, dtype,
     return kvc.allocate(model_config.num_layers, num_blocks, block_size,
                         model_config.num_kv_heads, model_config.head_dim, dtype,
                         quantized=quantized, fp8_as_bytes=jax.default_backend() == "cpu")
+
+
+def kv_cache_sharding(plan, quantized: bool, codes: str | None) -> kvc.KVCache:
+    """The pool's shardings under `plan` (a `ShardingPlan`) as a KVCache pytree (`codes` is
+    static metadata: it must match the pool's)."""
+    pages = plan.sharding(kvc.KV_AXES)
+    scales = plan.sharding(kvc.SCALE_AXES) if quantized else None
+    return kvc.KVCache(pages, pages, scales, scales, codes=codes)
+
+
+def allocate_sharded_kv_cache(model_config, plan, num_blocks: int, block_size: int, dtype,
+                              quantized: bool) -> kvc.KVCache:
+    """The zeroed pool made on the devices of `plan`, split on KV heads (never whole on one
+    device; with TP the heads a KV head count below TP repeats are in it)."""
+    if plan.tp == 1:
+        return allocate_kv_cache(model_config, num_blocks, block_size, dtype, quantized=quantized)
+    make = partial(kvc.allocate, model_config.num_layers, num_blocks, block_size,
+                   plan.cache_kv_heads(model_config.num_kv_heads), model_config.head_dim, dtype,
+                   quantized=quantized, fp8_as_bytes=jax.default_backend() == "cpu")
+    codes = jax.eval_shape(make).codes
+    return jax.jit(make, out_shardings=kv_cache_sharding(plan, quantized, codes))()

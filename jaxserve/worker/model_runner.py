@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ from jaxserve.sample.rejection import accept, emitted_mask
 from jaxserve.sample.sampler import sample, score
 from jaxserve.sharding.plan import ShardingPlan, single_device_plan
 from jaxserve.worker.input_batch import InputBatch
-from jaxserve.worker.kv_sizing import allocate_kv_cache
+from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, kv_cache_sharding
 from jaxserve.worker.step_inputs import StepInputs, build_inputs
 
 logger = logging.getLogger(__name__)
@@ -155,21 +154,11 @@ class ModelRunner:
 
     # -- the KV pool ---------------------------------------------------------------------------
     def _cache_sharding(self, quantized: bool, codes: str | None) -> kvc.KVCache:
-        """The pool's shardings as a KVCache pytree (`codes` is static metadata: it must match)."""
-        pages = self.plan.sharding(kvc.KV_AXES)
-        scales = self.plan.sharding(kvc.SCALE_AXES) if quantized else None
-        return kvc.KVCache(pages, pages, scales, scales, codes=codes)
+        return kv_cache_sharding(self.plan, quantized, codes)
 
     def _allocate_cache(self, dtype, quantized: bool) -> kvc.KVCache:
-        """The zeroed pool made on the devices, split on KV heads (never whole on one device)."""
-        cfg, plan = self.cfg, self.plan
-        if plan.tp == 1:
-            return allocate_kv_cache(cfg, self.num_blocks, self.block_size, dtype, quantized=quantized)
-        make = partial(kvc.allocate, cfg.num_layers, self.num_blocks, self.block_size,
-                       plan.cache_kv_heads(cfg.num_kv_heads), cfg.head_dim, dtype, quantized=quantized,
-                       fp8_as_bytes=jax.default_backend() == "cpu")
-        codes = jax.eval_shape(make).codes
-        return jax.jit(make, out_shardings=self._cache_sharding(quantized, codes))()
+        return allocate_sharded_kv_cache(self.cfg, self.plan, self.num_blocks, self.block_size,
+                                         dtype, quantized)
 
     # -- shapes -------------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
