@@ -110,18 +110,19 @@ class LLMEngine:
         self.plan = plan_for(cfg, self.mesh, args.enable_expert_parallel)
         # Speculative decoding with a draft model: its own pool of the same blocks.
         spec = args.spec_config()
-        draft = None
+        draft = draft_plan = None
         if spec is not None and spec.method == "draft_model":
             draft = load_draft(spec.model, cfg, self.tokenizer, dtype=dtype, mesh=self.mesh,
                                load_format=args.load_format, seed=args.seed,
                                quantization=args.quantization,
                                expert_parallel=args.enable_expert_parallel)
+            draft_plan = plan_for(draft[0], self.mesh, args.enable_expert_parallel)
         # Sized per device: a block costs its heads on one device, the budget is one device's.
         per_block = sum(kvc.bytes_per_block(c.num_layers, args.block_size,
-                                            plan_for(c, self.mesh, args.enable_expert_parallel)
-                                            .kv_heads_per_device(c.num_kv_heads),
+                                            plan.kv_heads_per_device(c.num_kv_heads),
                                             c.head_dim, kv_dtype, kv_quantize is not None)
-                        for c in [cfg] + ([draft[0]] if draft else []))
+                        for c, plan in [(cfg, self.plan)] + ([(draft[0], draft_plan)] if draft
+                                                             else []))
         # One device's share, from the sharding (no per-shard array objects: on CPU those would
         # stay alive beside the weights and count twice in jax.live_arrays()).
         weight_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
@@ -151,7 +152,7 @@ class LLMEngine:
                                max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
                                num_speculative_tokens=spec.num_speculative_tokens, dtype=dtype,
                                backend=backend, kv_quantize=kv_quantize, kv_dtype=kv_dtype,
-                               plan=plan_for(dcfg, self.mesh, args.enable_expert_parallel))
+                               plan=draft_plan)
 
         blocks = num_kv_blocks(args, per_block * host_copies, weight_bytes,
                                profile=lambda n: profile_peak_bytes(make_runner(n)),
@@ -169,7 +170,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
                                                   self._eos_token_ids(cfg),
                                                   reasoning_parser=args.reasoning_parser)
-        self.proposer = make_proposer(args.spec_config())
+        self.proposer = make_proposer(spec)
         self._rng = random.Random(args.seed)
         self._pending = []          # outputs produced outside step() (aborts)
         self._eos_ids = self._eos_token_ids(cfg)
@@ -367,9 +368,7 @@ class LLMEngine:
             if req.is_finished():
                 self.proposer.finish(req.request_id, req.output_token_ids)
                 continue
-            sp = req.sampling_params
-            if (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
-                    or not self.proposer.enabled_for(req.num_prompt_tokens, batch_size)):
+            if not self._may_draft(req, batch_size):
                 continue
             drafts = self.proposer.propose(req.request_id, req.all_token_ids)
             if req.structured is not None:
@@ -393,11 +392,16 @@ class LLMEngine:
             req = self.scheduler.get_request(row.request_id)
             if not row.sample or req is None:
                 continue
-            sp = req.sampling_params
-            penalised = sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
-            out[row.request_id] = 0 if penalised or not proposer.enabled_for(
-                req.num_prompt_tokens, batch_size) else proposer.draft_len(row.request_id)
+            out[row.request_id] = (proposer.draft_len(row.request_id)
+                                   if self._may_draft(req, batch_size) else 0)
         return out
+
+    def _may_draft(self, req, batch_size: int) -> bool:
+        """The opt-outs judged per request: penalties that depend on the output history (their
+        draft positions would need the drafts counted) and what `Proposer.enabled_for` refuses."""
+        sp = req.sampling_params
+        return not (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
+                    ) and self.proposer.enabled_for(req.num_prompt_tokens, batch_size)
 
     def _runner_usable(self) -> bool:
         """False when the failed step consumed the donated KV cache (nothing can run again)."""
