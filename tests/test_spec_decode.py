@@ -11,73 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.config import EngineArgs, SpeculativeConfig
+from jaxserve.config import SpeculativeConfig
 from jaxserve.core.request import Request
 from jaxserve.sample import penalties
 from jaxserve.sample.rejection import accept, emitted_mask
 from jaxserve.sample.sampler import SamplingTensors, _apply_filters, sample
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.spec_decode import SuffixProposer, propose_ngram
 
 # -- config ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("bad,field", [
-    ({"method": "eagle"}, "method"),
-    ({"num_speculative_tokens": 3}, "method"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
-    ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size"),
-    ({"method": "suffix", "bogus": 1}, "bogus"),
-    ({"method": "draft_model", "num_speculative_tokens": 3}, "model"),
-])
-def test_bad_speculative_config_names_the_field(bad, field):
-    with pytest.raises(ValueError, match=field):
-        EngineArgs(speculative_config=bad)
-
-
-def test_speculative_config_sets_the_scheduler_budget():
-    args = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                          "prompt_lookup_max": 5})
-    assert args.spec_config() == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=5)
-    assert args.scheduler_config(256).num_speculative_tokens == 3
-    assert EngineArgs().scheduler_config(256).num_speculative_tokens == 0
-
-
-# -- proposers ------------------------------------------------------------------------------
-
-
-def test_ngram_proposes_what_followed_the_longest_recent_match():
-    #            0  1  2  3  4  5  6  7  8  9
-    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 2, 3, 4]
-    # suffix [2, 3, 4] last occurred at 6..8, followed by 6, 7
-    assert propose_ngram(tokens, 2, 1, 3) == [6, 7]
-    assert propose_ngram(tokens, 5, 1, 3) == [6, 7, 2, 3, 4]
-    assert propose_ngram([1, 2, 3], 3, 1, 3) == []                 # nothing repeats
-    assert propose_ngram([5, 1, 5], 2, 2, 3) == []                 # only a 1-gram matches
-    assert propose_ngram([5, 1, 5], 2, 1, 3) == [1, 5]
-
-
-def test_suffix_proposer_follows_the_most_frequent_continuation():
-    p = SuffixProposer(k=3, max_depth=4)
-    # after "1 2" came 3 twice and 8 once; after "2 3" came 4 twice
-    tokens = [1, 2, 3, 4, 0, 1, 2, 8, 0, 1, 2, 3, 4, 0, 9, 1, 2]
-    assert p.propose("a", tokens) == [3, 4, 0]
-    # incremental: the trie keeps its counts; the longest match wins ("4 0 1 2" was followed by 8)
-    assert p.propose("a", tokens + [3, 4, 0, 1, 2]) == [8, 0, 1]
-    assert p.propose("b", [5, 6, 7]) == []
-    p.finish("a")
-    assert "a" not in p.tries
-
-
-def test_suffix_proposer_learns_from_earlier_outputs():
-    p = SuffixProposer(k=4, max_depth=8, max_cached_requests=2)
-    p.propose("a", [1, 2, 3])
-    p.finish("a", [10, 11, 12, 13, 14])
-    assert p.propose("b", [7, 10, 11]) == [12, 13, 14]
-
-
-# -- verification ---------------------------------------------------------------------------
 
 
 def test_emitted_mask_stops_at_the_first_rejected_draft():
@@ -332,60 +273,6 @@ def test_spec_decode_counters_render_in_prometheus():
     assert 'jaxserve:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
     assert ('jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} '
             '3.0') in text
-
-
-def test_proposer_pauses_a_request_whose_drafts_keep_failing():
-    from jaxserve.spec_decode import Proposer
-    p = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
-    tokens = [1, 2, 3, 1, 2, 3, 1, 2]
-    assert p.propose("a", tokens) == [3, 1]      # a new request starts with short drafts
-    calls_with_drafts = 0
-    junk = 100
-    for _ in range(40):                 # every draft is rejected: the target says something new
-        tokens = tokens + [junk]
-        junk += 1
-        tokens_for_ngram = tokens + [1, 2]
-        tokens = tokens_for_ngram
-        calls_with_drafts += bool(p.propose("a", tokens))
-    assert calls_with_drafts <= 10      # pauses of 4, 8, 16, ... calls between retries
-    # a copying request keeps full-length drafts
-    q = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
-    seq = [5, 6, 7, 8, 9] * 12
-    n, lengths = 12, []
-    while n < 50:
-        drafts = q.propose("b", seq[:n])
-        assert drafts == seq[n:n + len(drafts)]
-        lengths.append(len(drafts))
-        n += len(drafts) + 1            # all accepted, plus the bonus token
-    assert lengths[:2] == [2, 3] and set(lengths[2:]) == {4}    # cautious, earns full drafts
-
-
-def test_fit_gives_free_room_to_the_likeliest_and_growth_only_when_measured_cost_pays():
-    from jaxserve.spec_decode import Proposer
-    p = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
-    p.propose("good", [1, 2, 1, 2])
-    p.propose("poor", [3, 4, 3, 4])
-    p._tracks["good"].expected = 4.0
-    p._tracks["poor"].expected = 0.5
-    props = {"good": [1, 2, 1, 2], "poor": [3, 4, 3, 4]}
-    # no step times measured: only the free room, to the likeliest drafts
-    assert p.fit(props, free=2) == {"good": [1, 2], "poor": []}
-    assert p.fit(props, free=7) == {"good": [1, 2, 1, 2], "poor": [3, 4, 3]}
-    # a step of 16 tokens (free room 0); a larger bucket costs twice as much
-    twice = lambda n: 1.0 if n == 0 else 2.0          # noqa: E731
-    assert p.fit(props, free=0, cost=twice, tokens=16) == {"good": [], "poor": []}
-    # the next bucket at 1.1x the time: 16 + 4 expected tokens pay, and once there the poor
-    # request's drafts ride along (worth a little, no further cost)
-    cheap = lambda n: 1.0 if n == 0 else 1.1          # noqa: E731
-    assert p.fit(props, free=0, cost=cheap, tokens=16) == props
-    # ... but not into a third bucket at twice the time
-    steps = lambda n: 1.0 if n == 0 else 1.1 if n <= 4 else 2.0      # noqa: E731
-    assert p.fit(props, free=0, cost=steps, tokens=16) == {"good": [1, 2, 1, 2], "poor": []}
-    # at batch 1 growth is cheap: a lone good copier keeps its drafts
-    assert p.fit({"good": [1, 2, 1, 2]}, free=0, cost=cheap, tokens=1) == {"good": [1, 2, 1, 2]}
-    # unknown cost beyond the free room: nothing beyond it
-    assert p.fit(props, free=1, cost=lambda n: None if n > 1 else 1.0, tokens=16) == \
-        {"good": [1], "poor": []}
 
 
 def test_structured_output_beside_speculating_requests(spec_llm):
