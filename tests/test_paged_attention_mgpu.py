@@ -2,11 +2,13 @@
 
 Three gates, as docs/DESIGN.md's "Kernels" asks:
   * GPU interpret mode (jax >= 0.11, CPU) against `ref_ragged_paged_attention` on every case of
-    the Triton kernel's CASES the kernel supports: every case with bf16 q (bf16 cache, or the
-    case's fp8/int8 cache), and every case with head_dim <= 128 with f32 q (the case's fp8/int8
-    cache, else the f32 cache rounded to bf16: f32 caches are not supported).
+    the Triton kernels' CASES and split-K DECODE_CASES (as "decode_<name>") the kernel supports:
+    every case with bf16 q (bf16 cache, or the case's fp8/int8 cache), and every case with
+    head_dim <= 128 with f32 q (the case's fp8/int8 cache, else the f32 cache rounded to bf16:
+    f32 caches are not supported).
     Each case runs with small blocks (64-token chunks, 3 KV splits: many chunks, both SMEM slots,
-    empty splits) and with the shipped defaults.
+    empty splits) and with the shipped defaults; each decode case also runs with its own split
+    count (64-token chunks: the Triton test's 16-token chunks are below this kernel's minimum).
   * lowering for CUDA on CPU (Mosaic GPU checks layouts and the 227 KiB shared-memory limit at
     lowering) for every shipped block configuration, under an H100 AbstractDevice.
   * `gpu`-marked: the compiled kernel against the reference on a GPU.
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_paged_attention_kernel import CASES, Case, make_batch, max_err
+from test_paged_attention_kernel import CASES, DECODE_CASES, Case, make_batch, max_err
 
 from jaxserve.pallas import paged_attention_mgpu as mgpu
 from jaxserve.pallas.paged_attention import ref_ragged_paged_attention
@@ -38,10 +40,14 @@ needs_mgpu = pytest.mark.skipif(
 
 TOL = {"bfloat16": 5e-2, "float32": 5e-5}
 SMALL = MgpuBlockSizes(kv_tokens=64, num_splits=3)
+# the split-K decode kernel's cases (q_len <= 1, f32 q, head_dim <= 128) with their split counts
+DECODE_SPLITS = {f"decode_{name}": splits for name, (_, splits) in DECODE_CASES.items()}
+ALL_CASES = {**CASES, **{f"decode_{name}": case for name, (case, _) in DECODE_CASES.items()}}
+assert len(ALL_CASES) == len(CASES) + len(DECODE_CASES)
 SUPPORTED = {name: dataclasses.replace(case, dtype="bfloat16", blocks=None)
-             for name, case in CASES.items()}
+             for name, case in ALL_CASES.items()}
 F32_Q = {name: dataclasses.replace(case, dtype="float32", blocks=None)
-         for name, case in CASES.items() if case.D <= 128}
+         for name, case in ALL_CASES.items() if case.D <= 128}
 # beyond CASES: contexts of many chunks and pages, 8-token pages, splits over a long prefix
 SUPPORTED.update({
     "long_ctx_b8_pages": Case(q_lens=(1, 1, 20, 1), ctx=(300, 129, 200, 0), T=32, S=5, B=8,
@@ -63,8 +69,12 @@ def run(case: Case, block_sizes, *, seed: int, interpret: bool):
     q, k, v, meta, ks, vs = batch(case, seed)
     args = dict(sm_scale=1.0 / np.sqrt(case.D), sliding_window=case.window,
                 soft_cap=case.soft_cap, k_scale=ks, v_scale=vs)
-    out = ragged_paged_attention_mgpu(q, k, v, meta, interpret=interpret,
-                                      block_sizes=block_sizes, **args)
+    # Wait for the kernel before the reference: GPU interpret mode runs the kernel as host
+    # callbacks that dispatch jax ops themselves (jax 0.11.2), and eager ops dispatched from this
+    # thread meanwhile can deadlock both (seen on a loaded 2-core machine: all threads in futex
+    # waits, the callback in `wait_smem_to_gmem`, this thread in the reference's first slice).
+    out = jax.block_until_ready(ragged_paged_attention_mgpu(
+        q, k, v, meta, interpret=interpret, block_sizes=block_sizes, **args))
     with jax.default_matmul_precision("highest"):
         ref = ref_ragged_paged_attention(q, k, v, meta, **args)
     return out, ref, meta
@@ -89,6 +99,20 @@ def test_interpret_f32_q_matches_reference(name):
     out, ref, meta = run(case, None, seed=sum(map(ord, name)), interpret=True)
     assert out.dtype == jnp.float32
     assert max_err(out, ref) <= TOL["float32"], name
+    assert not np.asarray(out[int(meta.cu_q_lens[-1]):]).any()
+
+
+@needs_mgpu
+@pytest.mark.parametrize("q_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("name", list(DECODE_SPLITS))
+def test_interpret_decode_splits_match_reference(name, q_dtype):
+    """The decode cases with the split count the Triton decode test gives them (None: the
+    default); contexts of at most two 64-token chunks, so 3 and 4 splits leave splits empty."""
+    case = SUPPORTED[name] if q_dtype == "bfloat16" else F32_Q[name]
+    bs = MgpuBlockSizes(kv_tokens=64, num_splits=DECODE_SPLITS[name])
+    out, ref, meta = run(case, bs, seed=sum(map(ord, name)), interpret=True)
+    assert out.dtype == jnp.dtype(q_dtype)
+    assert max_err(out, ref) <= TOL[q_dtype], name
     assert not np.asarray(out[int(meta.cu_q_lens[-1]):]).any()
 
 
@@ -227,8 +251,8 @@ def test_interpret_finds_no_races(kv):
     q, k, v, meta, ks, vs = make_batch(case)
     args = dict(sm_scale=0.125, k_scale=ks, v_scale=vs)
     gpu_interpret.reset_gpu_interpret_mode_state()
-    out = ragged_paged_attention_mgpu(
+    out = jax.block_until_ready(ragged_paged_attention_mgpu(      # see `run`
         q, k, v, meta, interpret=mgpu.plgpu.InterpretGPUParams(detect_races=True),
-        block_sizes=MgpuBlockSizes(kv_tokens=64, num_splits=2), **args)
+        block_sizes=MgpuBlockSizes(kv_tokens=64, num_splits=2), **args))
     assert max_err(out, ref_ragged_paged_attention(q, k, v, meta, **args)) <= TOL["bfloat16"]
     assert not gpu_interpret.get_races().races_found
