@@ -144,15 +144,22 @@ def quantize_array(w: jax.Array, *, activations: str | None = None, kernel: str 
     """A full-precision matrix [..., in, out] -> Fp8Weight (per-output-channel scales unless told),
     made on the array's devices (the data keeps the array's sharding; the scales are replicated).
     activations None: `default_activations()` (W8A8 on GPUs with FP8 tensor cores, else W8A16)."""
+    q, s = _quantize(w, granularity)
+    return fp8_weight(q, s, like=w, activations=activations, kernel=kernel)
+
+
+def fp8_weight(q: jax.Array, s: jax.Array, *, like=None, activations: str | None = None,
+               kernel: str = "auto") -> Fp8Weight:
+    """e4m3 codes [..., in, out] and their scales -> an Fp8Weight in the kernel's layout, the
+    codes placed as `like` (the full-precision array they came from) is, the scales replicated."""
     kernel = resolve_kernel(kernel)
     activations = activations or default_activations()
     k_major = kernel == "pallas"
-    q, s = _quantize(w, granularity)
     if k_major:
         q = jnp.swapaxes(q, -1, -2)
-    if isinstance(getattr(w, "sharding", None), NamedSharding):
-        q = jax.device_put(q, _swapped(w.sharding, w.ndim) if k_major else w.sharding)
-        s = jax.device_put(s, NamedSharding(w.sharding.mesh, PartitionSpec()))
+    if isinstance(getattr(like, "sharding", None), NamedSharding):
+        q = jax.device_put(q, _swapped(like.sharding, like.ndim) if k_major else like.sharding)
+        s = jax.device_put(s, NamedSharding(like.sharding.mesh, PartitionSpec()))
     return Fp8Weight(q, s, activations=activations, kernel=kernel, k_major=k_major)
 
 

@@ -205,9 +205,14 @@ def _mlp(cfg: ModelConfig, plan: ShardingPlan | None, w: LayerWeights, h: jax.Ar
 
 def forward(weights: Weights, cache: kvc.KVCache, tokens: jax.Array, positions: jax.Array,
             meta: attention.AttentionMetadata, *, cfg: ModelConfig, backend: str = "reference",
-            kv_quantize=None, plan: ShardingPlan | None = None):
+            kv_quantize=None, plan: ShardingPlan | None = None, each_layer=None):
     """tokens, positions [T] -> final hidden states [T, E] and the updated cache. `plan` (None:
-    one device) says how heads and vocabulary split over the tensor-parallel devices."""
+    one device) says how heads and vocabulary split over the tensor-parallel devices.
+
+    `each_layer(index, layer_weights) -> layer_weights` (calibration, eager only): the layers run
+    one at a time in a Python loop instead of the scan, each on what `each_layer` returns for its
+    slice of the stacked weights (FP8 GPTQ swaps in weight types that quantise themselves as
+    their inputs arrive, `loader/fp8_calibrate.py`)."""
     x = embed_lookup(plan, weights.embed, tokens)
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict))
     cos, sin = rope_cos_sin(positions, inv_freq)
@@ -222,7 +227,16 @@ def forward(weights: Weights, cache: kvc.KVCache, tokens: jax.Array, positions: 
         layers = dataclasses.replace(layers, **{n: None for n in DENSE_MLP + SPARSE_MLP})
         xs = (jnp.asarray(is_sparse), jnp.asarray(index, jnp.int32))
     body = partial(_layer, cfg, backend, kv_quantize, plan, stacks)
-    (x, cache, *_), _ = jax.lax.scan(body, (x, cache, cos, sin, meta), (layers, layer_ids, *xs))
+    carry, xs = (x, cache, cos, sin, meta), (layers, layer_ids, *xs)
+    if each_layer is None:
+        carry, _ = jax.lax.scan(body, carry, xs)
+    else:
+        if stacks is not None:
+            raise ValueError("each_layer: models that mix dense and MoE layers are not supported")
+        for i in range(cfg.num_layers):
+            w, *rest = jax.tree.map(lambda a, i=i: a[i], xs)
+            carry, _ = body(carry, (each_layer(i, w), *rest))
+    x, cache = carry[:2]
     return rms_norm(x, weights.final_norm, cfg.rms_norm_eps), cache
 
 

@@ -3,7 +3,7 @@ list of supported architectures; importing it imports no jax (configs are checke
 `get_model` imports the family's module on first use.
 
 A family module provides `declare(cfg) -> list[Param]`, `build(cfg, arrays) -> weights`,
-`forward(weights, cache, tokens, positions, meta, *, cfg, backend, kv_quantize, plan)` and
+`forward(weights, cache, tokens, positions, meta, *, cfg, backend, kv_quantize, plan, each_layer)` and
 `compute_logits(weights, hidden)`.
 """
 
