@@ -5,6 +5,10 @@ model in particular:
     config.json  generation_config.json  tokenizer.json  tokenizer_config.json
     model.safetensors   (weights=True; the checkpoint names and layouts of the declaration)
 
+FP8 linear layers (`Fp8Weight`: `--quantization fp8`, `jaxserve quantize`) are written as a
+compressed-tensors "float-quantized" checkpoint: e4m3 `weight` [out, in] beside its f32
+`weight_scale`, and `quantization_config` in config.json, which `loader/fp8.py` reads back.
+
 Weights are written in the layout `loader.py` reads back, one tensor per layer, `[out, in]`
 matrices, so `jaxserve serve DIR` and transformers load the same numbers.
 """
@@ -21,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.layers.fp8 import Fp8Weight
 from jaxserve.models.registry import get_model
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -58,18 +63,60 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
 def _host_arrays(cfg: ModelConfig, weights, dtype) -> dict[str, np.ndarray]:
     """Checkpoint name -> host array, walking the declaration in reverse."""
     model = get_model(cfg.architecture)
-    leaves = {}
+    nodes = {}
     for p in model.declare(cfg):
         node = weights
         for part in p.path.split("."):
             node = getattr(node, part)
-        leaves[p] = node.w if hasattr(node, "w") else node
+        nodes[p] = node
     tensors = {}
-    for p, array in leaves.items():
-        x = np.asarray(jax.device_get(array)).astype(dtype)
+    for p, node in nodes.items():
+        if isinstance(node, Fp8Weight):     # e4m3 codes [L, in, out] and their scales, as stored
+            codes = np.asarray(jax.device_get(node.w))
+            codes = np.swapaxes(codes, -1, -2) if node.k_major else codes
+            scales = np.asarray(jax.device_get(node.scale), np.float32)
+            for pos, name in p.checkpoint_names():
+                tensors[name] = np.ascontiguousarray(codes[pos].T)
+                scale = scales[pos].T                     # [out or out/b, 1 or in/b]
+                tensors[name.removesuffix("weight") + "weight_scale"] = np.ascontiguousarray(
+                    scale.reshape(1) if scale.size == 1 else scale)
+            continue
+        x = np.asarray(jax.device_get(node.w if hasattr(node, "w") else node)).astype(dtype)
         for pos, name in p.checkpoint_names():
             tensors[name] = np.ascontiguousarray(x[pos].T if p.transpose else x[pos])
     return tensors
+
+
+def _fp8_weights(weights) -> list[Fp8Weight]:
+    return [w for w in jax.tree_util.tree_leaves(weights, is_leaf=lambda x: isinstance(x, Fp8Weight))
+            if isinstance(w, Fp8Weight)]
+
+
+def fp8_quantization_config(weights) -> dict[str, Any] | None:
+    """compressed-tensors `quantization_config` (FP8 "float-quantized") for a model whose linear
+    layers are `Fp8Weight`s (one granularity and activation scheme for all), None without any:
+    what llm-compressor writes and `loader/fp8.py` reads back."""
+    fp8 = _fp8_weights(weights)
+    if not fp8:
+        return None
+    kinds = {(w.granularity, w.activations, w.block_size) for w in fp8}
+    if len(kinds) != 1:
+        raise ValueError(f"exporting FP8 weights needs one scale granularity and activation scheme for all "
+                         f"layers, got {sorted(kinds)}")
+    granularity, activations, block = kinds.pop()
+    if activations == "static":
+        raise ValueError("exporting static activation scales is not supported")
+    weights_scheme = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                      "strategy": granularity}
+    if granularity == "block":
+        weights_scheme["block_structure"] = [block, block]
+    group = {"targets": ["Linear"], "weights": weights_scheme, "input_activations": None}
+    if activations == "dynamic":
+        group["input_activations"] = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                                      "strategy": "group" if granularity == "block" else "token",
+                                      **({"group_size": block} if granularity == "block" else {})}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": ["lm_head"]}
 
 
 def export_model(directory: str | os.PathLike, cfg: ModelConfig, tokenizer, weights=None, *,
@@ -84,7 +131,11 @@ def export_model(directory: str | os.PathLike, cfg: ModelConfig, tokenizer, weig
         (out / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
         written.append(name)
 
-    dump("config.json", hf_config(cfg, dtype))
+    config = hf_config(cfg, dtype)
+    quantization = None if weights is None else fp8_quantization_config(weights)
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    dump("config.json", config)
     dump("generation_config.json", {"bos_token_id": cfg.bos_token_id,
                                     "eos_token_id": list(cfg.eos_token_ids) or None})
     tokenizer.backend.save(str(out / "tokenizer.json"))

@@ -391,6 +391,47 @@ register_subcommand("export-model", "Write a model (default: the embedded one) a
                     "directory for other tools.", _export_arguments, _export)
 
 
+# -- quantize ---------------------------------------------------------------------------------
+def _quantize_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", metavar="DIR", help="Where to write the FP8 checkpoint.")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                   help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
+    p.add_argument("--calibration-samples", type=int, default=64,
+                   help="Sequences to calibrate on (default: 64).")
+    p.add_argument("--calibration-tokens", type=int, default=256,
+                   help="Tokens per calibration sequence (default: 256).")
+    p.add_argument("--calibration-file", default=None,
+                   help="Calibration text: .jsonl with a \"text\" field per line, or plain text with samples "
+                        "separated by blank lines (default: the model's own samples from its BOS token).")
+    p.add_argument("--activations", choices=["dynamic", "none"], default="dynamic",
+                   help="dynamic: W8A8 with per-token e4m3 activations (FP8 GPUs); none: W8A16, weights "
+                        "only (default: dynamic).")
+    p.add_argument("--damp", type=float, default=0.01,
+                   help="GPTQ dampening, a fraction of the Hessian's mean diagonal (default: 0.01).")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="dtype of the tensors left unquantised: embeddings, norms, lm_head.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+
+
+def _quantize(ns: argparse.Namespace) -> int:
+    from jaxserve.quantize import quantize_model, read_calibration_file
+    try:
+        texts = read_calibration_file(ns.calibration_file) if ns.calibration_file else None
+        files = quantize_model(ns.directory, ns.model_tag, num_samples=ns.calibration_samples,
+                               num_tokens=ns.calibration_tokens, texts=texts, activations=ns.activations,
+                               damp=ns.damp, seed=ns.seed, dtype=ns.dtype, load_format=ns.load_format)
+    except (OSError, ValueError) as e:
+        print(f"jaxserve quantize: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {', '.join(files)} to {ns.directory}; serve it with: jaxserve serve {ns.directory}")
+    return 0
+
+
+register_subcommand("quantize", "Write a calibrated FP8 checkpoint (GPTQ rounding, compressed-tensors) of a "
+                    "model (default: the embedded one).", _quantize_arguments, _quantize)
+
+
 def _run_batch_arguments(p: argparse.ArgumentParser) -> None:
     from jaxserve.server.batch import runner
     runner.add_arguments(p)
