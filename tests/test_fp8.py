@@ -254,7 +254,9 @@ def test_quantization_fp8_on_the_default_model(llm):
     Agreement falls short of the issue's 0.95: per-channel e4m3 weights (W8A16) measured 0.928
     on these 512 tokens (128x128 blocks 0.922, MSE-fitted channel scales 0.932, W8A8 per-token
     0.900; bf16 weights 0.996). e4m3 keeps 3 mantissa bits, and this 135M model's greedy
-    choices are close enough that ~7% of them flip. The bar here guards against regressions."""
+    choices are close enough that ~7% of them flip. The bar here guards against regressions.
+    GPTQ-calibrated FP8 (`jaxserve quantize`, tests/test_fp8_calibrate.py) flips fewer with the same
+    bytes; its default-model figures are benchmarks/bench_fp8_quality.py's (minutes of CPU)."""
     from conftest import SHARED_LLM_KWARGS
     from test_kv_cache_dtypes import HELD_OUT, PROMPTS
 
