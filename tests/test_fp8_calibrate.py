@@ -117,6 +117,8 @@ def test_calibration_errors_name_the_problem(tiny):
         calibrate_fp8(cfg, weights, [])
     with pytest.raises(ValueError, match="longer than skip_first"):
         calibrate_fp8(cfg, weights, [[1, 2]], skip_first=2)
+    with pytest.raises(ValueError, match="FP8 checkpoint already"):
+        calibrate_fp8(cfg, quantize_weights(weights), [[1, 2, 3]])
     with pytest.raises(ValueError, match="max_position_embeddings"):
         calibrate_fp8(cfg, weights, [[1] * (cfg.max_position_embeddings + 1)])
 

@@ -165,6 +165,9 @@ def calibrate_fp8(cfg: ModelConfig, weights, sequences: Sequence[Sequence[int]],
     model = get_model(cfg.architecture)
     names = [f.name for f in dataclasses.fields(weights.layers)
              if isinstance(getattr(weights.layers, f.name), DenseWeight) and f"layers.{f.name}" not in skip]
+    if not names:
+        raise ValueError("the model has no full-precision linear layers to calibrate (is it an FP8 checkpoint "
+                         "already?)")
     tokens, positions, meta, cache = prefill_batch(cfg, sequences, weights.embed.dtype)
     rows = None if skip_first == 0 else jnp.nonzero(positions >= skip_first)[0].astype(jnp.int32)
     found: dict[str, list] = {n: [] for n in names}
