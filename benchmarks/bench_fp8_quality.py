@@ -1,18 +1,24 @@
 """FP8 weight quality on the default model: `--quantization fp8` and its variants against the
 unquantised weights, in one run (CPU is fine; f32 activations).
 
+GPTQ-calibrated variants (`jaxserve quantize`, jaxserve/loader/fp8_calibrate.py) are calibrated on
+the model's own samples from its BOS token (`--calibration-samples` x `--calibration-tokens`,
+none of the evaluation text), made once and timed.
+
 Per variant: held-out perplexity and its ratio to unquantised, greedy agreement teacher-forced
 (the unquantised engine's 32-token greedy continuations of tests/test_kv_cache_dtypes.py's prompts
 fed back; fraction of positions whose argmax is the same token, as in that test), and the linear
 layers' device bytes against the same matrices in bf16. Variants are made from the loaded weights
 (jaxserve.loader.fp8.quantize_weights) and swapped into one engine, so the model loads once.
 
-    python benchmarks/bench_fp8_quality.py
+    python benchmarks/bench_fp8_quality.py [--calibration-samples 64 --calibration-tokens 256]
 """
 from __future__ import annotations
 
+import argparse
 import math
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -24,6 +30,8 @@ from test_kv_cache_dtypes import HELD_OUT, PROMPTS  # noqa: E402  (one fixed pro
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.layers.linear import DenseWeight  # noqa: E402
 from jaxserve.loader.fp8 import SKIP_ON_THE_FLY, linear_weight_bytes, quantize_weights  # noqa: E402
+from jaxserve.loader.fp8_calibrate import calibrate_fp8  # noqa: E402
+from jaxserve.quantize import calibration_sequences  # noqa: E402
 
 SETTINGS = dict(max_model_len=256, max_num_batched_tokens=128, max_num_seqs=16, kv_cache_memory_bytes=96 << 20,
                 enable_prefix_caching=False, warmup=False)
@@ -45,7 +53,18 @@ def perplexity(llm) -> float:
     return math.exp(-np.mean([e[t].logprob for e, t in zip(held.prompt_logprobs[1:], held.prompt_token_ids[1:])]))
 
 
+CALIBRATED = {   # name -> calibrate_fp8 kwargs
+    "GPTQ-calibrated per-channel, W8A16 (jaxserve quantize --activations none)": dict(activations="none"),
+    "GPTQ-calibrated per-channel, W8A8 dynamic per-token (jaxserve quantize)": dict(activations="dynamic"),
+}
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calibration-samples", type=int, default=64)
+    ap.add_argument("--calibration-tokens", type=int, default=256)
+    ap.add_argument("--damp", type=float, default=0.01)
+    ns = ap.parse_args()
     llm = LLM(**SETTINGS)
     runner = llm.llm_engine.runner
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
@@ -56,8 +75,17 @@ def main() -> None:
     print(f"unquantised perplexity {base_ppl:.3f}; linear weights in bf16 would be {bf16_bytes} bytes\n")
     print("| variant | perplexity | ratio | teacher-forced agreement | linear bytes / bf16 |")
     print("|---|---:|---:|---:|---:|")
-    for name, kw in VARIANTS.items():
-        runner.weights = quantize_weights(base, **kw)
+    t0 = time.perf_counter()
+    seqs = calibration_sequences(llm, ns.calibration_samples, ns.calibration_tokens)
+    t_sample = time.perf_counter() - t0
+    made = {name: (lambda kw=kw: quantize_weights(base, **kw)) for name, kw in VARIANTS.items()}
+    made.update({name: (lambda kw=kw: calibrate_fp8(llm.llm_engine.model_config, base, seqs, damp=ns.damp, **kw))
+                 for name, kw in CALIBRATED.items()})
+    t_calibrate = {}
+    for name, make in made.items():
+        t0 = time.perf_counter()
+        runner.weights = make()
+        t_calibrate[name] = time.perf_counter() - t0
         runner._executables.clear()          # a new weights pytree: compile its programs afresh
         forced = llm.generate([{"prompt_token_ids": p + g} for p, g in runs],
                               SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
@@ -67,6 +95,9 @@ def main() -> None:
         total = sum(len(g) for _, g in runs)
         ratio = linear_weight_bytes(runner.weights) / bf16_bytes
         print(f"| {name} | {ppl:.3f} | {ppl / base_ppl:.4f} | {agree / total:.3f} | {ratio:.3f} |", flush=True)
+    print(f"\ncalibration: {len(seqs)} of the model's own samples x {ns.calibration_tokens} tokens "
+          f"(sampling {t_sample:.0f} s), damp {ns.damp}; GPTQ "
+          + ", ".join(f"{t_calibrate[n]:.0f} s" for n in CALIBRATED))
     llm.shutdown()
 
 
