@@ -67,6 +67,17 @@ def test_unused_input_dimensions_are_zeroed():
     assert np.all(q[5] == 0) and np.all(np.isfinite(q))
 
 
+def test_a_hessian_f32_cannot_factor_falls_back_to_round_to_nearest():
+    """A non-finite Hessian (an overflowed activation) gives round-to-nearest codes, not NaNs."""
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(64, 16)).astype(np.float32)
+    h = np.eye(64, dtype=np.float32)
+    h[3, 3] = np.inf
+    codes, scale = gptq_fp8(jnp.asarray(w), jnp.asarray(h))
+    q = np.asarray(codes.astype(jnp.float32) * scale)
+    np.testing.assert_allclose(q, _round_to_nearest(w), rtol=1e-6)    # XLA's division: last-bit differences
+
+
 @pytest.fixture(scope="module")
 def tiny():
     cfg, weights = load_model(TINY, "float32", load_format="dummy", seed=3)

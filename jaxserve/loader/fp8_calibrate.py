@@ -50,7 +50,8 @@ def gptq_fp8(w: jax.Array, h: jax.Array, damp: float = 0.01, block: int = BLOCK,
     their error (GPTQ's desc_act).
 
     `damp`: a fraction of the mean diagonal added to H (GPTQ's dampening; larger is closer to
-    round-to-nearest). Input dimensions no calibration token used (zero diagonal) are zeroed."""
+    round-to-nearest). Input dimensions no calibration token used (zero diagonal) are zeroed.
+    A Hessian whose inverse's Cholesky factor is not finite in f32 falls back to round-to-nearest."""
     k, n = w.shape
     w = w.astype(jnp.float32)
     h = h.astype(jnp.float32)
@@ -65,6 +66,8 @@ def gptq_fp8(w: jax.Array, h: jax.Array, damp: float = 0.01, block: int = BLOCK,
     w = jnp.pad(w, ((0, kp - k), (0, 0)))
     h = jnp.pad(h, ((0, kp - k), (0, kp - k))) + jnp.diag((jnp.arange(kp) >= k).astype(jnp.float32))
     u = jnp.linalg.cholesky(jnp.linalg.inv(h)).T    # upper: H^-1 = U^T U
+    # A Hessian too ill-conditioned for f32 (non-finite factor): U = I is round-to-nearest.
+    u = jnp.where(jnp.all(jnp.isfinite(u)), u, jnp.eye(kp))
 
     def rounded(row):
         return jnp.clip(row / scale[0], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn) \
