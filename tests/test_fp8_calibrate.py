@@ -14,16 +14,17 @@ import pytest
 from jaxserve.layers.fp8 import Fp8Weight
 from jaxserve.layers.linear import DenseWeight
 from jaxserve.loader.fp8 import quantize_weights
-from jaxserve.loader.fp8_calibrate import E4M3_MAX, calibrate_fp8, gptq_fp8, prefill_batch
+from jaxserve.loader.fp8_calibrate import calibrate_fp8, gptq_fp8, prefill_batch
 from jaxserve.loader.loader import load_model
 from jaxserve.models import llama
+from jaxserve.pallas.fp8_matmul import FP8_MAX
 
 TINY = Path(__file__).parent / "data" / "tiny-llama"
 LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def _round_to_nearest(w):
-    s = np.abs(w).max(0, keepdims=True) / E4M3_MAX
+    s = np.abs(w).max(0, keepdims=True) / FP8_MAX
     return np.asarray(jnp.asarray(w / s).astype(jnp.float8_e4m3fn).astype(jnp.float32)) * s
 
 
@@ -47,7 +48,7 @@ def test_gptq_lowers_the_output_error_below_round_to_nearest(act_order):
     w = (rng.normal(size=(k, n)) * 0.05).astype(np.float32)
     codes, scale = gptq_fp8(jnp.asarray(w), jnp.asarray(2 * x.T @ x / len(x)), 0.01, act_order=act_order)
     assert codes.dtype == jnp.float8_e4m3fn and codes.shape == (k, n) and scale.shape == (1, n)
-    np.testing.assert_allclose(np.asarray(scale), np.abs(w).max(0, keepdims=True) / E4M3_MAX, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(scale), np.abs(w).max(0, keepdims=True) / FP8_MAX, rtol=1e-6)
     q = np.asarray(codes.astype(jnp.float32) * scale)
     rtn = _round_to_nearest(w)
     for data in (x, held):

@@ -87,16 +87,12 @@ def _host_arrays(cfg: ModelConfig, weights, dtype) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _fp8_weights(weights) -> list[Fp8Weight]:
-    return [w for w in jax.tree_util.tree_leaves(weights, is_leaf=lambda x: isinstance(x, Fp8Weight))
-            if isinstance(w, Fp8Weight)]
-
-
 def fp8_quantization_config(weights) -> dict[str, Any] | None:
     """compressed-tensors `quantization_config` (FP8 "float-quantized") for a model whose linear
     layers are `Fp8Weight`s (one granularity and activation scheme for all), None without any:
     what llm-compressor writes and `loader/fp8.py` reads back."""
-    fp8 = _fp8_weights(weights)
+    fp8 = [w for w in jax.tree_util.tree_leaves(weights, is_leaf=lambda x: isinstance(x, Fp8Weight))
+           if isinstance(w, Fp8Weight)]
     if not fp8:
         return None
     kinds = {(w.granularity, w.activations, w.block_size) for w in fp8}

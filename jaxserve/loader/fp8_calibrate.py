@@ -35,8 +35,8 @@ from jaxserve.layers.fp8 import Fp8Weight
 from jaxserve.layers.linear import DenseWeight, linear, register_linear
 from jaxserve.loader.fp8 import SKIP_ON_THE_FLY, fp8_weight, replace_dense
 from jaxserve.models.registry import get_model
+from jaxserve.pallas.fp8_matmul import FP8, FP8_MAX, quantize_weight
 
-E4M3_MAX = 448.0
 BLOCK = 128          # input dimensions quantised per inner loop (GPTQ's lazy batch update)
 PAGE = 16            # KV block size of the calibration pass's own pool
 
@@ -55,7 +55,7 @@ def gptq_fp8(w: jax.Array, h: jax.Array, damp: float = 0.01, block: int = BLOCK,
     k, n = w.shape
     w = w.astype(jnp.float32)
     h = h.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(w), axis=0, keepdims=True), 1e-12) / E4M3_MAX
+    _, scale = quantize_weight(w, "channel")       # round-to-nearest's scales (its codes unused)
     dead = jnp.diag(h) == 0
     w = jnp.where(dead[:, None], 0.0, w)
     h = h + jnp.diag(jnp.where(dead, 1.0, 0.0))
@@ -70,8 +70,7 @@ def gptq_fp8(w: jax.Array, h: jax.Array, damp: float = 0.01, block: int = BLOCK,
     u = jnp.where(jnp.all(jnp.isfinite(u)), u, jnp.eye(kp))
 
     def rounded(row):
-        return jnp.clip(row / scale[0], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn) \
-            .astype(jnp.float32) * scale[0]
+        return jnp.clip(row / scale[0], -FP8_MAX, FP8_MAX).astype(FP8).astype(jnp.float32) * scale[0]
 
     def one_block(b, carry):
         w, q = carry
@@ -92,7 +91,7 @@ def gptq_fp8(w: jax.Array, h: jax.Array, damp: float = 0.01, block: int = BLOCK,
 
     _, q = jax.lax.fori_loop(0, kp // block, one_block, (w, jnp.zeros_like(w)))
     q = jnp.zeros((k, n), jnp.float32).at[order].set(q[:k])
-    codes = jnp.clip(q / scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    codes = jnp.clip(q / scale, -FP8_MAX, FP8_MAX).astype(FP8)
     return codes, scale
 
 
