@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import sys
 
@@ -99,3 +101,37 @@ def test_a_hub_name_is_refused_with_what_to_do(capsys):
     assert e.value.code == 2
     assert "is not a local path" in err and "does not download models" in err
     assert "huggingface-cli download HuggingFaceTB/SmolLM2-135M-Instruct" in err
+
+
+def _help_texts() -> dict[str, str]:
+    """`jaxserve --help` and every subcommand's --help, as printed."""
+    parser = cli.build_parser()
+    texts = {"jaxserve": parser.format_help()}
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        texts[name] = p.format_help()
+    return texts
+
+
+def _flag_entries(text: str) -> list[str]:
+    """Each option's help entry (its lines joined), from an argparse help text."""
+    entries: list[str] = [""]
+    for line in text.splitlines():
+        if re.match(r"^ {2,4}\S", line):                  # an option, positional or subcommand
+            entries.append(line.strip())
+        elif re.match(r"^ {5,}\S", line) and entries[-1]:  # its wrapped help
+            entries[-1] += " " + line.strip()
+        else:                                              # a heading or blank line ends it
+            entries.append("")
+    return [e for e in entries if e]
+
+
+def test_help_says_each_default_once_and_names_no_source_files():
+    texts = _help_texts()
+    assert {"serve", "generate", "run-batch", "export-model"} <= set(texts)
+    for command, text in texts.items():
+        for entry in _flag_entries(text):
+            assert entry.count("(default") <= 1, f"{command}: {entry}"
+        assert not re.search(r"[\w/]+\.py\b", text), f"{command} --help names a source file"
+    serve = " ".join(_flag_entries(texts["serve"]))
+    assert "(default: ~/.cache/jaxserve/xla)" in serve and "(default: None)" not in serve

@@ -3,9 +3,9 @@
     jaxserve run-batch -i in.jsonl -o out.jsonl [MODEL] [engine flags] [--resume] [--ordered]
 
 Input lines are `{"custom_id", "method": "POST", "url", "body"}` with url `/v1/completions` or
-`/v1/chat/completions`; bodies are validated and answered by the server's own code
-(`jaxserve.server.openai.protocol` / `jaxserve.server.openai.serving`), so a line gets exactly the JSON the
-HTTP server would have returned. The output line format is in `jsonl.py`.
+`/v1/chat/completions`; bodies are validated and answered by the server's own code, so a line
+gets exactly the JSON the HTTP server would have returned. Output lines are
+`{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`.
 
 Semantics:
 - Streaming: lines are read lazily; at most `--max-concurrency` (default 2 x max_num_seqs) lines
@@ -334,7 +334,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write results in input order (default: completion order)")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="most lines read but not yet written (default: 2 x max_num_seqs)")
-    p.add_argument("--disable-progress-bar", action="store_true")
+    p.add_argument("--disable-progress-bar", action="store_true", help="no progress bar on stderr")
     p.add_argument("--config", default=None, help="YAML file of flag values.")
     add_engine_args(p)
     add_tool_arguments(p)

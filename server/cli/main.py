@@ -60,14 +60,18 @@ def _bytes(text: str) -> int:
 
 
 # (EngineArgs field, group, argparse kwargs). Every EngineArgs field except `model` appears once.
+# `shown_default`: what --help says the flag's absence means, where EngineArgs' value (often None)
+# does not say it.
 _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
-    ("tokenizer", "ModelConfig", dict(help="Tokenizer path (default: the model's).")),
+    ("tokenizer", "ModelConfig", dict(help="Tokenizer path.", shown_default="the model's")),
     ("served_model_name", "ModelConfig",
-     dict(nargs="+", help="Model name(s) used in the API; the first is reported back.")),
+     dict(nargs="+", help="Model name(s) used in the API; the first is reported back.",
+          shown_default="the model's name")),
     ("dtype", "ModelConfig", dict(choices=DTYPES, help="Weights and activations dtype.")),
-    ("max_model_len", "ModelConfig", dict(type=_bytes, help="Context length (prompt + output); "
-                                          "default: the model's.")),
-    ("quantization", "ModelConfig", dict(choices=["fp8"], help="Weight quantization.")),
+    ("max_model_len", "ModelConfig", dict(type=_bytes, help="Context length (prompt + output).",
+                                          shown_default="the model's")),
+    ("quantization", "ModelConfig", dict(choices=["fp8"], help="Weight quantization.",
+                                         shown_default="none")),
     ("seed", "ModelConfig", dict(type=int, help="Random seed of the engine (and of dummy "
                                  "weights).")),
     ("load_format", "LoadConfig", dict(choices=LOAD_FORMATS, help="'dummy': seeded random "
@@ -80,13 +84,16 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                                    "for weights, activations and KV cache.")),
     ("kv_cache_dtype", "CacheConfig", dict(choices=KV_CACHE_DTYPES, help="KV cache dtype.")),
     ("kv_cache_memory_bytes", "CacheConfig", dict(type=_bytes, help="KV cache size in bytes "
-                                                  "(overrides --gpu-memory-utilization).")),
-    ("num_gpu_blocks_override", "CacheConfig", dict(type=int, help="Number of KV blocks.")),
+                                                  "(overrides --gpu-memory-utilization).",
+                                                  shown_default="from --gpu-memory-utilization")),
+    ("num_gpu_blocks_override", "CacheConfig", dict(type=int, help="Number of KV blocks.",
+                                                    shown_default="from the KV cache size")),
     ("enable_prefix_caching", "CacheConfig", dict(action=argparse.BooleanOptionalAction,
                                                   help="Reuse KV blocks of shared prefixes.")),
     ("max_num_seqs", "SchedulerConfig", dict(type=int, help="Most sequences in one step.")),
     ("max_num_batched_tokens", "SchedulerConfig", dict(type=_bytes, help="Token budget of one "
-                                                       "step.")),
+                                                       "step.", shown_default="2048; at least "
+                                                       "--max-model-len without chunked prefill")),
     ("scheduling_policy", "SchedulerConfig", dict(choices=["fcfs", "priority"],
                                                   help="Waiting-queue order.")),
     ("enable_chunked_prefill", "SchedulerConfig", dict(action=argparse.BooleanOptionalAction,
@@ -105,16 +112,17 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                                      "'{\"method\": \"ngram\", "
                                                      "\"num_speculative_tokens\": 4}' or, with a "
                                                      "draft model, '{\"model\": PATH, "
-                                                     "\"num_speculative_tokens\": 4}'.")),
+                                                     "\"num_speculative_tokens\": 4}'.",
+                                                     shown_default="off")),
     ("reasoning_parser", "StructuredOutputsConfig",
      dict(choices=REASONING_PARSERS, help="Put <think>...</think> text in a chat message's "
           "`reasoning` field (deepseek_r1: the start tag may be in the prompt; qwen3); "
-          "structured output then applies after the reasoning.")),
+          "structured output then applies after the reasoning.", shown_default="none")),
     ("attention_backend", "CompilationConfig", dict(choices=ATTENTION_BACKENDS,
                                                     help="Attention implementation.")),
     ("compilation_cache_dir", "CompilationConfig", dict(help="Persistent XLA compilation cache "
-                                                        "('' disables; the CLI's default: "
-                                                        "~/.cache/jaxserve/xla).")),
+                                                        "directory ('' disables).",
+                                                        shown_default=DEFAULT_COMPILATION_CACHE_DIR)),
 ]
 _SHORT = {"tensor_parallel_size": ["-tp"]}
 
@@ -137,9 +145,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                            help="Same as the positional MODEL.")
         kwargs = dict(kwargs)
         help_text = kwargs.pop("help", "")
+        # what the flag's absence means, said once (the argparse default is None, see above)
+        shown = kwargs.pop("shown_default", defaults[name])
         flag = "--" + name.replace("_", "-")
         g.add_argument(*_SHORT.get(name, []), flag, dest=name, default=None,
-                       help=f"{help_text} (default: {defaults[name]})", **kwargs)
+                       help=f"{help_text} (default: {shown})", **kwargs)
 
 
 def engine_args_from(ns: argparse.Namespace | dict, **overrides) -> EngineArgs:
@@ -321,10 +331,10 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="An HF directory or .gguf file (default: the embedded "
                         "SmolLM2-135M-Instruct), then the prompt text.")
     p.add_argument("--chat", action="store_true", help="Wrap the prompt in the chat template.")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=64, help="(default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="(default: 1)")
+    p.add_argument("--top-k", type=int, default=0, help="(default: 0, off)")
     p.add_argument("--config", default=None, help="YAML file of flag values.")
     add_engine_args(p, model_positional=False)
 
