@@ -4,6 +4,9 @@ loads with the same greedy tokens as jaxserve, and that jaxserve loads back."""
 from __future__ import annotations
 
 import json
+import os
+import stat
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +63,21 @@ def test_jaxserve_loads_the_export_back(exported, llm):
              warmup=False) as again:
         assert [o.outputs[0].token_ids for o in again.generate(PROMPTS, sp,
                                                                use_tqdm=False)] == want
+
+
+def test_every_exported_file_gets_the_same_umask_mode(tmp_path):
+    """model.safetensors too (safetensors alone creates it 0600), under a umask that is not the
+    usual 022."""
+    from jaxserve.loader.export import export_model
+    from jaxserve.loader.loader import load_model
+    from jaxserve.tokenizer.tokenizer import Tokenizer
+    cfg, weights = load_model(Path(__file__).parent / "data" / "tiny-llama", "float32",
+                              load_format="dummy")
+    old = os.umask(0o027)
+    try:
+        files = export_model(tmp_path, cfg, Tokenizer.synthetic(cfg.vocab_size), weights)
+    finally:
+        os.umask(old)
+    assert "model.safetensors" in files
+    modes = {name: stat.S_IMODE((tmp_path / name).stat().st_mode) for name in files}
+    assert modes == dict.fromkeys(files, 0o640)

@@ -146,6 +146,9 @@ def export_model(directory: str | os.PathLike, cfg: ModelConfig, tokenizer, weig
         from safetensors.numpy import save_file
         save_file(_host_arrays(cfg, weights, jnp.dtype(dtype)), str(out / "model.safetensors"),
                   metadata={"format": "pt"})
+        # safetensors creates its file 0600; give it the mode open() gave the files above
+        # (0666 less the umask), so whoever may read the config may read the weights.
+        os.chmod(out / "model.safetensors", (out / "config.json").stat().st_mode & 0o777)
         written.append("model.safetensors")
     return written
 
