@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -76,15 +78,36 @@ def test_registered_subcommand_appears(monkeypatch):
     assert cli.main(["run-batch", "-i", "x"]) == 0
 
 
-def test_generate_takes_the_model_positionally_like_serve():
+def test_generate_takes_the_model_as_a_flag_and_every_positional_as_a_prompt():
     parser = cli.build_parser()
-    ns = parser.parse_args(["generate", "path/to/model.gguf", "Once upon a time",
+    ns = parser.parse_args(["generate", "--model", "path/to/model.gguf", "Once upon a time",
                             "--max-model-len", "256"])
-    args, prompt = cli.generate_inputs(ns)
-    assert (args.model, prompt, args.max_model_len) == ("path/to/model.gguf", "Once upon a time",
-                                                         256)
-    args, prompt = cli.generate_inputs(parser.parse_args(["generate", "Hello there"]))
-    assert (args.model, prompt) == (None, "Hello there")
+    args, prompts = cli.generate_inputs(ns)
+    assert (args.model, prompts, args.max_model_len) == ("path/to/model.gguf", ["Once upon a time"], 256)
+    args, prompts = cli.generate_inputs(parser.parse_args(["generate", "First", "Second"]))
+    assert (args.model, prompts) == (None, ["First", "Second"])
+
+
+def test_generate_refuses_a_model_path_given_as_the_first_prompt(capsys):
+    tiny = str(Path(__file__).parent / "data" / "tiny-llama")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", tiny, "Hello"])
+    assert e.value.code == 2
+    assert f"pass it as --model, e.g. jaxserve generate --model {tiny}" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_answers_each_prompt(capsys):
+    tiny = str(Path(__file__).parent / "data" / "tiny-llama")
+    flags = ["--model", tiny, "--load-format", "dummy", "--max-model-len", "32",
+             "--max-num-batched-tokens", "16", "--kv-cache-memory-bytes", "4M", "--max-tokens", "3",
+             "--compilation-cache-dir", ""]
+    assert cli.main(["generate", *flags, "t5 t6", "t7 t8 t9"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(", Generated text: ")[0] for line in lines] == ["Prompt: 't5 t6'", "Prompt: 't7 t8 t9'"]
+    for line in lines:      # the dummy model's synthetic tokenizer: words "t<id>" (eos may end it)
+        words = ast.literal_eval(line.split(", Generated text: ")[1]).split()
+        assert 1 <= len(words) <= 3 and all(re.fullmatch(r"t\d+", w) for w in words), line
 
 
 def test_version_flag_prints_the_version(capsys):
@@ -96,7 +119,7 @@ def test_version_flag_prints_the_version(capsys):
 
 def test_a_hub_name_is_refused_with_what_to_do(capsys):
     with pytest.raises(SystemExit) as e:
-        cli.main(["generate", "HuggingFaceTB/SmolLM2-135M-Instruct", "Hello"])
+        cli.main(["generate", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "Hello"])
     err = capsys.readouterr().err
     assert e.value.code == 2
     assert "is not a local path" in err and "does not download models" in err

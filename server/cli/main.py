@@ -142,7 +142,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         g = groups[group]
         if group == "ModelConfig" and name == "tokenizer":
             g.add_argument("--model", dest="model", default=None,
-                           help="Same as the positional MODEL.")
+                           help="Same as the positional MODEL." if model_positional else
+                           "HF directory or .gguf file (default: the embedded "
+                           "SmolLM2-135M-Instruct).")
         kwargs = dict(kwargs)
         help_text = kwargs.pop("help", "")
         # what the flag's absence means, said once (the argparse default is None, see above)
@@ -327,10 +329,10 @@ def _follow(engine_args: EngineArgs) -> int:
 
 # -- generate (quick offline check) -----------------------------------------------------------
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_and_prompt", nargs="+", metavar="[MODEL] PROMPT",
-                   help="An HF directory or .gguf file (default: the embedded "
-                        "SmolLM2-135M-Instruct), then the prompt text.")
-    p.add_argument("--chat", action="store_true", help="Wrap the prompt in the chat template.")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT",
+                   help="Prompt text; several prompts (each quoted) are generated together. "
+                        "The model is --model, never a positional.")
+    p.add_argument("--chat", action="store_true", help="Wrap each prompt in the chat template.")
     p.add_argument("--max-tokens", type=int, default=64, help="(default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="(default: 1)")
@@ -339,27 +341,38 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, model_positional=False)
 
 
-def generate_inputs(ns: argparse.Namespace) -> tuple[EngineArgs, str]:
-    """`generate [MODEL] PROMPT`: the model positionally, as `serve` and `run-batch` take it."""
-    words = ns.model_and_prompt
-    if len(words) > 2:
-        ns._subparser.error(f"expected [MODEL] PROMPT, got {len(words)} words: quote the prompt")
-    model = words[0] if len(words) == 2 else None
-    return engine_args_from(ns, **({"model": model} if model else {})), words[-1]
+def _looks_like_a_model(text: str) -> bool:
+    path = os.path.expanduser(text)
+    return (path.endswith(".gguf") and os.path.isfile(path)) or \
+        os.path.isfile(os.path.join(path, "config.json"))
+
+
+def generate_inputs(ns: argparse.Namespace) -> tuple[EngineArgs, list[str]]:
+    """`generate [--model MODEL] PROMPT...`: every positional is a prompt. A first positional
+    that names a model on disk (the old `generate MODEL PROMPT` form) is refused, not generated
+    from as text."""
+    if not ns.model and _looks_like_a_model(ns.prompts[0]):
+        ns._subparser.error(f"{ns.prompts[0]!r} is a model: pass it as --model, e.g. jaxserve generate "
+                            f"--model {ns.prompts[0]} \"Once upon a time\"")
+    return engine_args_from(ns), list(ns.prompts)
 
 
 def _generate(ns: argparse.Namespace) -> int:
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
-    args, prompt = generate_inputs(ns)
+    args, prompts = generate_inputs(ns)
     llm = LLM(**dataclasses.asdict(args))
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature,
                             top_p=ns.top_p, top_k=ns.top_k)
     if ns.chat:
-        out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     else:
-        out = llm.generate(prompt, params, use_tqdm=False)
-    print(out[0].outputs[0].text)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    if len(prompts) == 1:
+        print(outs[0].outputs[0].text)
+    else:                   # vLLM's offline examples print the same
+        for prompt, out in zip(prompts, outs):
+            print(f"Prompt: {prompt!r}, Generated text: {out.outputs[0].text!r}")
     llm.shutdown()
     return 0
 
