@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -301,6 +302,41 @@ def test_cli_sigkill_then_resume(tmp_path):
     assert f"already answers every line of {inp} ({n} lines, 0 failed); nothing to do" \
         in err.decode()
     assert "loading" not in err.decode() and out.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_cli_ctrl_c_exits_cleanly_and_its_resume_command_finishes_the_job(tmp_path):
+    n = 48
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(completion(f"r{i}", i, max_tokens=24, ignore_eos=True)
+                             for i in range(n)) + "\n")
+    p = cli("-i", str(inp), "-o", str(out), "--max-concurrency", "8", "--max-num-seqs", "4")
+    deadline = time.time() + 500
+    while time.time() < deadline and p.poll() is None:
+        if out.exists() and len(out.read_text().splitlines()) >= 4:
+            break
+        time.sleep(0.2)
+    assert p.poll() is None, "the job finished before it could be interrupted"
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    err = err.decode()
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    (summary,) = [line for line in err.splitlines() if "INTERRUPTED" in line]
+    assert summary.startswith("run-batch: ") and "ok, 0 failed" in summary
+    written = read_out(out)                 # every line whole, each a success
+    assert 4 <= len(written) < n and all(o["response"]["status_code"] == 200 for o in written)
+    assert f"lines ({len(written)} ok" in summary
+    command = shlex.split(summary.split("continue with: ", 1)[1])
+    assert command[:2] == ["jaxserve", "run-batch"] and command[-1] == "--resume"
+    p = subprocess.Popen([sys.executable, "-c", "import sys; from jaxserve.server.cli.main import main; "
+                          "sys.exit(main())", *command[1:]], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=REPO)
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err.decode()[-3000:]
+    final = read_out(out)
+    assert final[:len(written)] == written
+    assert sorted(o["custom_id"] for o in final) == sorted(f"r{i}" for i in range(n))
 
 
 @pytest.mark.slow

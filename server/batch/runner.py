@@ -23,8 +23,10 @@ Semantics:
 - A server-side failure (5xx: the engine died, an internal error) is not the line's fault: no
   line is written for it or for the requests still in flight, the job stops with exit code 3,
   and `--resume` redoes every line not written.
+- Ctrl-C stops the job: the lines written so far stay, the requests in flight are dropped, and
+  the summary line ends with the `--resume` command that continues it (exit code 130).
 - Exit code 0 when every line of the output file is a success, 1 otherwise (2 for usage errors,
-  3 when stopped early as above).
+  3 when stopped early as above, 130 on Ctrl-C).
 - Progress (requests/s, tokens/s) and a summary go to stderr; `-i -` / `-o -` are stdin/stdout.
 """
 
@@ -37,6 +39,7 @@ import itertools
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -63,11 +66,15 @@ class BatchStats:
     wall_s: float = 0.0
     max_in_flight: int = 0      # the most lines read but not yet written, at any moment
     stopped_by: str | None = None   # a 5xx (engine dead, internal error) that stopped the job
+    interrupted: bool = False       # Ctrl-C (SIGINT) stopped the job
+    resume_command: str = "the same command with --resume"
 
     @property
     def exit_code(self) -> int:
         """0: every line answered with 2xx; 1: some lines failed (4xx); 3: the job stopped early
-        on a server-side failure and `--resume` redoes the lines it did not write."""
+        on a server-side failure and `--resume` redoes the lines it did not write; 130: Ctrl-C."""
+        if self.interrupted:
+            return 130
         if self.stopped_by is not None:
             return 3
         return 0 if self.failed == 0 and self.skipped_failed == 0 else 1
@@ -80,7 +87,9 @@ class BatchStats:
                 f"{self.completion_tokens} completion tokens in {self.wall_s:.1f} s "
                 f"({rate:.2f} req/s, {tok:.1f} output tok/s)"
                 + (f"; STOPPED early by {self.stopped_by}: lines not written are not done, "
-                   "rerun with --resume" if self.stopped_by else ""))
+                   f"continue with: {self.resume_command}" if self.stopped_by else "")
+                + ("; INTERRUPTED: lines not written are not done, continue with: "
+                   f"{self.resume_command}" if self.interrupted else ""))
 
 
 @dataclasses.dataclass
@@ -349,7 +358,21 @@ def run(ns: argparse.Namespace) -> int:
     if ns.max_concurrency is not None and ns.max_concurrency < 1:
         print("run-batch: --max-concurrency must be >= 1", file=sys.stderr)
         return 2
-    return asyncio.run(_run(ns, engine_args_from(ns)))
+    try:
+        # Ctrl-C: asyncio.run cancels _run, which closes the output, stops the engine and says
+        # how to go on; a second Ctrl-C (or one before the job starts) lands here.
+        return asyncio.run(_run(ns, engine_args_from(ns)))
+    except KeyboardInterrupt:
+        print("run-batch: interrupted", file=sys.stderr)
+        return 130
+
+
+def resume_command(ns: argparse.Namespace) -> str:
+    """The command line that continues this job: its own arguments plus --resume."""
+    if ns.output_file == "-":
+        return "nothing: the output went to stdout; rerun with -o FILE to be able to resume"
+    args = list(getattr(ns, "_argv", None) or ["run-batch", "-i", ns.input_file, "-o", ns.output_file])
+    return shlex.join(["jaxserve", *args, *([] if "--resume" in args else ["--resume"])])
 
 
 async def _run(ns, engine_args) -> int:
@@ -371,7 +394,13 @@ async def _run(ns, engine_args) -> int:
                   file=sys.stderr)
             return 1 if resume.failed else 0
     llm = AsyncLLM(engine_args)
-    await llm.start()
+    try:
+        await llm.start()
+    except asyncio.CancelledError:
+        print("run-batch: interrupted while loading the model; nothing was written", file=sys.stderr)
+        # the engine thread is still building the model and the interpreter would wait for it
+        sys.stderr.flush()
+        os._exit(130)
     serving = OpenAIServing(llm, ns.served_model_name,
                             enable_auto_tools=bool(ns.enable_auto_tool_choice),
                             tool_parser=ns.tool_call_parser,
@@ -383,11 +412,17 @@ async def _run(ns, engine_args) -> int:
         progress = tqdm(total=batch_io.count_lines(ns.input_file), desc="run-batch", unit="req",
                         file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
     writer = JsonlWriter.open(ns.output_file, append=ns.resume)
+    runner = BatchRunner(engine_routes(serving), writer, max_in_flight=limit, ordered=ns.ordered,
+                         resume=resume, progress=progress)
+    stats = runner.stats
+    stats.resume_command = resume_command(ns)
     try:
         with batch_io.open_input(ns.input_file) as lines:
-            runner = BatchRunner(engine_routes(serving), writer, max_in_flight=limit,
-                                 ordered=ns.ordered, resume=resume, progress=progress)
-            stats = await runner.run(lines)
+            await runner.run(lines)
+    except asyncio.CancelledError:
+        # Ctrl-C (asyncio.run cancels this task): every line written so far is whole and
+        # flushed; the in-flight requests were cancelled, so --resume redoes exactly those.
+        stats.interrupted = True
     finally:
         writer.close()
         if progress is not None:

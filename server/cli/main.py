@@ -496,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     apply_config_file(ns, ns._subparser)
+    ns._argv = list(sys.argv[1:] if argv is None else argv)    # as typed (run-batch's --resume hint)
     try:
         return int(SUBCOMMANDS[ns.command].run(ns) or 0)
     except ValueError as e:     # EngineArgs validation: a usage error, not a crash
