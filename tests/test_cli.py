@@ -158,3 +158,16 @@ def test_help_says_each_default_once_and_names_no_source_files():
         assert not re.search(r"[\w/]+\.py\b", text), f"{command} --help names a source file"
     serve = " ".join(_flag_entries(texts["serve"]))
     assert "(default: ~/.cache/jaxserve/xla)" in serve and "(default: None)" not in serve
+
+
+def test_the_start_up_configuration_is_one_block_of_non_default_settings():
+    from jaxserve.server.http.api_server import ServerArgs
+    ns = parse("m.gguf", "--max-model-len", "512", "--served-model-name", "a", "b", "--port", "9000",
+               "--api-key", "secret", "--reasoning-parser", "qwen3")
+    engine_args = cli.engine_args_from(ns)
+    server_args = ServerArgs(port=9000, api_key="secret", served_model_name=["a", "b"],
+                             reasoning_parser="qwen3")
+    block = cli.describe_config(engine_args, server_args)
+    assert block.splitlines()[1:] == ["    served_model_name: a b", "    max_model_len: 512",
+                                      "    reasoning_parser: qwen3", "    port: 9000", "    api_key: ***"]
+    assert cli.describe_config(cli.engine_args_from(parse()), ServerArgs()) == " none"

@@ -3,9 +3,11 @@ configured logging itself or set JAXSERVE_CONFIGURE_LOGGING=0."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 CODE = """
 import logging, sys
@@ -30,3 +32,40 @@ def test_off_switch_and_a_program_s_own_logging_config_win():
     assert _stderr(JAXSERVE_CONFIGURE_LOGGING="0") == ""
     own = _stderr(setup="logging.basicConfig(level=logging.WARNING, format='%(message)s')")
     assert own == ""
+
+
+ENGINE = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from jaxserve.config import EngineArgs
+from jaxserve.engine.llm_engine import LLMEngine
+LLMEngine(EngineArgs(model=sys.argv[1], load_format="dummy", max_model_len=32, max_num_batched_tokens=16,
+                     kv_cache_memory_bytes=4 << 20, compilation_cache_dir=sys.argv[2]))
+"""
+
+
+def test_start_up_says_loaded_from_the_compilation_cache_or_compiled(tmp_path):
+    tiny = str(Path(__file__).parent / "data" / "tiny-llama")
+
+    def start() -> list[str]:
+        out = subprocess.run([sys.executable, "-c", ENGINE, tiny, str(tmp_path / "xla")], capture_output=True,
+                             text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        assert out.returncode == 0, out.stderr[-3000:]
+        return [line for line in out.stderr.splitlines() if "program" in line]
+
+    cold, warm = start(), start()
+    steps = [line for line in cold if line.startswith("step program")]
+    assert len(steps) == 2 and all(line.endswith("s)") and ", compiled (" in line for line in steps), cold
+    assert "0 loaded from the compilation cache, 2 compiled" in cold[-1]
+    steps = [line for line in warm if line.startswith("step program")]
+    assert len(steps) == 2 and all(", loaded from the compilation cache (" in line for line in steps), warm
+    assert "(2 model programs: 2 loaded from the compilation cache, 0 compiled)" in warm[-1]
+
+
+def test_the_load_line_says_fp8_when_quantizing(caplog):
+    from jaxserve.loader.loader import load_model
+    tiny = Path(__file__).parent / "data" / "tiny-llama"
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        load_model(tiny, "float32", load_format="dummy", quantization="fp8")
+    (line,) = [r.getMessage() for r in caplog.records if "dummy weights" in r.getMessage()]
+    assert line.endswith("as float32, linear layers quantised to fp8 (per-channel e4m3)"), line

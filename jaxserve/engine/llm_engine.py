@@ -183,8 +183,8 @@ class LLMEngine:
         self.last_step_error: Exception | None = None
         self.warmup_seconds = self.runner.warmup() if warmup else 0.0
         self.startup_seconds = time.perf_counter() - t0
-        logger.info("engine ready in %.1f s (%d compiled model programs)", self.startup_seconds,
-                    len(self.runner.compiled_programs))
+        logger.info("engine ready in %.1f s (%d model programs: %s)", self.startup_seconds,
+                    len(self.runner.compiled_programs), self.runner.programs_obtained())
 
     def _eos_token_ids(self, cfg) -> set[int]:
         ids = set(cfg.eos_token_ids)

@@ -217,6 +217,13 @@ def _read_f8_e4m3(file: Path, name: str) -> np.ndarray:
     return np.frombuffer(data, ml_dtypes.float8_e4m3fn).reshape(info["shape"])
 
 
+def _fp8_note(scheme, quantization: str | None) -> str:
+    """What the load line adds when the linear layers are (or become) FP8."""
+    if scheme is not None:
+        return f", linear layers fp8 ({scheme.method} checkpoint)"
+    return ", linear layers quantised to fp8 (per-channel e4m3)" if quantization == "fp8" else ""
+
+
 def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh=None,
                load_format: str = "auto", seed: int = 0, quantization: str | None = None,
                expert_parallel: bool = False):
@@ -234,9 +241,9 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
     if load_format == "dummy":
         from jaxserve.loader.dummy import dummy_weights
         cfg = gguf_config_of(path, gguf_reader) if path.is_file() else load_hf_config(path)
-        logger.info("dummy weights (seed %d) for %s (%s, %d layers, hidden %d) as %s", seed,
+        logger.info("dummy weights (seed %d) for %s (%s, %d layers, hidden %d) as %s%s", seed,
                     path, cfg.architecture, cfg.num_layers, cfg.hidden_size,
-                    jnp.dtype(jdtype).name)
+                    jnp.dtype(jdtype).name, _fp8_note(None, quantization))
         weights = dummy_weights(cfg, jdtype, mesh, seed, expert_parallel)
         if quantization == "fp8":
             from jaxserve.loader.fp8 import quantize_weights
@@ -253,9 +260,7 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
         scheme = fp8_scheme_of(path)
         get = _safetensors_getter(path)
     logger.info("loading %s (%s, %d layers, hidden %d) as %s%s", path, cfg.architecture,
-                cfg.num_layers, cfg.hidden_size, jnp.dtype(jdtype).name,
-                f", linear layers fp8 ({scheme.method} checkpoint)" if scheme else
-                ", linear layers quantised to fp8" if quantization == "fp8" else "")
+                cfg.num_layers, cfg.hidden_size, jnp.dtype(jdtype).name, _fp8_note(scheme, quantization))
     weights = assemble(cfg, get, jdtype, mesh, quantization=None if scheme else quantization,
                        fp8_scheme=scheme, expert_parallel=expert_parallel)
     del get

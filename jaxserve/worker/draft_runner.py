@@ -37,6 +37,7 @@ from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import ModelConfig
 from jaxserve.models import get_model
 from jaxserve.sharding.plan import ShardingPlan, single_device_plan
+from jaxserve.worker.compile_cache import compile_noting_cache_hit, how_obtained
 from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, kv_cache_sharding
 
 logger = logging.getLogger(__name__)
@@ -165,10 +166,11 @@ class DraftRunner:
             spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype),
                                 example)
             fn = self._catch_up if kind == "catch_up" else self._propose
-            exe = fn.lower(self.weights, self.cache, *spec).compile()
+            exe, from_cache = compile_noting_cache_hit(lambda: fn.lower(self.weights, self.cache, *spec).compile())
             self._executables[key] = exe
-            logger.info("compiled draft %s program: %d %s (%.1f s)", kind, size,
-                        "tokens" if kind == "catch_up" else "rows", time.perf_counter() - t0)
+            logger.info("draft %s program: %d %s, %s (%.1f s)", kind, size,
+                        "tokens" if kind == "catch_up" else "rows", how_obtained(from_cache),
+                        time.perf_counter() - t0)
         return exe
 
     @property

@@ -28,6 +28,7 @@ from jaxserve.sample import penalties
 from jaxserve.sample.rejection import accept, emitted_mask
 from jaxserve.sample.sampler import sample, score
 from jaxserve.sharding.plan import ShardingPlan, single_device_plan
+from jaxserve.worker.compile_cache import compile_noting_cache_hit, how_obtained
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, kv_cache_sharding
 from jaxserve.worker.step_inputs import StepInputs, build_inputs
@@ -147,6 +148,7 @@ class ModelRunner:
                              out_shardings=(rep, rep, self._cache_sharding(self.cache.quantized, self.cache.codes),
                                             rep))
         self._executables: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        self._from_cache = 0        # how many of them the persistent compilation cache supplied
         # Structured output: [S, W] bitmask words per sampling row; an unconstrained step passes
         # a device-resident all-ones mask (no transfer; the sampler's cond skips the masking).
         self.mask_words = -(-model_config.vocab_size // 32)
@@ -228,17 +230,24 @@ class ModelRunner:
             spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
             spec.bitmask = jax.ShapeDtypeStruct(x.bitmask.shape, x.bitmask.dtype,
                                                 sharding=self.plan.replicated)
-            exe = self._step.lower(self.weights, self.cache, self.penalties, spec).compile()
+            exe, from_cache = compile_noting_cache_hit(
+                lambda: self._step.lower(self.weights, self.cache, self.penalties, spec).compile())
             self._executables[key] = exe
-            logger.info("compiled step program %d: %d tokens%s (%.1f s)", len(self._executables),
+            self._from_cache += int(from_cache)
+            logger.info("step program %d: %d tokens%s, %s (%.1f s)", len(self._executables),
                         num_tokens, ", prompt logprobs" if with_prompt_logprobs else "",
-                        time.perf_counter() - t0)
+                        how_obtained(from_cache), time.perf_counter() - t0)
         return exe
 
     @property
     def compiled_programs(self) -> list[tuple[int, bool]]:
         """(token bucket, with prompt logprobs) of every compiled step program."""
         return sorted(self._executables)
+
+    def programs_obtained(self) -> str:
+        """How the step programs came to be: "3 loaded from the compilation cache, 1 compiled"."""
+        loaded = self._from_cache
+        return f"{loaded} loaded from the compilation cache, {len(self._executables) - loaded} compiled"
 
     def run_model(self, inputs: StepInputs):
         """Run the compiled step (cache and penalty state replaced by the donated results);
@@ -351,6 +360,7 @@ class ModelRunner:
             x.delete()
         self.cache = self.penalties = None
         self._executables.clear()
+        self._from_cache = 0
         self._all_allowed.clear()
 
     def warmup(self):
@@ -371,8 +381,8 @@ class ModelRunner:
             self.drafter.warmup(lambda T: self._build([], T, False)[0], self.buckets)
         release_freed_host_memory()     # what the compiler freed
         elapsed = time.perf_counter() - t0
-        logger.info("warm-up: %d step programs for token buckets %s%s in %.1f s",
-                    len(self._executables), self.buckets,
+        logger.info("warm-up: %d step programs (%s) for token buckets %s%s in %.1f s",
+                    len(self._executables), self.programs_obtained(), self.buckets,
                     "" if self.drafter is None else
                     f" and {len(self.drafter.compiled_programs)} draft-model programs", elapsed)
         return elapsed

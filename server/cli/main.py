@@ -271,15 +271,26 @@ def check_tool_arguments(ns: argparse.Namespace) -> None:
 
 
 def describe_config(engine_args: EngineArgs, server_args) -> str:
-    """The effective configuration as `key=value` pairs (engine first, then the front end), so
-    the start-up log says what this server runs with, defaults included."""
-    pairs = [(k, v) for k, v in dataclasses.asdict(engine_args).items() if k != "model"]
-    pairs += [(k, "***" if k == "api_key" and v else v)
-              for k, v in dataclasses.asdict(server_args).items()]
-    # a --chat-template given as text: its length, not the whole template on one log line
-    pairs = [(k, f"<template text, {len(v)} chars>" if k == "chat_template" and v
-              and ("{{" in v or "{%" in v) else v) for k, v in pairs]
-    return " ".join(f"{k}={v}" for k, v in pairs)
+    """The settings this server runs with that differ from the CLI's defaults, one `name: value`
+    line each (indented, each name once, the model left to the line it follows), or " none"."""
+    from jaxserve.server.http.api_server import ServerArgs
+    defaults = {**dataclasses.asdict(engine_args_from({})), **dataclasses.asdict(ServerArgs())}
+    values = dataclasses.asdict(engine_args)
+    for k, v in dataclasses.asdict(server_args).items():
+        if k not in values or v != defaults.get(k):
+            values[k] = v           # a name both have: the front end's (every served name)
+    settings: dict[str, Any] = {}
+    for k, v in values.items():
+        if k == "model" or v == defaults.get(k):
+            continue
+        if k == "api_key":
+            v = "***"
+        elif k == "chat_template" and ("{{" in v or "{%" in v):   # the text, not a file path
+            v = f"<template text, {len(v)} chars>"
+        elif isinstance(v, (list, tuple)):
+            v = " ".join(map(str, v))
+        settings[k] = v
+    return "".join(f"\n    {k}: {v}" for k, v in settings.items()) or " none"
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -304,8 +315,8 @@ def _serve(ns: argparse.Namespace) -> int:
                                 {"max_request_body_bytes": ns.max_request_body_bytes}),
                              **({} if ns.shutdown_timeout is None else
                                 {"shutdown_timeout": ns.shutdown_timeout}))
-    logger.info("jaxserve serve %s: %s", engine_args.model or "(default model)",
-                describe_config(engine_args, server_args))
+    logger.info("jaxserve serve %s; settings other than the defaults:%s",
+                engine_args.model or "(the default model)", describe_config(engine_args, server_args))
     if engine_args.node_rank > 0:
         return _follow(engine_args)
     code = asyncio.run(serve(engine_args, server_args))
