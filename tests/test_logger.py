@@ -63,9 +63,13 @@ def test_start_up_says_loaded_from_the_compilation_cache_or_compiled(tmp_path):
 
 
 def test_the_load_line_says_fp8_when_quantizing(caplog):
-    from jaxserve.loader.loader import load_model
-    tiny = Path(__file__).parent / "data" / "tiny-llama"
+    from jaxserve.config import EngineArgs
+    from jaxserve.engine.llm_engine import LLMEngine
+    tiny = str(Path(__file__).parent / "data" / "tiny-llama")
     with caplog.at_level(logging.INFO, logger="jaxserve"):
-        load_model(tiny, "float32", load_format="dummy", quantization="fp8")
+        engine = LLMEngine(EngineArgs(model=tiny, load_format="dummy", quantization="fp8", max_model_len=32,
+                                      kv_cache_memory_bytes=4 << 20), warmup=False)
     (line,) = [r.getMessage() for r in caplog.records if "dummy weights" in r.getMessage()]
     assert line.endswith("as float32, linear layers quantised to fp8 (per-channel e4m3)"), line
+    assert engine.fp8_linear        # the server's "loaded ..." line reads this
+    engine.shutdown()

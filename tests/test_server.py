@@ -414,9 +414,12 @@ def test_start_up_log_has_phases_and_readable_config_and_an_access_line_per_requ
                                                                                     client):
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
     log = server.log()
-    assert re.search(r"jaxserve serve \(default model\): .*max_num_seqs=\d+ .*port=\d+", log)
+    block = re.search(r"jaxserve serve \(the default model\); settings other than the defaults:\n"
+                      r"((?:    \w+: .*\n)+)", log)
+    assert block and "    max_num_seqs: 64\n" in block[1] and "    port: " in block[1], log[:3000]
+    assert "    block_size:" not in block[1]                # a default
     for phase in ("HTTP listener on", "loaded SmolLM2-135M-Instruct", "KV pool:",
-                  "compiled programs", "ready in"):
+                  "step programs", "ready in"):
         assert phase in log, phase
     assert "libtpu" not in log and "Unable to initialize backend" not in log
     # method, path, status, prompt+completion tokens, latency

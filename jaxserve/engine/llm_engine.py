@@ -186,6 +186,13 @@ class LLMEngine:
         logger.info("engine ready in %.1f s (%d model programs: %s)", self.startup_seconds,
                     len(self.runner.compiled_programs), self.runner.programs_obtained())
 
+    @property
+    def fp8_linear(self) -> bool:
+        """Whether the linear layers are FP8 (`--quantization fp8` or an FP8 checkpoint)."""
+        from jaxserve.layers.fp8 import Fp8Weight
+        is_fp8 = lambda x: isinstance(x, Fp8Weight)     # noqa: E731
+        return any(map(is_fp8, jax.tree_util.tree_leaves(self.runner.weights, is_leaf=is_fp8)))
+
     def _eos_token_ids(self, cfg) -> set[int]:
         ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

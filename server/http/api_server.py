@@ -270,12 +270,13 @@ class Server:
                                      chat_template=self.chat_template)
         cfg = engine.model_config
         blocks, bs = engine.cache_config.num_blocks, engine.cache_config.block_size
-        logger.info("loaded %s (%s, %d layers, %s) from %s", names[0], cfg.architecture,
-                    cfg.num_layers, engine.runner.cache.dtype, engine.model_path)
+        logger.info("loaded %s (%s, %d layers%s, KV cache %s) from %s", names[0], cfg.architecture,
+                    cfg.num_layers, ", linear layers fp8" if getattr(engine, "fp8_linear", False) else "",
+                    engine.runner.cache.dtype, engine.model_path)
         logger.info("KV pool: %d blocks x %d tokens = %d tokens; max concurrency at "
                     "max_model_len %d: %.2fx", blocks, bs, blocks * bs, engine.max_model_len,
                     blocks * bs / engine.max_model_len)
-        logger.info("compiled programs (tokens, logit rows): %s; warm-up %.1f s",
+        logger.info("step programs (tokens, prompt logprobs): %s; warm-up %.1f s",
                     sorted(engine.runner.compiled_programs), engine.warmup_seconds)
         logger.info("ready in %.1f s: serving %s on http://%s:%d", time.perf_counter() - t0,
                     ", ".join(names), self.args.host, self.args.port)
