@@ -389,7 +389,7 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 register_subcommand("serve", "Start the OpenAI-compatible HTTP server.", _serve_arguments, _serve)
-register_subcommand("generate", "Generate a completion for one prompt (offline).",
+register_subcommand("generate", "Generate completions for one or more prompts (offline).",
                     _generate_arguments, _generate)
 
 
