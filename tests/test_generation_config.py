@@ -201,3 +201,24 @@ def test_cli_flags_reach_engine_args(tmp_path):
     assert args.generation_config == "vllm"
     assert args.override_generation_config == {"temperature": 0.5}
     assert engine_args_from(build_parser().parse_args(["serve"])).generation_config == "auto"
+
+
+def test_jaxserve_serve_applies_and_logs_the_defaults(model_dir, tiny):
+    """A real `jaxserve serve` on the tiny model: the start-up log names the defaults, and a
+    request with no sampling fields gets them; its own max_tokens wins."""
+    import openai
+    from server_fixtures import ServerProcess
+    greedy = tiny.generate("t5 t17 t300 t42", GREEDY, use_tqdm=False)[0].outputs[0].text
+    srv = ServerProcess(str(model_dir), "--load-format", "dummy", "--seed", "1", "--max-model-len", "64",
+                        "--max-num-seqs", "4", "--max-num-batched-tokens", "32").start()
+    try:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
+        plain = client.completions.create(model=str(model_dir), prompt="t5 t17 t300 t42")
+        short = client.completions.create(model=str(model_dir), prompt="t5 t17 t300 t42",
+                                          max_tokens=2)
+        log = srv.log()
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
+    assert f"default sampling parameters from {model_dir / 'generation_config.json'}" in log
+    assert plain.usage.completion_tokens == 5 and plain.choices[0].text == greedy
+    assert short.usage.completion_tokens == 2
