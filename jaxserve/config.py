@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.loader.generation_config import check_overrides
 from jaxserve.models.registry import check_architecture
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
@@ -379,6 +380,45 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's `structured_outputs_config` keys that apply here: the JSON whitespace rule for
+    requests that set none. `disable_any_whitespace`: no whitespace between JSON tokens;
+    `whitespace_pattern` (jaxserve's; the request field's name): the regex of the whitespace
+    allowed between two tokens, e.g. "[\\x20\\x0A\\x0D\\x09]+" for vLLM's unbounded default;
+    None: one space or a line break and bounded indentation (structured_output/grammar.py).
+    `backend` is accepted as vLLM spells it; llguidance ("guidance") is the only one."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> StructuredOutputsConfig:
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"structured_outputs_config must be a dict, got {type(d).__name__}")
+        names = sorted(f.name for f in dataclasses.fields(cls))
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ValueError(f"structured_outputs_config has unknown key(s) {unknown}; allowed: "
+                             f"{names}")
+        return cls(**d)
+
+    def __post_init__(self):
+        if self.backend not in ("auto", "guidance"):
+            raise ValueError("structured_outputs_config.backend must be 'auto' or 'guidance' "
+                             f"(llguidance), got {self.backend!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs_config.disable_any_whitespace must be a bool, "
+                             f"got {self.disable_any_whitespace!r}")
+        if self.whitespace_pattern is not None and (not isinstance(self.whitespace_pattern, str)
+                                                    or not self.whitespace_pattern):
+            raise ValueError("structured_outputs_config.whitespace_pattern must be a non-empty "
+                             f"regex string, got {self.whitespace_pattern!r}")
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -432,6 +472,13 @@ class EngineArgs:
     # vLLM's structured_outputs_config.reasoning_parser (--reasoning-parser): a request's
     # structured output applies after its <think>...</think> reasoning (None: from its start).
     reasoning_parser: str | None = None
+    # vLLM's --generation-config: where requests' default sampling parameters come from ("auto":
+    # the model's generation_config.json or GGUF general.sampling.*; "vllm": none; or a folder)
+    # and --override-generation-config (Hugging Face names, merged over it).
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
+    # vLLM's --structured-outputs-config (StructuredOutputsConfig keys): the JSON whitespace rule.
+    structured_outputs_config: dict | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -457,9 +504,15 @@ class EngineArgs:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be None or one of "
                              f"{', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+        if not isinstance(self.generation_config, str | os.PathLike) or \
+                not os.fspath(self.generation_config):
+            raise ValueError("generation_config must be 'auto', 'vllm' or a folder holding "
+                             f"generation_config.json, got {self.generation_config!r}")
+        check_overrides(self.override_generation_config)
         # The sub-configs validate their own fields; build them once here so errors surface early.
         self.cache_config()
         self.spec_config()
+        self.structured_config()
         ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel)
 
     @classmethod
@@ -487,6 +540,9 @@ class EngineArgs:
 
     def spec_config(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.from_dict(self.speculative_config)
+
+    def structured_config(self) -> StructuredOutputsConfig:
+        return StructuredOutputsConfig.from_dict(self.structured_outputs_config)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel)

@@ -49,6 +49,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate`/`chat` use when given no SamplingParams: the model's generation
+        config (`generation_config`, `override_generation_config`) over vLLM's defaults."""
+        return SamplingParams.from_optional(**self.llm_engine.default_sampling_params)
+
     @property
     def model_config(self):
         return self.llm_engine.model_config
@@ -115,7 +120,7 @@ class LLM:
 
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         sampling_params = list(sampling_params)

@@ -35,6 +35,7 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.max_model_len = 512
         self.model_name = "fake"
+        self.default_sampling_params: dict = {}
         self.requests: dict[str, int] = {}
         self.aborted: list[str] = []
         self.steps = 0

@@ -145,6 +145,63 @@ def test_structural_tag_constrains_only_inside_the_tag(manager, tokenizer):
     assert not all(bad.accept(t) for t in tokenizer.encode('<fn=get>{"x": "three"}'))
 
 
+def _accepts(manager, tokenizer, spec: SO, text: str) -> bool:
+    req = manager.new_request(SamplingParams(structured_outputs=spec))
+    return all(req.accept(t) for t in tokenizer.encode(text)) and req.matcher.is_accepting()
+
+
+PRETTY = '{\n  "name": "Ann",\n  "age": 7\n}'
+RUNAWAY = '{"name": "Ann",\n\n\n\n\n\n  "age": 7}'     # the line breaks a sampled model loops on
+
+
+def test_json_whitespace_is_bounded_by_default_and_configurable(manager, tokenizer):
+    """Default: one space, or a line break and bounded indentation, between JSON tokens (so
+    pretty-printed JSON passes but no gap can grow until max_tokens); a request's
+    whitespace_pattern or disable_any_whitespace, or the engine's structured_outputs_config,
+    changes it."""
+    from jaxserve.config import StructuredOutputsConfig
+    from jaxserve.structured_output.grammar import FLEXIBLE_JSON_WHITESPACE
+    spec = SO(json=PERSON)
+    for text in ('{"name":"Ann","age":7}', '{"name": "Ann", "age": 7}', PRETTY,
+                 '{ "name" : "Ann" , "age" : 7 }'):
+        assert _accepts(manager, tokenizer, spec, text), text
+    assert not _accepts(manager, tokenizer, spec, RUNAWAY)
+    assert not _accepts(manager, tokenizer, spec, '{"name": "Ann",' + " " * 40 + '"age": 7}')
+    flexible = SO(json=PERSON, whitespace_pattern=FLEXIBLE_JSON_WHITESPACE)
+    assert _accepts(manager, tokenizer, flexible, RUNAWAY)
+    assert not _accepts(manager, tokenizer, SO(json=PERSON, disable_any_whitespace=True), PRETTY)
+    # engine level (--structured-outputs-config), for requests that set nothing
+    for config, runaway, pretty in (({"whitespace_pattern": FLEXIBLE_JSON_WHITESPACE}, True, True),
+                                    ({"disable_any_whitespace": True}, False, False)):
+        so = StructuredOutputsConfig.from_dict(config)
+        engine = StructuredOutputManager(tokenizer, V, {tokenizer.eos_token_id},
+                                         whitespace_pattern=so.whitespace_pattern,
+                                         disable_any_whitespace=so.disable_any_whitespace)
+        assert _accepts(engine, tokenizer, spec, RUNAWAY) is runaway
+        assert _accepts(engine, tokenizer, spec, PRETTY) is pretty
+        assert _accepts(engine, tokenizer, SO(json=PERSON, whitespace_pattern=" ?"),
+                        '{"name": "Ann", "age": 7}')          # the request's own rule wins
+
+
+def test_structural_tag_json_follows_the_whitespace_rule(manager, tokenizer):
+    tag = json.dumps({"type": "structural_tag", "triggers": ["<fn="], "structures": [
+        {"begin": "<fn=get>", "schema": PERSON, "end": "</fn>"}]})
+    assert _accepts(manager, tokenizer, SO(structural_tag=tag), f"<fn=get>{PRETTY}</fn>")
+    assert not _accepts(manager, tokenizer, SO(structural_tag=tag), f"<fn=get>{RUNAWAY}</fn>")
+
+
+@pytest.mark.parametrize("config,needle", [
+    ({"disable_any_whitespace": "yes"}, "disable_any_whitespace must be a bool"),
+    ({"whitespace_pattern": ""}, "whitespace_pattern must be a non-empty regex"),
+    ({"backend": "xgrammar"}, "backend must be 'auto' or 'guidance'"),
+    ({"any_whitespace": True}, r"unknown key\(s\) \['any_whitespace'\]"),
+])
+def test_structured_outputs_config_is_validated(config, needle):
+    from jaxserve.config import EngineArgs
+    with pytest.raises(ValueError, match=needle):
+        EngineArgs(structured_outputs_config=config)
+
+
 def test_strict_forbids_unnamed_properties(manager, tokenizer):
     open_schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     text = '{"a": 1, "b": 2}'

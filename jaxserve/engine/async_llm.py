@@ -351,6 +351,11 @@ class AsyncLLM:
         return self.engine.model_name
 
     @property
+    def default_sampling_params(self) -> dict:
+        """The model's generation-config defaults for unset request fields."""
+        return self.engine.default_sampling_params
+
+    @property
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
 

@@ -24,6 +24,7 @@ from jaxserve.core.scheduler import GrammarBitmask, Scheduler, SchedulerOutput
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
 from jaxserve.engine import multihost
 from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.loader.generation_config import default_sampling_params
 from jaxserve.loader.gguf import read_gguf
 from jaxserve.loader.loader import load_model, resolve_dtype
 from jaxserve.sampling_params import SamplingParams
@@ -93,6 +94,14 @@ class LLMEngine:
                              f"device of every process ({jax.device_count()}), got "
                              f"{args.tensor_parallel_size}")
         reader = read_gguf(model_path) if str(model_path).endswith(".gguf") else None
+        # Request fields left unset take the model's recommended values (vLLM's
+        # default_sampling_params): SamplingParams field -> value.
+        self.default_sampling_params, origin = default_sampling_params(
+            os.fspath(args.generation_config), model_path, args.override_generation_config, reader)
+        if self.default_sampling_params:
+            logger.info("default sampling parameters from %s: %s (a request's own values win; "
+                        "--generation-config vllm ignores the model's)", origin,
+                        self.default_sampling_params)
         dtype = resolve_dtype(args.dtype)
         self.mesh = make_mesh(args.tensor_parallel_size)
         self.model_config, weights = load_model(model_path, dtype, gguf_reader=reader,
@@ -167,9 +176,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.runner = make_runner(blocks, make_drafter(blocks))
         self.processor = OutputProcessor(self.tokenizer)
+        so_config = args.structured_config()
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
                                                   self._eos_token_ids(cfg),
-                                                  reasoning_parser=args.reasoning_parser)
+                                                  reasoning_parser=args.reasoning_parser,
+                                                  whitespace_pattern=so_config.whitespace_pattern,
+                                                  disable_any_whitespace=so_config.disable_any_whitespace)
         self.proposer = make_proposer(spec)
         self._rng = random.Random(args.seed)
         self._pending = []          # outputs produced outside step() (aborts)

@@ -4,8 +4,9 @@ Host side, no jax. Each kind becomes llguidance's grammar text the way vLLM's gu
 builds it (`vllm/v1/structured_output/backend_guidance.py`):
 - `json`: the schema (dict or JSON text); `disable_additional_properties` gives every object
   schema without `additionalProperties` an `additionalProperties: false` (OpenAI's `strict`
-  maps to it); whitespace between tokens is free unless `disable_any_whitespace`, or follows
-  `whitespace_pattern`;
+  maps to it); whitespace between tokens follows the request's `whitespace_pattern`, else the
+  engine's (`default_whitespace`: COMPACT_JSON_WHITESPACE unless configured), and is none at
+  all with `disable_any_whitespace`;
 - `json_object`: the schema `{"type": "object"}`;
 - `regex`, `choice` (the literal strings), `grammar` (Lark, or GBNF/EBNF converted to Lark);
 - `structural_tag`: vLLM's `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`
@@ -37,11 +38,20 @@ def _no_additional_properties(schema: Any) -> Any:
     return out
 
 
-def _json_options(p: StructuredOutputsParams) -> dict:
-    options: dict[str, Any] = {"whitespace_flexible": not p.disable_any_whitespace}
-    if p.whitespace_pattern is not None:
-        options["whitespace_pattern"] = p.whitespace_pattern
-    return options
+# Whitespace allowed between two JSON tokens by default: one space, or a line break and up to 32
+# spaces of indentation (pretty-printed JSON 16 levels deep). llguidance's free default,
+# FLEXIBLE_JSON_WHITESPACE, lets a sampled small model emit line breaks until max_tokens (20 of
+# 200 seeded samples of a nested schema did on the default model); a bounded gap cannot.
+COMPACT_JSON_WHITESPACE = r"(?:[ ]|\n[ ]{0,32})"
+FLEXIBLE_JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]+"
+
+
+def _json_options(p: StructuredOutputsParams, default_whitespace: str | None) -> dict:
+    """default_whitespace: the engine's pattern; None: no whitespace."""
+    pattern = p.whitespace_pattern if p.whitespace_pattern is not None else default_whitespace
+    if p.disable_any_whitespace or pattern is None:
+        return {"whitespace_flexible": False}
+    return {"whitespace_flexible": True, "whitespace_pattern": pattern}
 
 
 def _schema(p: StructuredOutputsParams) -> dict:
@@ -61,7 +71,7 @@ def _schema(p: StructuredOutputsParams) -> dict:
     return schema
 
 
-def _structural_tag(text: str) -> str:
+def _structural_tag(text: str, json_options: dict) -> str:
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as e:
@@ -88,24 +98,28 @@ def _structural_tag(text: str) -> str:
         if trigger is None:
             raise ValueError(f"structured_outputs.structural_tag.structures[{i}].begin {begin!r} "
                              f"starts with none of the triggers {triggers}")
+        if isinstance(schema, dict) and "x-guidance" not in schema:
+            schema = {**schema, "x-guidance": json_options}    # the JSON whitespace rule
         tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
     if not tags:
         raise ValueError("structured_outputs.structural_tag has no structures")
     return llguidance.StructTag.to_grammar(tags)
 
 
-def grammar_text(p: StructuredOutputsParams) -> str:
-    """llguidance's grammar for one request's structured_outputs (not yet validated)."""
+def grammar_text(p: StructuredOutputsParams,
+                 default_whitespace: str | None = COMPACT_JSON_WHITESPACE) -> str:
+    """llguidance's grammar for one request's structured_outputs (not yet validated);
+    default_whitespace: JSON whitespace unless the request sets its own (None: none)."""
     kind = p.kind
     if kind == "json":
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(_schema(p),
-                                                                 defaults=_json_options(p))
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                _schema(p), defaults=_json_options(p, default_whitespace))
         except ValueError as e:
             raise ValueError(f"structured_outputs.json: invalid JSON schema: {e}") from None
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
-                                                             defaults=_json_options(p))
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            {"type": "object"}, defaults=_json_options(p, default_whitespace))
     if kind == "regex":
         return llguidance.grammar_from("regex", p.regex)
     if kind == "choice":
@@ -115,7 +129,7 @@ def grammar_text(p: StructuredOutputsParams) -> str:
             return llguidance.grammar_from("grammar", p.grammar)
         except ValueError as e:
             raise ValueError(f"structured_outputs.grammar: {e}") from None
-    return _structural_tag(p.structural_tag)
+    return _structural_tag(p.structural_tag, _json_options(p, default_whitespace))
 
 
 def cache_key(p: StructuredOutputsParams) -> str:
@@ -130,11 +144,12 @@ def cache_key(p: StructuredOutputsParams) -> str:
                        p.whitespace_pattern], sort_keys=True)
 
 
-def compile_matcher(p: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer
+def compile_matcher(p: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer,
+                    default_whitespace: str | None = COMPACT_JSON_WHITESPACE
                     ) -> llguidance.LLMatcher:
     """A matcher in its initial state; ValueError naming the field when the spec is invalid."""
     try:
-        grammar = grammar_text(p)
+        grammar = grammar_text(p, default_whitespace)
     except (TypeError, AssertionError, AttributeError, KeyError) as e:
         # llguidance's Python helpers assert on some malformed inputs: still the request's fault
         raise ValueError(f"structured_outputs.{p.kind}: invalid specification: {e!r}") from None

@@ -31,7 +31,7 @@ import numpy as np
 from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
-from jaxserve.structured_output.grammar import cache_key, compile_matcher
+from jaxserve.structured_output.grammar import COMPACT_JSON_WHITESPACE, cache_key, compile_matcher
 from jaxserve.structured_output.reasoning import (
     REASONING_MARKERS,
     Phase,
@@ -130,10 +130,13 @@ class StructuredOutputManager:
     """See the module docstring. `tokenizer`: the engine's `Tokenizer`; `vocab_size`: the
     model's logits width; `eos_token_ids`: the model's EOS ids; `reasoning_parser`: a name of
     `reasoning.REASONING_MARKERS` or a `ReasoningMarkers` (grammars then apply after the
-    reasoning), or None."""
+    reasoning), or None. `whitespace_pattern`, `disable_any_whitespace`: the engine's JSON
+    whitespace rule (`--structured-outputs-config`; None: COMPACT_JSON_WHITESPACE) for requests
+    that set none."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, cache_size: int = 256,
-                 reasoning_parser: str | ReasoningMarkers | None = None):
+                 reasoning_parser: str | ReasoningMarkers | None = None, *,
+                 whitespace_pattern: str | None = None, disable_any_whitespace: bool = False):
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(set(eos_token_ids))
@@ -142,6 +145,8 @@ class StructuredOutputManager:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_MARKERS)}, "
                              f"got {reasoning_parser!r}")
         self.reasoning_parser = reasoning_parser
+        self.default_whitespace = None if disable_any_whitespace \
+            else whitespace_pattern or COMPACT_JSON_WHITESPACE
         self._reasoning: ReasoningSpec | None = None
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
@@ -191,7 +196,7 @@ class StructuredOutputManager:
                 self._cache.move_to_end(key)
                 self.stats.cache_hits += 1
                 return template
-        template = compile_matcher(params, self.ll_tokenizer)
+        template = compile_matcher(params, self.ll_tokenizer, self.default_whitespace)
         with self._lock:
             self._cache[key] = template
             self.stats.compiles += 1

@@ -79,6 +79,15 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                        "checkpoint files (benchmarks).")),
     ("max_logprobs", "ModelConfig", dict(type=int, help="Largest logprobs / top_logprobs a "
                                          "request may ask for.")),
+    ("generation_config", "ModelConfig", dict(help="Default sampling parameters of requests "
+                                              "that leave them unset: 'auto' (the model's "
+                                              "generation_config.json or GGUF "
+                                              "general.sampling.*), 'vllm' (none: vLLM's "
+                                              "defaults) or a folder holding "
+                                              "generation_config.json.")),
+    ("override_generation_config", "ModelConfig",
+     dict(type=_json_dict, help="JSON merged over the generation config, e.g. "
+          "'{\"temperature\": 0.5, \"max_new_tokens\": 256}'.", shown_default="none")),
     ("block_size", "CacheConfig", dict(type=int, help="Tokens per KV block.")),
     ("gpu_memory_utilization", "CacheConfig", dict(type=float, help="Fraction of device memory "
                                                    "for weights, activations and KV cache.")),
@@ -118,6 +127,11 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
      dict(choices=REASONING_PARSERS, help="Put <think>...</think> text in a chat message's "
           "`reasoning` field (deepseek_r1: the start tag may be in the prompt; qwen3); "
           "structured output then applies after the reasoning.", shown_default="none")),
+    ("structured_outputs_config", "StructuredOutputsConfig",
+     dict(type=_json_dict, help="JSON: '{\"disable_any_whitespace\": true}' (no whitespace in "
+          "JSON outputs) or '{\"whitespace_pattern\": REGEX}' (whitespace allowed between JSON "
+          "tokens; vLLM's unbounded rule is \"[\\\\x20\\\\x0A\\\\x0D\\\\x09]+\").",
+          shown_default="one space, or a line break and up to 32 spaces of indentation")),
     ("attention_backend", "CompilationConfig", dict(choices=ATTENTION_BACKENDS,
                                                     help="Attention implementation.")),
     ("compilation_cache_dir", "CompilationConfig", dict(help="Persistent XLA compilation cache "

@@ -171,14 +171,19 @@ class _SamplingFields(OpenAIBaseModel):
             raise ValueError("Stream options can only be defined when `stream=True`.")
         return self
 
-    def _sampling(self, *, max_tokens: int, logprobs: int | None, stream: bool,
-                  temperature: float | None, top_p: float | None, n: int | None,
+    def _sampling(self, *, defaults: dict[str, Any], max_tokens: int, logprobs: int | None,
+                  stream: bool, temperature: float | None, top_p: float | None, n: int | None,
                   presence_penalty, frequency_penalty, seed, stop, logit_bias,
                   prompt_logprobs: int | None) -> SamplingParams:
+        """`defaults`: the model's generation-config values (SamplingParams names) for the
+        fields this request leaves unset (vLLM's default_sampling_params)."""
+        def unset(name: str, value):
+            return defaults.get(name) if value is None else value
         return SamplingParams.from_optional(
             n=n, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=self.repetition_penalty, temperature=temperature, top_p=top_p,
-            top_k=self.top_k, min_p=self.min_p, seed=seed, stop=stop,
+            repetition_penalty=unset("repetition_penalty", self.repetition_penalty),
+            temperature=unset("temperature", temperature), top_p=unset("top_p", top_p),
+            top_k=unset("top_k", self.top_k), min_p=unset("min_p", self.min_p), seed=seed, stop=stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
@@ -222,15 +227,22 @@ class CompletionRequest(_SamplingFields):
         the response leaves out."""
         return bool(self.echo) and self.max_tokens == 0
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """default_max_tokens: what is left of max_model_len after the prompt."""
+    def to_sampling_params(self, default_max_tokens: int,
+                           default_sampling_params: dict[str, Any] | None = None) -> SamplingParams:
+        """default_max_tokens: what is left of max_model_len after the prompt;
+        default_sampling_params: the model's generation-config defaults (a max_tokens there
+        caps an unset max_tokens, as vLLM's min rule does)."""
+        defaults = default_sampling_params or {}
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        if (self.max_tokens is None or "max_tokens" not in self.model_fields_set) \
+                and defaults.get("max_tokens") is not None:
+            max_tokens = min(max_tokens, defaults["max_tokens"])
         if self.echo_only:
             max_tokens = 1
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = self.logprobs   # echo shows the prompt's logprobs too
-        return self._sampling(max_tokens=max_tokens, logprobs=self.logprobs,
+        return self._sampling(defaults=defaults, max_tokens=max_tokens, logprobs=self.logprobs,
                               stream=bool(self.stream), temperature=self.temperature,
                               top_p=self.top_p, n=self.n, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, seed=self.seed,
@@ -329,11 +341,15 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int,
+                           default_sampling_params: dict[str, Any] | None = None) -> SamplingParams:
+        defaults = default_sampling_params or {}
         asked = self.requested_max_tokens()
         max_tokens = default_max_tokens if asked is None else asked
+        if asked is None and defaults.get("max_tokens") is not None:
+            max_tokens = min(max_tokens, defaults["max_tokens"])
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        params = self._sampling(max_tokens=max_tokens, logprobs=logprobs,
+        params = self._sampling(defaults=defaults, max_tokens=max_tokens, logprobs=logprobs,
                                 stream=bool(self.stream), temperature=self.temperature,
                                 top_p=self.top_p, n=self.n,
                                 presence_penalty=self.presence_penalty,

@@ -123,7 +123,7 @@ class OpenAIServing:
     def _params(self, build, default_max_tokens: int) -> SamplingParams:
         """Build a request's SamplingParams; also check what needs the server's limits."""
         try:
-            params = build(default_max_tokens)
+            params = build(default_max_tokens, self.engine.default_sampling_params)
         except ValueError as e:
             raise OpenAIError(400, str(e)) from None
         most = self.engine.engine_args.max_num_seqs
