@@ -222,3 +222,18 @@ def test_jaxserve_serve_applies_and_logs_the_defaults(model_dir, tiny):
     assert f"default sampling parameters from {model_dir / 'generation_config.json'}" in log
     assert plain.usage.completion_tokens == 5 and plain.choices[0].text == greedy
     assert short.usage.completion_tokens == 2
+
+
+def test_eos_token_ids_of_the_generation_config_end_generation(tiny, tmp_path):
+    """Llama 3 Instruct lists <|eot_id|> only in generation_config.json's eos_token_id: as in
+    vLLM, those ids stop generation besides config.json's, also with --generation-config vllm."""
+    first = tiny.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert first.finish_reason == "length" and len(first.token_ids) == 5
+    stop_id = first.token_ids[1]
+    assert stop_id not in first.token_ids[:1] and stop_id != 2
+    folder = _write(tmp_path / "eos", {**FILE, "eos_token_id": [2, stop_id]})
+    for source in ("auto", "vllm"):
+        with LLM(model=str(folder), generation_config=source, **ENGINE) as llm:
+            out = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0]
+        assert list(out.token_ids) == list(first.token_ids[:2]), source
+        assert out.finish_reason == "stop", source

@@ -24,7 +24,7 @@ from jaxserve.core.scheduler import GrammarBitmask, Scheduler, SchedulerOutput
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
 from jaxserve.engine import multihost
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.loader.generation_config import default_sampling_params
+from jaxserve.loader.generation_config import default_sampling_params, generation_eos_token_ids
 from jaxserve.loader.gguf import read_gguf
 from jaxserve.loader.loader import load_model, resolve_dtype
 from jaxserve.sampling_params import SamplingParams
@@ -98,6 +98,8 @@ class LLMEngine:
         # default_sampling_params): SamplingParams field -> value.
         self.default_sampling_params, origin = default_sampling_params(
             os.fspath(args.generation_config), model_path, args.override_generation_config, reader)
+        self._generation_eos = () if reader is not None else generation_eos_token_ids(
+            os.fspath(args.generation_config), model_path)
         if self.default_sampling_params:
             logger.info("default sampling parameters from %s: %s (a request's own values win; "
                         "--generation-config vllm ignores the model's)", origin,
@@ -206,7 +208,7 @@ class LLMEngine:
         return any(map(is_fp8, jax.tree_util.tree_leaves(self.runner.weights, is_leaf=is_fp8)))
 
     def _eos_token_ids(self, cfg) -> set[int]:
-        ids = set(cfg.eos_token_ids)
+        ids = set(cfg.eos_token_ids) | set(self._generation_eos)
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids

@@ -81,6 +81,23 @@ def default_sampling_params(source: str, model_path: str | os.PathLike,
     return defaults, (origin if defaults else None)
 
 
+def generation_eos_token_ids(source: str, model_path: str | os.PathLike) -> tuple[int, ...]:
+    """The `eos_token_id`(s) of the generation config, which end generation besides config.json's
+    (Llama 3 Instruct lists <|eot_id|> only there). As vLLM does, "auto" and "vllm" both read the
+    model directory's own file here (the ids are the model's, not a sampling default); a folder
+    reads that folder's. A GGUF has none beyond its tokenizer's."""
+    folder = Path(model_path) if source in ("auto", "vllm") else Path(source)
+    path = folder / FILE_NAME
+    if not path.is_file():
+        return ()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return ()       # read_generation_config reports a broken file where it matters
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
 def check_overrides(overrides: Any) -> None:
     """`override_generation_config`: a dict of the sampling fields (Hugging Face names)."""
     if overrides is None:
