@@ -11,9 +11,7 @@ import itertools
 import time
 from collections.abc import Sequence
 
-import jax
-
-from jaxserve.config import DEFAULT_COMPILATION_CACHE_DIR, EngineArgs
+from jaxserve.config import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.logger import configure_default_logging
 from jaxserve.outputs import RequestOutput
@@ -28,18 +26,16 @@ class LLM:
     kv_cache_memory_bytes, enable_prefix_caching, attention_backend, seed, ...
     `warmup=False` compiles each step shape on first use instead of at start-up.
     Use as a context manager, or call `shutdown()`, to free the KV pool at once.
-    Like `jaxserve serve`, `LLM` keeps compiled programs in the persistent compilation cache
-    (`compilation_cache_dir`, default ~/.cache/jaxserve/xla) so a second start is fast; that is
-    jax's process-wide setting, so a cache the program configured itself is left as it is.
-    `LLMEngine` alone changes nothing unless given a directory.
+    `compilation_cache_dir="~/.cache/jaxserve/xla"` keeps compiled programs in JAX's persistent
+    compilation cache so a second start is fast (as `jaxserve serve` does by default). That is
+    jax's process-wide setting (every jitted function of the program lands there), so without
+    the argument `LLM` leaves `jax.config` as the program set it.
     """
 
     def __init__(self, model: str | None = None, *, warmup: bool = True, **kwargs):
         unknown = set(kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        if "compilation_cache_dir" not in kwargs and jax.config.jax_compilation_cache_dir is None:
-            kwargs["compilation_cache_dir"] = DEFAULT_COMPILATION_CACHE_DIR
         self.engine_args = EngineArgs(model=model, **kwargs)
         configure_default_logging()
         self.llm_engine = LLMEngine(self.engine_args, warmup=warmup)
