@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-import jax
+import jinja2
 
-from jaxserve.config import DEFAULT_COMPILATION_CACHE_DIR, EngineArgs
+from jaxserve.config import EngineArgs
+from jaxserve.core.request import InvalidRequestError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.logger import configure_default_logging
 from jaxserve.outputs import RequestOutput
@@ -28,18 +29,16 @@ class LLM:
     kv_cache_memory_bytes, enable_prefix_caching, attention_backend, seed, ...
     `warmup=False` compiles each step shape on first use instead of at start-up.
     Use as a context manager, or call `shutdown()`, to free the KV pool at once.
-    Like `jaxserve serve`, `LLM` keeps compiled programs in the persistent compilation cache
-    (`compilation_cache_dir`, default ~/.cache/jaxserve/xla) so a second start is fast; that is
-    jax's process-wide setting, so a cache the program configured itself is left as it is.
-    `LLMEngine` alone changes nothing unless given a directory.
+    `compilation_cache_dir="~/.cache/jaxserve/xla"` keeps compiled programs in JAX's persistent
+    compilation cache so a second start is fast (as `jaxserve serve` does by default). That is
+    jax's process-wide setting (every jitted function of the program lands there), so without
+    the argument `LLM` leaves `jax.config` as the program set it.
     """
 
     def __init__(self, model: str | None = None, *, warmup: bool = True, **kwargs):
         unknown = set(kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        if "compilation_cache_dir" not in kwargs and jax.config.jax_compilation_cache_dir is None:
-            kwargs["compilation_cache_dir"] = DEFAULT_COMPILATION_CACHE_DIR
         self.engine_args = EngineArgs(model=model, **kwargs)
         configure_default_logging()
         self.llm_engine = LLMEngine(self.engine_args, warmup=warmup)
@@ -79,6 +78,9 @@ class LLM:
                                "cache); create a new LLM to generate again")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        elif not isinstance(prompts, Iterable):
+            raise TypeError("prompts must be a str, a {'prompt_token_ids': [...]} dict or a list of "
+                            f"those, got {type(prompts).__name__}")
         prompts = list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
@@ -89,6 +91,7 @@ class LLM:
                 rid = str(next(self._counter))
                 sp = sp.clone()
                 sp.output_kind = RequestOutputKind.FINAL_ONLY
+                prompt = self._checked_prompt(prompt, sp)
                 self.llm_engine.add_request(rid, prompt, sp,
                                             priority=0 if priority is None else priority[i])
                 ids.append(rid)
@@ -106,24 +109,53 @@ class LLM:
         `tools` (OpenAI function definitions) go to the chat template, as do assistant
         messages with `tool_calls` and `role: "tool"` results; the outputs are text (parse
         calls with a tool parser, as `jaxserve serve --tool-call-parser` does)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         prompts = []
-        for conv in conversations:
-            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                          tokenize=True, chat_template=chat_template,
-                                          tools=tools,
-                                          continue_final_message=continue_final_message,
-                                          **(chat_template_kwargs or {}))
+        for where, conv in _conversations(messages):
+            try:
+                ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                              tokenize=True, chat_template=chat_template,
+                                              tools=tools,
+                                              continue_final_message=continue_final_message,
+                                              **(chat_template_kwargs or {}))
+            except (jinja2.TemplateError, TypeError, KeyError) as e:   # the template's own words
+                raise ValueError(f"could not apply the chat template to {where}: "
+                                 f"{type(e).__name__}: {e}") from None
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _checked_prompt(self, prompt, sp: SamplingParams) -> dict:
+        """The prompt tokenized and checked, with max_tokens: prompt + max_tokens must fit in
+        max_model_len (the server's 400, as a ValueError; max_tokens=None fills the context)."""
+        engine = self.llm_engine
+        text, token_ids = engine.tokenize_prompt(prompt)
+        engine.validate_prompt(token_ids)
+        n, limit = len(token_ids), engine.max_model_len
+        if sp.max_tokens is not None and n + sp.max_tokens > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens (max_model_len). However, "
+                f"you requested {n + sp.max_tokens} tokens ({n} in the prompt, {sp.max_tokens} in "
+                "max_tokens). Lower max_tokens, or pass max_tokens=None to generate up to "
+                "max_model_len.", "max_tokens")
+        return {"prompt": text, "prompt_token_ids": token_ids}
 
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
             return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
+        # As vLLM: a dict is refused rather than guessed at (SamplingParams validates fields).
+        if isinstance(sampling_params, (dict, str)) or not isinstance(sampling_params, Iterable):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them (one per "
+                            f"prompt), got {type(sampling_params).__name__}"
+                            + (": use SamplingParams(**params)" if isinstance(sampling_params, dict)
+                               else ""))
         sampling_params = list(sampling_params)
+        bad = next((i for i, sp in enumerate(sampling_params) if not isinstance(sp, SamplingParams)),
+                   None)
+        if bad is not None:
+            raise TypeError(f"sampling_params[{bad}] must be a SamplingParams, got "
+                            f"{type(sampling_params[bad]).__name__}")
         if len(sampling_params) != n:
             raise ValueError("The lengths of prompts and sampling_params must be the same.")
         return sampling_params
@@ -131,25 +163,16 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         done: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
-        start, in_toks, out_toks = time.perf_counter(), 0, 0
-        while len(done) < len(ids) and engine.has_unfinished_requests():
-            for out in engine.step():
-                if not out.finished:
-                    continue
-                done[out.request_id] = out
-                in_toks += len(out.prompt_token_ids)
-                out_toks += sum(len(c.token_ids) for c in out.outputs)
+        bar = _Progress(len(ids), engine) if use_tqdm else None
+        try:
+            while len(done) < len(ids) and engine.has_unfinished_requests():
+                finished = [out for out in engine.step() if out.finished]
+                done.update((out.request_id, out) for out in finished)
                 if bar is not None:
-                    elapsed = time.perf_counter() - start
-                    bar.set_postfix_str(f"est. speed input: {in_toks / elapsed:.1f} toks/s, "
-                                        f"output: {out_toks / elapsed:.1f} toks/s")
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+                    bar.step(len(finished))
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[i] for i in ids]
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -169,3 +192,63 @@ class LLM:
             self.shutdown()
         except Exception:
             pass
+
+
+class _Progress:
+    """The tqdm bar of `generate`: prompts done, with vLLM's postfix "est. speed input: X
+    toks/s, output: Y toks/s" refreshed as the engine works (prompt tokens count once their
+    prefill is done, output tokens as sampled), not only when a request finishes."""
+
+    REFRESH_S = 0.5
+
+    def __init__(self, total: int, engine: LLMEngine):
+        from tqdm.auto import tqdm
+        self.engine = engine
+        self.tokens0 = (engine.prompt_tokens_total, engine.generation_tokens_total)
+        self.start = self.shown = time.perf_counter()
+        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
+                        postfix=self._speed(self.start))
+
+    def _speed(self, now: float) -> str:
+        elapsed = max(now - self.start, 1e-9)
+        prompt = self.engine.prompt_tokens_total - self.tokens0[0]
+        output = self.engine.generation_tokens_total - self.tokens0[1]
+        return (f"est. speed input: {prompt / elapsed:.2f} toks/s, "
+                f"output: {output / elapsed:.2f} toks/s")
+
+    def step(self, finished: int) -> None:
+        now = time.perf_counter()
+        if not finished and now - self.shown < self.REFRESH_S:
+            return
+        self.shown = now
+        self.bar.set_postfix_str(self._speed(now), refresh=not finished)
+        if finished:
+            self.bar.update(finished)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _conversations(messages) -> list[tuple[str, list[dict]]]:
+    """`chat`'s messages, one conversation or a list of them, as (name for errors, conversation)
+    pairs; a TypeError / ValueError naming the argument when the shape is wrong."""
+    expected = ("a conversation (a list of {'role': ..., 'content': ...} dicts) or a list of "
+                "conversations")
+    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be {expected}, got {type(messages).__name__}")
+    if messages and isinstance(messages[0], dict):
+        named = [("messages", messages)]
+    else:
+        named = [(f"messages[{i}]", conv) for i, conv in enumerate(messages)]
+    for where, conv in named:
+        if isinstance(conv, (str, bytes, dict)) or not isinstance(conv, Sequence):
+            raise TypeError(f"{where} must be a list of {{'role': ..., 'content': ...}} dicts "
+                            f"(messages must be {expected}), got {type(conv).__name__}")
+        for j, message in enumerate(conv):
+            if not isinstance(message, dict):
+                raise TypeError(f"{where}[{j}] must be a dict with 'role' and 'content', got "
+                                f"{type(message).__name__}")
+            if not isinstance(message.get("role"), str):
+                raise ValueError(f"{where}[{j}] needs a 'role' (a string: 'system', 'user', "
+                                 f"'assistant' or 'tool'), got {message.get('role')!r}")
+    return named

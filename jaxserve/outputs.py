@@ -66,7 +66,13 @@ class RequestMetrics:
 
 
 class RequestOutput:
-    """The output of one request so far (or the delta since the last one, in DELTA mode)."""
+    """The output of one request so far (or the delta since the last one, in DELTA mode).
+
+    prompt_logprobs: one entry per prompt position, the first None (vLLM's layout); in DELTA mode
+    only the positions computed since the previous output (a prompt prefilled in several chunks
+    arrives in several pieces, each position once), None when there are none. Every output owns
+    its list: the engine never changes it after handing it over.
+    """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  prompt_logprobs: PromptLogprobs | None, outputs: list[CompletionOutput],
@@ -90,8 +96,13 @@ class RequestOutput:
         self.finished |= next_output.finished
         self.metrics = next_output.metrics or self.metrics
         self.num_cached_tokens = next_output.num_cached_tokens
-        if next_output.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = next_output.prompt_logprobs
+        if next_output.prompt_logprobs is not None:
+            # DELTA outputs carry the prompt positions computed since the last one (a long
+            # prompt's prefill chunks arrive in several); a cumulative one carries them all.
+            if aggregate and self.prompt_logprobs is not None:
+                self.prompt_logprobs = list(self.prompt_logprobs) + list(next_output.prompt_logprobs)
+            else:
+                self.prompt_logprobs = next_output.prompt_logprobs
         for nxt in next_output.outputs:
             for i, cur in enumerate(self.outputs):
                 if cur.index != nxt.index:

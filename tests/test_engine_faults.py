@@ -4,6 +4,10 @@ preemption mid-prompt, and refused requests leave nothing behind."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,6 +139,45 @@ def test_prompt_longer_than_the_whole_kv_pool_is_a_value_error(llm, variant):
         assert not engine.has_unfinished_requests()
         out = llm.generate("Hi", GREEDY, use_tqdm=False)[0]   # a prompt that fits still runs
         assert out.outputs[0].finish_reason == "length"
+
+
+_JAX_CACHE_CONFIG = """
+import json, sys
+import jax
+from jaxserve import LLM
+names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+         "jax_persistent_cache_min_entry_size_bytes")
+before = [getattr(jax.config, n) for n in names]
+kwargs = json.loads(sys.argv[2])
+llm = LLM(sys.argv[1], load_format="dummy", warmup=False, max_model_len=64,
+          num_gpu_blocks_override=8, max_num_batched_tokens=16, max_num_seqs=2, **kwargs)
+llm.generate("t1 t2", use_tqdm=False)
+llm.shutdown()
+print(json.dumps({"before": before, "after": [getattr(jax.config, n) for n in names]}))
+"""
+
+
+def _jax_cache_config_around_llm(**kwargs) -> dict:
+    """jax.config's persistent-cache settings before and after LLM() in a fresh process (this
+    one has the cache on: conftest)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    res = subprocess.run([sys.executable, "-c", _JAX_CACHE_CONFIG, str(TINY_LLAMA),
+                          json.dumps(kwargs)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_llm_leaves_process_wide_jax_config_alone_without_compilation_cache_dir():
+    """A notebook's own jitted functions must not start landing in jaxserve's cache directory."""
+    got = _jax_cache_config_around_llm()
+    assert got["before"] == [None, 1.0, 0]
+    assert got["after"] == got["before"]
+
+
+def test_llm_with_compilation_cache_dir_turns_the_cache_on(tmp_path):
+    got = _jax_cache_config_around_llm(compilation_cache_dir=str(tmp_path / "xla"))
+    assert got["after"] == [str(tmp_path / "xla"), 0.0, -1]
 
 
 def test_constructing_an_engine_leaves_jax_compilation_cache_config_alone(tmp_path):

@@ -154,3 +154,75 @@ def test_shutdown_frees_and_generate_after_it_is_a_clear_error():
     with pytest.raises(RuntimeError, match="shut down"):
         llm.chat([{"role": "user", "content": "Hi"}], SP, use_tqdm=False)
     llm.shutdown()                                        # idempotent
+
+
+@pytest.mark.parametrize("messages, error, match", [
+    ("hello", TypeError, r"messages must be a conversation .* got str"),
+    ([{"content": "x"}], ValueError, r"messages\[0\] needs a 'role'"),
+    ([[{"role": "user", "content": "hi"}], "x"], TypeError, r"messages\[1\] must be a list"),
+    ([[{"role": "user", "content": "hi"}], [3]], TypeError, r"messages\[1\]\[0\] must be a dict"),
+    ({"role": "user", "content": "hi"}, TypeError, r"messages must be a conversation .* got dict"),
+], ids=["str", "no-role", "str-conversation", "int-message", "bare-dict"])
+def test_chat_with_malformed_messages_names_the_argument(llm, messages, error, match):
+    with pytest.raises(error, match=match):
+        llm.chat(messages, SP, use_tqdm=False)
+    _assert_engine_idle(llm)
+
+
+def test_chat_template_errors_are_value_errors_naming_the_messages(llm):
+    conv = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match=r"chat template to messages: .*boom"):
+        llm.chat(conv, SP, use_tqdm=False, chat_template="{{ raise_exception('boom') }}")
+    with pytest.raises(ValueError, match=r"chat template to messages\[1\]: UndefinedError"):
+        tagged = [dict(conv[0], meta={"tag": "!"})]
+        llm.chat([tagged, conv], SP, use_tqdm=False,
+                 chat_template="{% for m in messages %}{{ m.content ~ m.meta.tag }}{% endfor %}")
+    _assert_engine_idle(llm)
+
+
+def test_generate_with_wrong_argument_types_names_the_argument(llm):
+    with pytest.raises(TypeError, match=r"prompts must be a str, .* got NoneType"):
+        llm.generate(None, SP, use_tqdm=False)
+    with pytest.raises(TypeError, match=r"sampling_params must be a SamplingParams .* got dict: "
+                                        r"use SamplingParams\(\*\*params\)"):
+        llm.generate(["x"], {"max_tokens": 2}, use_tqdm=False)
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] must be a SamplingParams, got dict"):
+        llm.generate(["x", "y"], [SP, {"max_tokens": 2}], use_tqdm=False)
+    _assert_engine_idle(llm)
+
+
+def test_max_tokens_beyond_the_context_is_a_value_error_like_the_servers_400(llm):
+    limit = llm.llm_engine.max_model_len
+    ids = (llm.get_tokenizer().encode("word " * 600))[:limit - 5]
+    with pytest.raises(ValueError, match=rf"maximum context length is {limit} tokens .* "
+                                         rf"you requested {limit + 3} tokens \({limit - 5} in "
+                                         r"the prompt, 8 in max_tokens\)") as info:
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=8), use_tqdm=False)
+    assert info.value.param == "max_tokens"
+    _assert_engine_idle(llm)
+    fits = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)   # up to the context
+    out = llm.generate({"prompt_token_ids": ids}, fits, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_progress_bar_shows_token_speeds_while_requests_run(llm, monkeypatch):
+    import re
+
+    import tqdm.auto
+
+    import jaxserve.llm
+    seen = []       # (requests done, postfix) at each postfix change
+
+    class Recording(tqdm.auto.tqdm):
+        def set_postfix_str(self, s="", refresh=True):
+            seen.append((self.n, s))
+            super().set_postfix_str(s, refresh)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recording)
+    monkeypatch.setattr(jaxserve.llm._Progress, "REFRESH_S", 0.0, raising=False)
+    llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    speed = re.compile(r"est\. speed input: ([\d.]+) toks/s, output: ([\d.]+) toks/s")
+    running = [speed.fullmatch(s) for n, s in seen if n == 0]
+    assert any(m and float(m[1]) > 0 and float(m[2]) > 0 for m in running), seen
+    last = speed.fullmatch(seen[-1][1])
+    assert last and float(last[1]) > 0 and float(last[2]) > 0

@@ -43,6 +43,9 @@ def test_committed_without_outputs(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_executes_without_errors(path, kernel, tmp_path):
     nb = nbformat.read(path, as_version=4)
+    # The kernel uses JAX's persistent compilation cache, as this test process does (conftest):
+    # LLM() itself leaves jax.config alone, and compiling every program afresh costs minutes.
+    nb.cells.insert(0, nbformat.v4.new_code_cell(_CACHE_ON))
     env_dir = str(path.parent)
     client = nbclient.NotebookClient(nb, kernel_name=kernel, timeout=600,
                                      resources={"metadata": {"path": env_dir}})
@@ -56,7 +59,10 @@ def test_executes_without_errors(path, kernel, tmp_path):
     nbformat.write(nb, tmp_path / path.name)     # the executed copy, for a look when it fails
 
 
-_LIFETIME = r"""
+_CACHE_ON = ("from jaxserve.engine.llm_engine import enable_compilation_cache\n"
+             "enable_compilation_cache(None)")
+
+_LIFETIME = _CACHE_ON + r"""
 import gc, json, sys
 from jaxserve import LLM, SamplingParams
 

@@ -138,6 +138,27 @@ def test_completion_logprobs_and_echo_have_openai_shapes(client):
     assert "".join(lp.tokens) == choice.text
 
 
+def test_streamed_echo_logprobs_cover_a_prompt_prefilled_in_several_chunks(client):
+    """300 prompt tokens, 128 per step (the server's --max-num-batched-tokens): the stream
+    carries every prompt position's logprob once, as the JSON answer does."""
+    prompt = " ".join(f"w{i}" for i in range(150))
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, logprobs=1, echo=True,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    n = whole.usage.prompt_tokens
+    assert n > 256
+    tokens, lps, text = [], [], ""
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            text += c.text
+            tokens += c.logprobs.tokens
+            lps += c.logprobs.token_logprobs
+    want = whole.choices[0].logprobs
+    assert text == whole.choices[0].text and tokens == want.tokens and len(tokens) == n + 2
+    assert lps[0] is None and want.token_logprobs[0] is None
+    assert lps[1:] == pytest.approx(want.token_logprobs[1:], abs=1e-3)
+
+
 def test_stop_string_and_extra_sampling_fields(client):
     prompt = "1, 2, 3,"
     greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,

@@ -60,9 +60,9 @@ class EngineStats:
 
 def enable_compilation_cache(directory: str | None) -> str | None:
     """JAX's persistent compilation cache, so a second start loads programs instead of compiling.
-    Process-wide (jax.config): the `jaxserve` CLI turns it on (default directory
-    DEFAULT_COMPILATION_CACHE_DIR) and so does `LLM`; an engine alone only when given
-    `compilation_cache_dir`.
+    Process-wide (jax.config, so every jitted function of the process is cached there): the
+    `jaxserve` CLI turns it on (default directory DEFAULT_COMPILATION_CACHE_DIR), which owns its
+    process; `LLM` and an engine only when given `compilation_cache_dir`.
     None: the default directory; "": do nothing."""
     if directory == "":
         return None

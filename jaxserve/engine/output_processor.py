@@ -39,7 +39,7 @@ class _Parent:
     child_ids: list[str]
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
-    sent_prompt_logprobs: bool = False
+    sent_prompt_logprobs: int = 0   # prompt positions already emitted (DELTA)
 
 
 class OutputProcessor:
@@ -197,10 +197,7 @@ class OutputProcessor:
         else:
             children = parent.children
         outs = [self._completion(c, delta) for c in children]
-        prompt_lps = parent.prompt_logprobs
-        if delta:
-            prompt_lps = None if parent.sent_prompt_logprobs else prompt_lps
-            parent.sent_prompt_logprobs = True
+        prompt_lps = self._prompt_logprobs_out(parent, delta)
         if finished:
             self._forget(parent)
         first = parent.children[0].request
@@ -208,6 +205,20 @@ class OutputProcessor:
                              prompt_lps, outs, finished,
                              metrics=first.metrics() if first is not None else None,
                              num_cached_tokens=max(0, parent.num_cached_tokens))
+
+    @staticmethod
+    def _prompt_logprobs_out(parent: _Parent, delta: bool) -> list | None:
+        """The prompt logprobs an output carries, always a fresh list (the engine keeps appending
+        to its own while later prefill chunks arrive, possibly in another thread than the
+        consumer's): DELTA, the positions not emitted yet (None when there are none), so a
+        stream delivers every position exactly once; otherwise every position so far."""
+        lps = parent.prompt_logprobs
+        if lps is None:
+            return None
+        if not delta:
+            return list(lps)
+        new, parent.sent_prompt_logprobs = lps[parent.sent_prompt_logprobs:], len(lps)
+        return new or None
 
     def _forget(self, parent: _Parent):
         del self._parents[parent.request_id]

@@ -255,8 +255,8 @@ class OpenAIServing:
             async for i, out in merge_streams(streams):
                 prompt_tokens[i] = len(out.prompt_token_ids)
                 cached[i] = out.num_cached_tokens
-                if out.prompt_logprobs is not None:
-                    prompt_lps[i] = out.prompt_logprobs
+                if out.prompt_logprobs is not None:   # the positions new since the last output
+                    prompt_lps.setdefault(i, []).extend(out.prompt_logprobs)
                 check_not_failed(out)
                 for c in out.outputs:
                     idx = i * n + c.index
@@ -266,11 +266,16 @@ class OpenAIServing:
                         c = _echo_only(c)
                     text, ids, steps = c.text, list(c.token_ids), list(c.logprobs or [])
                     if request.echo and idx not in echoed:
+                        pids, got = list(out.prompt_token_ids), prompt_lps.get(i, [])
+                        # A long prompt's logprobs come one prefill chunk per step: echo it once
+                        # they are all in (a token or a finish never waits).
+                        if request.logprobs is not None and len(got) < len(pids) \
+                                and not c.token_ids and c.finish_reason is None:
+                            continue
                         echoed.add(idx)
                         text = (prompts[i].text or "") + text
-                        pids = list(out.prompt_token_ids)
                         ids = pids + ids
-                        steps = list(prompt_lps.get(i) or [None] * len(pids)) + steps
+                        steps = (got + [None] * len(pids))[:len(pids)] + steps
                     out_tokens[idx] = out_tokens.get(idx, 0) + len(c.token_ids)
                     if not text and not c.token_ids and c.finish_reason is None:
                         continue
