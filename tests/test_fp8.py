@@ -305,6 +305,25 @@ def test_dummy_weights_quantise_too(tmp_path):
     assert isinstance(weights.lm_head, DenseWeight) and weights.lm_head.w.dtype == jnp.float32
 
 
+def test_quantization_fp8_default_granularity_is_per_channel():
+    """Pinned by the broad held-out measurement (benchmarks/RESULTS.md, "FP8 weight granularity"):
+    change it only with new figures from `bench_fp8_quality.py --heldout`."""
+    from jaxserve.loader.fp8 import DEFAULT_GRANULARITY, quantize_array
+    assert DEFAULT_GRANULARITY == "channel"
+    w = jax.random.normal(jax.random.key(8), (2, 576, 192)) * 0.05      # 576: 4.5 blocks of 128
+    assert quantize_array(w).granularity == "channel" and quantize_array(w).scale.shape == (2, 1, 192)
+    # the other layouts stay available to the benchmark and to checkpoints, also placed on a
+    # one-device mesh (a partial edge block splits over one device)
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxserve.sharding.mesh import make_mesh
+    placed = jax.device_put(w, NamedSharding(make_mesh(), PartitionSpec(None, "tp", None)))
+    for g, shape in [("group", (2, 5, 192)), ("block", (2, 5, 2)), ("tensor", (2, 1, 1))]:
+        for x in (w, placed):
+            q = quantize_array(x, granularity=g)
+            assert (q.granularity, q.scale.shape) == (g, shape)
+
+
 def test_checkpoint_weights_for_the_kernel_are_stored_k_major(tmp_path):
     """kernel="pallas" (Hopper) keeps the checkpoint's [out, in] layout: no transpose per call."""
     from jax.sharding import NamedSharding, PartitionSpec

@@ -29,6 +29,12 @@ from jaxserve.layers.linear import DenseWeight
 from jaxserve.pallas.fp8_matmul import BLOCK, quantize_weight
 
 SKIP_ON_THE_FLY = ("lm_head",)     # vLLM's default: the head keeps the model dtype
+# `--quantization fp8`'s weight scales. Chosen on a broad held-out set (benchmarks/RESULTS.md,
+# "FP8 weight granularity"): per-channel, 1 x 128 groups, 128 x 128 blocks and per-tensor measure
+# within the spread between draws of one granularity's rounding errors; per-channel has the lowest
+# mean, splits over any tensor-parallel size that splits the matrix (no block alignment) and runs
+# on every kernel.
+DEFAULT_GRANULARITY = "channel"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +172,7 @@ _quantize = jax.jit(quantize_weight, static_argnames=("granularity", "block_size
 
 
 def quantize_array(w: jax.Array, *, activations: str | None = None, kernel: str = "auto",
-                   granularity: str = "channel") -> Fp8Weight:
+                   granularity: str = DEFAULT_GRANULARITY) -> Fp8Weight:
     """A full-precision matrix [..., in, out] -> Fp8Weight (per-output-channel scales unless told),
     made on the array's devices (the data keeps the array's sharding; the scales are replicated).
     activations None: `default_activations()` (W8A8 on GPUs with FP8 tensor cores, else W8A16)."""
@@ -203,7 +209,7 @@ def replace_dense(weights, fn: Callable[[str, DenseWeight], object]):
 
 
 def quantize_weights(weights, *, skip=SKIP_ON_THE_FLY, activations: str | None = None, kernel: str = "auto",
-                     granularity: str = "channel"):
+                     granularity: str = DEFAULT_GRANULARITY):
     """`--quantization fp8` on loaded weights: every DenseWeight but `skip` becomes an Fp8Weight."""
     return replace_dense(weights, lambda path, w: w if path in skip else
                          quantize_array(w.w, activations=activations, kernel=kernel, granularity=granularity))
