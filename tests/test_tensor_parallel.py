@@ -123,13 +123,20 @@ def test_tensor_parallel_tiny_llama_and_qwen3_match_one_device(tmp_path):
 def test_tensor_parallel_default_model_matches_one_device():
     """SmolLM2-135M: 9 heads and 3 KV heads split over none of 2, 4, 8, so attention is
     replicated (and its KV pool whole on each device); the MLP and vocabulary still split.
-    TP 8 only: 2 and 4 take the same path (the plan test) and each size costs ~20 s here."""
-    one, r = _run([dict(model="", tp=1), dict(model="", tp=8)])
+    TP 8 only: 2 and 4 take the same path (the plan test) and each size costs ~20 s here.
+    Also `--quantization fp8` (per-channel, W8A16 on CPU) at TP 4: real weights, the same greedy
+    tokens as its TP 1, the MLP's e4m3 codes split."""
+    one, r, fp8_one, fp8_tp4 = _run([dict(model="", tp=1), dict(model="", tp=8),
+                                     dict(model="", tp=1, quantization="fp8"),
+                                     dict(model="", tp=4, quantization="fp8")])
     for tp in (8,):
         assert r["tokens"] == one["tokens"], tp
         _check_collectives(r, 2, 576, 49152)
         assert r["weight_bytes"] < one["weight_bytes"] * 0.8, (tp, r["weight_bytes"])
         assert r["kv_bytes"] == one["kv_bytes"]
+    assert fp8_tp4["tokens"] == fp8_one["tokens"]
+    _check_collectives(fp8_tp4, 2, 576, 49152)
+    assert fp8_tp4["weight_bytes"] < fp8_one["weight_bytes"] * 0.4, fp8_tp4["weight_bytes"]
 
 
 def test_fp8_checkpoints_and_quantization_fp8_match_one_device(tmp_path):
