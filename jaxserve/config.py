@@ -101,14 +101,20 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_scaling is not None:
-            rope_type = dict(self.rope_scaling).get("rope_type", "default")
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(f"Unsupported rope_scaling type {rope_type!r}; supported: "
-                                 f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+            _check_rope_scaling(dict(self.rope_scaling))
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    @property
+    def derived_max_model_len(self) -> int:
+        """The longest context the model takes: max_position_embeddings, times the factor for
+        dynamic NTK rope scaling (vLLM's rule; its fixed base is made for that length)."""
+        scaling = self.rope_scaling_dict or {}
+        if scaling.get("rope_type") == "dynamic":
+            return int(self.max_position_embeddings * float(scaling["factor"]))
+        return self.max_position_embeddings
 
     @property
     def q_per_kv(self) -> int:
@@ -233,13 +239,23 @@ def _rope_from_hf(text: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], .
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
     scaling.pop("type", None)
-    rope_type = scaling.get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"Unsupported rope_scaling type {rope_type!r}; supported: "
-                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
-    if rope_type == "default":
+    _check_rope_scaling(scaling)
+    if scaling.get("rope_type", "default") == "default":
         return theta, None
     return theta, tuple(sorted(scaling.items()))
+
+
+def _check_rope_scaling(scaling: dict[str, Any]) -> None:
+    """A ValueError naming the field when jaxserve cannot apply these rope settings."""
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type in ("linear", "llama3", "dynamic"):
+        factor = scaling.get("factor")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be a positive number for rope_type "
+                             f"{rope_type!r}, got {factor!r}")
 
 
 @dataclass(frozen=True)

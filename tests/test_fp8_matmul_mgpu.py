@@ -31,6 +31,8 @@ CASES = [
     (129, 128, 200, "block", "dynamic", "float32"),
     (300, 130, 128, "channel", "static", "float32"),
     (64, 1000, 192, "block", "dynamic", "bfloat16"),      # more K slices than the decode tiles' slots
+    (33, 384, 200, "group", "dynamic", "float32"),        # 1 x 128 groups: per-slice column scales
+    (130, 300, 128, "group", "static", "bfloat16"),
 ]
 
 
@@ -46,7 +48,8 @@ def _reference(x, w, s, activations):
     if activations == "static":
         xs = jnp.full((x.shape[0], 1), 0.02, jnp.float32)
         return fm.ref_fp8_matmul((x.astype(jnp.float32) / xs).clip(-448, 448).astype(fm.FP8), w, s, x_scale=xs)
-    xq, xs = fm.quantize_activations(x, 128 if fm.scale_kind(s.shape, w.shape[1]) == "block" else None)
+    grouped = fm.scale_kind(s.shape, w.shape[1]) in ("block", "group")
+    xq, xs = fm.quantize_activations(x, 128 if grouped else None)
     return fm.ref_fp8_matmul(xq, w, s, x_scale=xs)
 
 
@@ -75,13 +78,13 @@ def test_k_major_weight_and_w8a16_through_the_public_entry():
 
 @needs_mgpu
 @pytest.mark.parametrize("tiles", fm.SHIPPED_TILES, ids=str)
-@pytest.mark.parametrize("granularity", ["block", "channel"])
+@pytest.mark.parametrize("granularity", ["block", "group", "channel"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_shipped_tiles_lower_for_cuda(tiles, granularity, dtype):
     assert fm.smem_bytes(tiles, dtype) <= 227 * 1024
     f = jax.jit(functools.partial(fm.fp8_matmul_mgpu, activations="dynamic", tiles=tiles))
     k = n = 1024
-    scale = (k // 128, n // 128) if granularity == "block" else (1, n)
+    scale = {"block": (k // 128, n // 128), "group": (k // 128, n), "channel": (1, n)}[granularity]
     text = lower_for_cuda(f, jax.ShapeDtypeStruct((tiles.tile_m, k), jnp.dtype(dtype)),
                           jax.ShapeDtypeStruct((k, n), fm.FP8), jax.ShapeDtypeStruct(scale, jnp.float32))
     assert "mosaic_gpu" in text

@@ -30,9 +30,14 @@ _CHILD = textwrap.dedent("""
     result = []
     for run in runs:
         model, tp, kwargs = run.pop("model"), run.pop("tp"), run
-        with LLM(model=model or None, tensor_parallel_size=tp, max_model_len=128,
-                 max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=32,
-                 warmup=False, compilation_cache_dir="", **kwargs) as llm:
+        try:
+            llm = LLM(model=model or None, tensor_parallel_size=tp, max_model_len=128,
+                      max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=32,
+                      warmup=False, compilation_cache_dir="", **kwargs)
+        except ValueError as e:       # a refused configuration: the message is the result
+            result.append(dict(error=str(e)))
+            continue
+        with llm:
             pages = llm.llm_engine.runner.cache.k
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                                 SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
@@ -47,6 +52,8 @@ _CHILD = textwrap.dedent("""
                               weight_bytes=dev0(runner.weights), kv_bytes=dev0(runner.cache),
                                weight_shapes=[list(x.shape) for x in jax.tree.leaves(runner.weights)],
                                leaf_bytes=[dev0(x) for x in jax.tree.leaves(runner.weights)],
+                               leaf_total=[x.nbytes for x in jax.tree.leaves(runner.weights)],
+                               leaf_dtypes=[x.dtype.name for x in jax.tree.leaves(runner.weights)],
                                accepted=llm.llm_engine.stats().spec_num_accepted_tokens))
     print("RESULT" + json.dumps(result))
 """)
@@ -116,13 +123,62 @@ def test_tensor_parallel_tiny_llama_and_qwen3_match_one_device(tmp_path):
 def test_tensor_parallel_default_model_matches_one_device():
     """SmolLM2-135M: 9 heads and 3 KV heads split over none of 2, 4, 8, so attention is
     replicated (and its KV pool whole on each device); the MLP and vocabulary still split.
-    TP 8 only: 2 and 4 take the same path (the plan test) and each size costs ~20 s here."""
-    one, r = _run([dict(model="", tp=1), dict(model="", tp=8)])
+    TP 8 only: 2 and 4 take the same path (the plan test) and each size costs ~20 s here.
+    Also `--quantization fp8` (per-channel, W8A16 on CPU) at TP 4: real weights, the same greedy
+    tokens as its TP 1, the MLP's e4m3 codes split."""
+    one, r, fp8_one, fp8_tp4 = _run([dict(model="", tp=1), dict(model="", tp=8),
+                                     dict(model="", tp=1, quantization="fp8"),
+                                     dict(model="", tp=4, quantization="fp8")])
     for tp in (8,):
         assert r["tokens"] == one["tokens"], tp
         _check_collectives(r, 2, 576, 49152)
         assert r["weight_bytes"] < one["weight_bytes"] * 0.8, (tp, r["weight_bytes"])
         assert r["kv_bytes"] == one["kv_bytes"]
+    assert fp8_tp4["tokens"] == fp8_one["tokens"]
+    _check_collectives(fp8_tp4, 2, 576, 49152)
+    assert fp8_tp4["weight_bytes"] < fp8_one["weight_bytes"] * 0.4, fp8_tp4["weight_bytes"]
+
+
+def test_fp8_checkpoints_and_quantization_fp8_match_one_device(tmp_path):
+    """FP8 weights split like the dense ones: an HF block-scaled checkpoint (W8A8 per 1 x 128
+    group), a compressed-tensors per-channel one (W8A8 per token) and `--quantization fp8`
+    give TP 1's greedy tokens at TP 2 and 4; each device holds 1 / tp of the e4m3 codes and of
+    their scales; no weight is gathered. At TP 8 the MLP's 512 features split 64 per device,
+    half a 128-wide scale block: refused, naming the sizes."""
+    from test_fp8 import _write_checkpoint
+
+    from jaxserve.tokenizer.tokenizer import Tokenizer
+    shape = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=128)   # every split 128-aligned
+    block, channel = tmp_path / "block", tmp_path / "channel"
+    for d, fmt in ((block, "hf-fp8-block"), (channel, "ct-channel-w8a8")):
+        _write_checkpoint(d, fmt, **shape)
+        Tokenizer.synthetic(1024).backend.save(str(d / "tokenizer.json"))     # prompts are token ids
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps(json.loads((TINY / "config.json").read_text()) | shape))
+    f32 = dict(dtype="float32")
+    quant = dict(load_format="dummy", seed=0, quantization="fp8", **f32)
+    runs = ([dict(model=str(block), tp=tp, **f32) for tp in (1, 2, 4, 8)]
+            + [dict(model=str(channel), tp=tp, **f32) for tp in (1, 4)]
+            + [dict(model=str(dense), tp=tp, **quant) for tp in (1, 2, 4)])
+    res = _run(runs)
+    groups = [(res[0], {2: res[1], 4: res[2]}), (res[4], {4: res[5]}), (res[6], {2: res[7], 4: res[8]})]
+    for one, by_tp in groups:
+        for tp, r in by_tp.items():
+            assert r["tokens"] == one["tokens"], tp
+            # the row-parallel matmuls' partial sums, and with per-token W8A8 their inputs'
+            # per-token amax [16] (the same scale as on one device); no weight is gathered
+            reduced = [_shape(t) for t in r["ops"]["all-reduce"]]
+            assert reduced.count([16, 256]) == 3 and all(t in ([16, 256], [16]) for t in reduced), reduced
+            _check_collectives(dict(r, ops=dict(r["ops"], **{"all-reduce": []})), 0, 256, 1024)
+            fp8 = [i for i, d in enumerate(r["leaf_dtypes"]) if d == "float8_e4m3fn"]
+            assert len(fp8) == 7, r["leaf_dtypes"]
+            assert all(r["leaf_bytes"][i] * tp == r["leaf_total"][i] for i in fp8), tp
+            # the scales: the leaf after each codes leaf, split as the codes are (per-channel
+            # scales of wo / w_down are whole: their output, the embedding, is not split)
+            split_scales = [i + 1 for i in fp8 if r["leaf_bytes"][i + 1] * tp == r["leaf_total"][i + 1]]
+            assert len(split_scales) >= 5, (tp, [r["leaf_bytes"][i + 1] for i in fp8])
+    assert "error" in res[3] and "64 of the weight's 512" in res[3]["error"], res[3]
 
 
 def _cfg(**kw):

@@ -77,7 +77,6 @@ def enable_compilation_cache(directory: str | None) -> str | None:
 class LLMEngine:
     def __init__(self, args: EngineArgs, *, warmup: bool = True):
         t0 = time.perf_counter()
-        _check_supported(args)
         self.args = args
         model_path = args.model or str(default_model_path())
         self.model_path = model_path
@@ -113,10 +112,12 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(args, model_path, reader, self.model_config)
         del reader
         cfg = self.model_config
-        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
-        if args.max_model_len and args.max_model_len > cfg.max_position_embeddings:
+        self.max_model_len = args.max_model_len or cfg.derived_max_model_len
+        if args.max_model_len and args.max_model_len > cfg.derived_max_model_len:
             raise ValueError(f"max_model_len ({args.max_model_len}) is larger than the model's "
-                             f"max_position_embeddings ({cfg.max_position_embeddings})")
+                             f"max_position_embeddings ({cfg.max_position_embeddings})"
+                             + (" x rope_scaling.factor" if cfg.derived_max_model_len !=
+                                cfg.max_position_embeddings else ""))
         kv_quantize, kv_dtype = _kv_quantization(args.kv_cache_dtype, dtype)
         self.plan = plan_for(cfg, self.mesh, args.enable_expert_parallel)
         # Speculative decoding with a draft model: its own pool of the same blocks.
@@ -489,13 +490,6 @@ def _load_tokenizer(args: EngineArgs, model_path: str, reader, cfg) -> Tokenizer
         return Tokenizer.synthetic(cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids
                                    else None)
     return Tokenizer.from_model(source)
-
-
-def _check_supported(args: EngineArgs) -> None:
-    """Flags that are accepted by name (vLLM's surface) but whose feature has not landed yet."""
-    if args.quantization is not None and args.tensor_parallel_size != 1:
-        raise ValueError("quantization='fp8' with tensor_parallel_size > 1 is not supported yet "
-                         "(the FP8 weights are not sharded); use one of them")
 
 
 def _kv_quantization(kv_cache_dtype: str, model_dtype):

@@ -23,8 +23,10 @@ class Fp8Weight:
     """w [..., in, out] float8_e4m3fn, or [..., out, in] when `k_major` (the layout the Mosaic GPU
     kernel reads); stacked layers lead (`lax.scan` slices them off).
 
-    scale: f32 multipliers [..., 1, 1] per tensor, [..., 1, out] per output channel, or
-      [..., ceil(in / b), ceil(out / b)] per b x b block (b = block_size).
+    scale: f32 multipliers [..., 1, 1] per tensor, [..., 1, out] per output channel,
+      [..., ceil(in / b), out] per 1 x b group of inputs of each output channel, or
+      [..., ceil(in / b), ceil(out / b)] per b x b block (b = block_size). Under tensor
+      parallelism the scales are split with the codes they multiply (`loader.fp8.scale_sharding`).
     input_scale: [...] f32 static activation scale (compressed-tensors W8A8), else None.
     activations: "none" (W8A16), "dynamic" (e4m3 per token / per 1 x b group) or "static".
     kernel: "xla" or "pallas" (resolved from "auto" when the weight is made).
@@ -66,12 +68,19 @@ jax.tree_util.register_dataclass(Fp8Weight, data_fields=["w", "scale", "input_sc
                                  meta_fields=["activations", "block_size", "kernel", "k_major"])
 
 
-def resolve_kernel(name: str = "auto", device=None) -> str:
-    """"auto": the Mosaic GPU kernel on Hopper (compute capability 9.x), XLA elsewhere."""
+def resolve_kernel(name: str = "auto", device=None, num_devices: int = 1) -> str:
+    """"auto": the Mosaic GPU kernel on Hopper (compute capability 9.x), XLA elsewhere and on
+    meshes of more than one device (`num_devices`): XLA partitions its own matmul over the mesh,
+    but not a Pallas call, and the kernel has no `shard_map` wrapper yet."""
     if name not in KERNELS:
         raise ValueError(f"fp8 kernel must be one of {KERNELS}, got {name!r}")
+    if name == "pallas" and num_devices > 1:
+        raise ValueError(f"fp8 kernel 'pallas' runs on one device; weights placed on {num_devices} "
+                         "devices (tensor parallelism) use kernel 'xla'")
     if name != "auto":
         return name
+    if num_devices > 1:
+        return "xla"
     device = device or jax.devices()[0]
     hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
     return "pallas" if hopper and _kernel_available() else "xla"

@@ -1,4 +1,15 @@
-"""Rotary position embeddings: inverse frequencies (with linear / llama3 scaling), cos/sin, rotation."""
+"""Rotary position embeddings: inverse frequencies (with linear / llama3 / dynamic NTK scaling),
+cos/sin, rotation.
+
+Dynamic NTK ("dynamic") follows vLLM, not transformers. transformers recomputes the base on each
+forward from the longest position seen so far, once it passes max_position_embeddings, so the
+same token gets another rotation as the sequence grows, and the keys a paged KV cache already
+holds were rotated with an older base. vLLM (`DynamicNTKScalingRotaryEmbedding`) uses one base
+for every position: the one transformers computes for a sequence of max_position_embeddings x
+factor tokens. jaxserve does the same, so cached keys stay valid, and matches transformers
+exactly on a sequence of that length (tests/test_rope_scaling.py). On shorter sequences the
+two differ by design (transformers there uses the unscaled base).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +21,15 @@ import numpy as np
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
-    """Inverse frequencies [head_dim // 2] (host numpy), with linear or llama3 scaling applied."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    """Inverse frequencies [head_dim // 2] (host numpy), with linear, llama3 or dynamic NTK
+    scaling applied."""
     rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "dynamic":
+        # transformers' base for seq_len = max_position_embeddings * factor, where its
+        # factor * seq_len / max_position_embeddings - (factor - 1) is factor^2 - factor + 1
+        factor = float(scaling["factor"])
+        theta = theta * (factor * factor - factor + 1) ** (head_dim / (head_dim - 2))
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if rope_type == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif rope_type == "llama3":

@@ -15,6 +15,7 @@ Modules the checkpoint leaves unquantised (no scale tensor: lm_head, `ignore`d l
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -28,6 +29,12 @@ from jaxserve.layers.linear import DenseWeight
 from jaxserve.pallas.fp8_matmul import BLOCK, quantize_weight
 
 SKIP_ON_THE_FLY = ("lm_head",)     # vLLM's default: the head keeps the model dtype
+# `--quantization fp8`'s weight scales. Chosen on a broad held-out set (benchmarks/RESULTS.md,
+# "FP8 weight granularity"): per-channel, 1 x 128 groups, 128 x 128 blocks and per-tensor measure
+# within the spread between draws of one granularity's rounding errors; per-channel has the lowest
+# mean, splits over any tensor-parallel size that splits the matrix (no block alignment) and runs
+# on every kernel.
+DEFAULT_GRANULARITY = "channel"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,18 +123,43 @@ def read_fp8(scheme: Fp8Scheme, get: Callable[[str], np.ndarray], weight_name: s
 
 def stack_fp8(scheme: Fp8Scheme, get, names: list[str], k: int, n: int, data_sharding, kernel: str = "auto"):
     """Per-layer FP8 tensors -> one stacked Fp8Weight [L, in, out] on the device ([L, out, in]
-    for the Mosaic GPU kernel)."""
-    kernel = resolve_kernel(kernel)
+    for the Mosaic GPU kernel), the codes placed as `data_sharding` ([L, in, out]) says and the
+    scales with them (`scale_sharding`)."""
+    kernel = resolve_kernel(kernel, num_devices=data_sharding.mesh.size)
     k_major = kernel == "pallas"
     parts = [read_fp8(scheme, get, name, k, n, k_major) for name in names]
     w = np.stack([p[0] for p in parts])
     s = np.stack([p[1] for p in parts])
     x_scale = np.stack([p[2] for p in parts]) if scheme.activations == "static" else None
     rep = NamedSharding(data_sharding.mesh, PartitionSpec())
+    s_sharding = scale_sharding(data_sharding, s.shape, k, n, scheme.block_size)
     return Fp8Weight(jax.device_put(w, _swapped(data_sharding, w.ndim) if k_major else data_sharding),
-                     jax.device_put(s, rep), None if x_scale is None else jax.device_put(x_scale, rep),
+                     jax.device_put(s, s_sharding), None if x_scale is None else jax.device_put(x_scale, rep),
                      activations=scheme.activations, block_size=scheme.block_size, kernel=kernel,
                      k_major=k_major)
+
+
+def scale_sharding(codes: NamedSharding, scale_shape: tuple[int, ...], k: int, n: int,
+                   block_size: int = BLOCK) -> NamedSharding:
+    """Where the scales [..., r, c] of codes [..., K=k, N=n] placed as `codes` go: each device
+    holds the scales of its own codes. Per-tensor: replicated; per-channel: split along N with
+    the codes; groups and blocks: split along whichever of K, N the codes are split on. Raises
+    ValueError when a device's slice of a blocked dimension is not a whole number of blocks."""
+    spec = tuple(codes.spec) + (None,) * (len(scale_shape) - len(codes.spec))
+    out = list(spec[:-2])
+    for dim, size, name in ((-2, k, "input"), (-1, n, "output")):
+        axis = spec[dim]
+        if axis is None or scale_shape[dim] == 1:
+            out.append(None)
+            continue
+        parts = math.prod(codes.mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+        if parts > 1 and scale_shape[dim] != size and (size % parts or (size // parts) % block_size):
+            raise ValueError(f"FP8 scales per {block_size}-wide block do not split over {parts} devices: "
+                             f"each would hold {size / parts:g} of the weight's {size} {name} features, "
+                             f"not a whole number of blocks; tensor_parallel_size must divide {size} "
+                             f"into multiples of {block_size}")
+        out.append(axis)
+    return NamedSharding(codes.mesh, PartitionSpec(*out))
 
 
 def _swapped(sharding: NamedSharding, ndim: int) -> NamedSharding:
@@ -140,7 +172,7 @@ _quantize = jax.jit(quantize_weight, static_argnames=("granularity", "block_size
 
 
 def quantize_array(w: jax.Array, *, activations: str | None = None, kernel: str = "auto",
-                   granularity: str = "channel") -> Fp8Weight:
+                   granularity: str = DEFAULT_GRANULARITY) -> Fp8Weight:
     """A full-precision matrix [..., in, out] -> Fp8Weight (per-output-channel scales unless told),
     made on the array's devices (the data keeps the array's sharding; the scales are replicated).
     activations None: `default_activations()` (W8A8 on GPUs with FP8 tensor cores, else W8A16)."""
@@ -151,15 +183,18 @@ def quantize_array(w: jax.Array, *, activations: str | None = None, kernel: str 
 def fp8_weight(q: jax.Array, s: jax.Array, *, like=None, activations: str | None = None,
                kernel: str = "auto") -> Fp8Weight:
     """e4m3 codes [..., in, out] and their scales -> an Fp8Weight in the kernel's layout, the
-    codes placed as `like` (the full-precision array they came from) is, the scales replicated."""
-    kernel = resolve_kernel(kernel)
+    codes placed as `like` (the full-precision array they came from) is, the scales with them
+    (`scale_sharding`)."""
+    sharding = getattr(like, "sharding", None)
+    sharding = sharding if isinstance(sharding, NamedSharding) else None
+    kernel = resolve_kernel(kernel, num_devices=1 if sharding is None else sharding.mesh.size)
     activations = activations or default_activations()
     k_major = kernel == "pallas"
     if k_major:
         q = jnp.swapaxes(q, -1, -2)
-    if isinstance(getattr(like, "sharding", None), NamedSharding):
-        q = jax.device_put(q, _swapped(like.sharding, like.ndim) if k_major else like.sharding)
-        s = jax.device_put(s, NamedSharding(like.sharding.mesh, PartitionSpec()))
+    if sharding is not None:
+        q = jax.device_put(q, _swapped(sharding, like.ndim) if k_major else sharding)
+        s = jax.device_put(s, scale_sharding(sharding, s.shape, *like.shape[-2:]))
     return Fp8Weight(q, s, activations=activations, kernel=kernel, k_major=k_major)
 
 
@@ -174,7 +209,7 @@ def replace_dense(weights, fn: Callable[[str, DenseWeight], object]):
 
 
 def quantize_weights(weights, *, skip=SKIP_ON_THE_FLY, activations: str | None = None, kernel: str = "auto",
-                     granularity: str = "channel"):
+                     granularity: str = DEFAULT_GRANULARITY):
     """`--quantization fp8` on loaded weights: every DenseWeight but `skip` becomes an Fp8Weight."""
     return replace_dense(weights, lambda path, w: w if path in skip else
                          quantize_array(w.w, activations=activations, kernel=kernel, granularity=granularity))

@@ -5,18 +5,20 @@
 Weight scales (f32 multipliers, `w_f32 = w * scale`), told apart by the scale's shape:
   per-tensor   [1, 1]
   per-channel  [1, N]                       (one per output column)
+  groups       [ceil(K / b), N]             (one per output column and 1 x b group of K, the
+                                              layout of compressed-tensors' "group" strategy)
   blocks       [ceil(K / b), ceil(N / b)]   (b x b tiles, b = `block_size`, 128 in every
                                               checkpoint seen: DeepSeek-V3, Qwen3-*-FP8)
 Activations:
   W8A16: x stays bf16/f32; the weight is widened (exact) and the scale applied after the dot.
   W8A8:  x is quantised to e4m3 per token (per-tensor / per-channel weights) or per 1 x b group
-         of K (block weights, DeepGEMM's scheme), `quantize_activations`; both operands fp8,
+         of K (block and group weights, DeepGEMM's scheme), `quantize_activations`; both operands fp8,
          f32 accumulation, the two scales applied to the f32 result.
 Output: f32 from the reference; the activation dtype from `fp8_matmul`.
 
 `fp8_matmul(..., kernel="xla")` is the path for CPU and the fallback: per-tensor / per-channel
 is a dot on the fp8 operands with the scales around it, which XLA on Hopper rewrites into a
-cuBLASLt FP8 GEMM; block scales have no XLA FP8 GEMM, so the weight is dequantised into the
+cuBLASLt FP8 GEMM; block and group scales have no XLA FP8 GEMM, so the weight is dequantised into the
 activation dtype and multiplied there (the cost a Mosaic GPU kernel saves, see the issue).
 
 `fp8_matmul(..., kernel="pallas")` is `fp8_matmul_mgpu`, a Mosaic GPU kernel for Hopper (jax >=
@@ -49,21 +51,30 @@ BLOCK = 128
 _TINY = 1e-12                            # floor on scales: an all-zero row quantises to zeros
 
 
+GRANULARITIES = ("tensor", "channel", "group", "block")
+
+
 def scale_kind(scale_shape: tuple[int, ...], n: int) -> str:
-    """"tensor", "channel" or "block" from the trailing two dims of a weight scale."""
+    """"tensor", "channel", "group" or "block" from the trailing two dims of a weight scale
+    (a group scale with one row is a channel scale: the same numbers)."""
     rows, cols = scale_shape[-2:]
     if rows == 1 and cols == 1 and n != 1:
         return "tensor"
     if rows == 1 and cols == n:
         return "channel"
+    if cols == n and n != 1:
+        return "group"
     return "block"
 
 
 def expand_scale(scale: jax.Array, k: int, n: int, block_size: int = BLOCK) -> jax.Array:
-    """scale [..., r, c] -> [..., K, N] (blocks repeated, per-tensor / per-channel broadcast)."""
+    """scale [..., r, c] -> [..., K, N] (blocks and groups repeated, per-tensor / per-channel
+    broadcast)."""
     if scale.shape[-2] == 1 and scale.shape[-1] in (1, n):
         return jnp.broadcast_to(scale, (*scale.shape[:-2], k, n))
-    s = jnp.repeat(jnp.repeat(scale, block_size, axis=-2), block_size, axis=-1)
+    s = jnp.repeat(scale, block_size, axis=-2)
+    if scale.shape[-1] != n:                                      # blocks: b x b tiles
+        s = jnp.repeat(s, block_size, axis=-1)
     return s[..., :k, :n]
 
 
@@ -75,7 +86,8 @@ def dequantize(w: jax.Array, scale: jax.Array, dtype=jnp.float32, block_size: in
 
 def quantize_weight(w: jax.Array, granularity: str = "channel", block_size: int = BLOCK):
     """w [..., K, N] float -> (e4m3 [..., K, N], f32 scale) with amax / 448 scales per tensor,
-    output channel or b x b block (partial edge blocks take their own amax)."""
+    output channel, 1 x b group of K per output channel, or b x b block (partial edge groups and
+    blocks take their own amax)."""
     w32 = w.astype(jnp.float32)
     *lead, k, n = w.shape
     if granularity == "tensor":
@@ -87,8 +99,12 @@ def quantize_weight(w: jax.Array, granularity: str = "channel", block_size: int 
         padded = jnp.pad(jnp.abs(w32), [(0, 0)] * len(lead) + [(0, kb * block_size - k),
                                                                (0, nb * block_size - n)])
         amax = padded.reshape(*lead, kb, block_size, nb, block_size).max(axis=(-3, -1))
+    elif granularity == "group":
+        kb = math.ceil(k / block_size)
+        padded = jnp.pad(jnp.abs(w32), [(0, 0)] * len(lead) + [(0, kb * block_size - k), (0, 0)])
+        amax = padded.reshape(*lead, kb, block_size, n).max(axis=-2)
     else:
-        raise ValueError(f"granularity must be 'tensor', 'channel' or 'block', got {granularity!r}")
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     scale = jnp.maximum(amax / FP8_MAX, _TINY)
     q = (w32 / expand_scale(scale, k, n, block_size)).clip(-FP8_MAX, FP8_MAX).astype(FP8)
     return q, scale
@@ -96,7 +112,7 @@ def quantize_weight(w: jax.Array, granularity: str = "channel", block_size: int 
 
 def quantize_activations(x: jax.Array, group: int | None = None):
     """x [M, K] -> (e4m3 [M, K], f32 scale [M, 1]) per token, or [M, ceil(K / group)] per
-    1 x group slice of K when `group` is given (block-scaled weights)."""
+    1 x group slice of K when `group` is given (block- and group-scaled weights)."""
     x32 = x.astype(jnp.float32)
     m, k = x.shape
     if group is None:
@@ -132,10 +148,12 @@ def _check(x, w, w_scale, block_size):
     if w.dtype != FP8:
         raise ValueError(f"w must be float8_e4m3fn, got {w.dtype}")
     k, n = w.shape
-    allowed = {(1, 1), (1, n), (math.ceil(k / block_size), math.ceil(n / block_size))}
+    kb = math.ceil(k / block_size)
+    allowed = {(1, 1), (1, n), (kb, n), (kb, math.ceil(n / block_size))}
     if w_scale.shape not in allowed:
         raise ValueError(f"w_scale shape {w_scale.shape} is none of per-tensor (1, 1), per-channel "
-                         f"(1, {n}) or {block_size}-blocks {allowed - {(1, 1), (1, n)}}")
+                         f"(1, {n}), 1 x {block_size} groups ({kb}, {n}) or {block_size}-blocks "
+                         f"({kb}, {math.ceil(n / block_size)})")
 
 
 def fp8_matmul_xla(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activations: str = "dynamic",
@@ -151,7 +169,7 @@ def fp8_matmul_xla(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activation
     k, n = w.shape
     out_dtype = x.dtype
     acc = dict(preferred_element_type=jnp.float32)
-    if scale_kind(w_scale.shape, n) == "block":
+    if scale_kind(w_scale.shape, n) in ("block", "group"):
         if activations == "none":
             xd = x
         elif activations == "static":
@@ -160,7 +178,7 @@ def fp8_matmul_xla(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activation
         else:
             xq, xs = quantize_activations(x, block_size)
             xd = (xq.astype(jnp.float32) * jnp.repeat(xs, block_size, axis=-1)[:, :k]).astype(out_dtype)
-        # no XLA FP8 GEMM takes block scales: dequantise into the activation dtype and dot there
+        # no XLA FP8 GEMM takes block or group scales: dequantise into the activation dtype and dot there
         y = jnp.dot(xd, dequantize(w, w_scale, out_dtype, block_size), **acc)
         return y.astype(out_dtype)
     if activations == "none":
@@ -243,7 +261,7 @@ def _fp8_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, a_smem, b_smem, as_smem, bs
                 *, k_steps, per_slice):
     # GMEM: a_ref [Mp, Kp] e4m3; b_ref [Np, Kp] e4m3 (K-major, as FP8 wgmma needs);
     #       o_ref [Mp, Np] (the activation dtype);
-    #       per_slice (block weights): as_ref [Kb, Mp] / bs_ref [Kb, Np] f32, row / column scales
+    #       per_slice (block, group weights): as_ref [Kb, Mp] / bs_ref [Kb, Np] f32, row / column scales
     #       per 128-wide K slice; else as_ref [1, Mp] / bs_ref [1, Np], applied once at the end.
     # SMEM: a_smem [S, tm, 128]; b_smem [S, tn, 128]; as_smem [S, tm]; bs_smem [S, tn]; o_smem [tm, tn].
     # Slot of K slice kb: kb % S; slices kb + 1 .. kb + S - 1 are in flight while kb multiplies.
@@ -342,11 +360,11 @@ def fp8_matmul_mgpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activatio
                     input_scale: jax.Array | None = None, block_size: int = BLOCK,
                     k_major: bool = False, tiles: Fp8Tiles | None = None, interpret=None) -> jax.Array:
     """x [M, K] @ fp8 w [K, N] -> [M, N] in x.dtype by the Mosaic GPU kernel (W8A8: x is
-    quantised here per token, or per 1 x 128 group for block weights). Same contract as
+    quantised here per token, or per 1 x 128 group for block and group weights). Same contract as
     `fp8_matmul_xla`; activations="none" (W8A16) is not a kernel case and goes to XLA.
 
     The wrapper pads M to the tile, K to 128 and N to the tile (a padded weight is a copy:
-    shapes that need it belong to XLA in serving). Block weights: both scales spread to one value
+    shapes that need it belong to XLA in serving). Block and group weights: both scales spread to one value
     per 128-wide K slice (rows [Kb, M], columns [Kb, N]); each slice's wgmma result is scaled
     and added in registers. Per-tensor / per-channel weights: one accumulator over all of K,
     scaled once by the row (token) and column (channel) scales. `k_major`: w is stored [N, K] (no transpose here)."""
@@ -358,15 +376,16 @@ def fp8_matmul_mgpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activatio
     _check(x, w, w_scale, block_size)
     if activations == "none":
         return fp8_matmul_xla(x, w_nk, w_scale, activations="none", block_size=block_size, k_major=True)
-    if block_size != KSLICE and scale_kind(w_scale.shape, w.shape[1]) == "block":
+    kind = scale_kind(w_scale.shape, w.shape[1])
+    if block_size != KSLICE and kind in ("block", "group"):
         raise ValueError(f"block_size must be {KSLICE} for the kernel, got {block_size}")
     m, k = x.shape
     n = w.shape[1]
     tiles = tiles or default_tiles(m)
     out_dtype = x.dtype
     kb = math.ceil(k / KSLICE)
-    block = scale_kind(w_scale.shape, n) == "block"
-    # scales per K slice for block weights ([Kb, M] rows, [Kb, N] columns), else one row [1, M]
+    block = kind in ("block", "group")          # scales that change along K: applied per K slice
+    # scales per K slice for block and group weights ([Kb, M] rows, [Kb, N] columns), else one row [1, M]
     # and one column [1, N] applied after the whole K loop
     if activations == "static":
         xs = jnp.reshape(input_scale, (1, 1)).astype(jnp.float32)
@@ -378,8 +397,10 @@ def fp8_matmul_mgpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activatio
     else:
         xq, xs = quantize_activations(x)                                          # xs [M, 1]
         rows = xs.T
-    if block:
+    if kind == "block":
         cols = jnp.repeat(w_scale, block_size, axis=1)[:, :n]                     # [Kb, N]
+    elif kind == "group":
+        cols = w_scale                                                            # [Kb, N] already
     else:
         cols = jnp.broadcast_to(w_scale.astype(jnp.float32), (1, n))
     a = _pad_to(_pad_to(xq, 0, tiles.tile_m), 1, KSLICE)
