@@ -194,7 +194,9 @@ import jax, jax.numpy as jnp, numpy as np, types
 from jaxserve.config import MoeConfig
 from jaxserve.layers import moe
 from jaxserve.layers.experts import ExpertWeight
+from jaxserve.layers.fp8 import Fp8Weight
 from jaxserve.layers.linear import DenseWeight
+from jaxserve.pallas.fp8_matmul import quantize_weight
 from jaxserve.sharding.mesh import make_mesh
 from jaxserve.sharding.plan import plan_for, shard_experts
 T, E, X, F, k = 16, 32, 8, 24, 3
@@ -223,6 +225,14 @@ for tp, ep, expert_parallel in ((2, 2, False), (2, 2, True), (4, 2, False), (2, 
         out = jax.jit(lambda *a: shard_experts(plan, fn, x, weights, ids, *a))(*args)
         np.testing.assert_allclose(out, dense, atol=1e-4, err_msg=str((tp, ep, expert_parallel, layout)))
     assert args[0].w.w.addressable_shards[0].data.size * tp * ep == wg.size
+    # FP8 experts (per expert and channel, or blocks): scales split with their matrices
+    for granularity in ("channel", "block"):
+        q = [quantize_weight(a, granularity) for a in (wg, wu, wd)]
+        want = moe.expert_mlp(x, weights, ids, *(ExpertWeight(Fp8Weight(*qs, activations="none")) for qs in q))
+        axes = (("experts", "embed", "moe_mlp"),) * 2 + (("experts", "moe_mlp", "embed"),)
+        fp8 = [ExpertWeight(Fp8Weight(put(c, ax), s, activations="none")) for (c, s), ax in zip(q, axes)]
+        out = jax.jit(lambda *a: shard_experts(plan, moe.expert_mlp, x, weights, ids, *a))(*fp8)
+        np.testing.assert_allclose(out, want, atol=1e-4, err_msg=str((tp, ep, expert_parallel, granularity)))
 print("OK")
 """
 
@@ -231,7 +241,7 @@ def test_shard_experts_over_ep_and_tp_mesh_axes_equals_all_experts_oracle():
     """expert_mlp (tiles of routed rows, and ragged_dot over tokens sorted by expert) equals
     computing every expert on every token and weighting by the routing; shard_experts on
     dp x ep x tp meshes with both axes > 1 (experts over ep and F over tp, or whole experts over
-    ep x tp) gives the same result."""
+    ep x tp) gives the same result, for dense and FP8 (per-channel, block) experts."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", _SHARD_CHILD], capture_output=True, text=True,
                          env=env, timeout=300)
