@@ -260,3 +260,24 @@ def test_quantization_fp8_covers_the_experts(tmp_path):
     # random weights have near-tied logits (DESIGN.md: greedy tokens are compared on real weights
     # only); measured 54/64 here, the default model's dense FP8 measures 0.93
     assert agree / total >= 0.75
+
+
+def test_fp8_experts_export_as_compressed_tensors_and_load_back(tmp_path):
+    """`jaxserve quantize`'s writer on a MoE: each expert's e4m3 codes and per-channel scales
+    under its own checkpoint name; loading the directory gives the same FP8 experts back."""
+    from jaxserve.loader.export import export_model
+    from jaxserve.loader.loader import load_model
+    from jaxserve.tokenizer.tokenizer import Tokenizer
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 128, "hidden_size": 64,
+              "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg, weights = load_model(tmp_path, "float32", load_format="dummy", quantization="fp8")
+    export_model(tmp_path / "out", cfg, Tokenizer.synthetic(128), weights)
+    _, back = load_model(tmp_path / "out", "float32")
+    for name in ("we_gate", "we_down"):
+        a, b = getattr(weights.layers, name).w, getattr(back.layers, name).w
+        assert isinstance(b, Fp8Weight) and b.w.shape == a.w.shape == (2, 4) + a.w.shape[2:]
+        np.testing.assert_array_equal(np.asarray(b.w, np.float32), np.asarray(a.w, np.float32))
+        np.testing.assert_array_equal(b.scale, a.scale)
+    np.testing.assert_array_equal(back.layers.router.w, weights.layers.router.w)
