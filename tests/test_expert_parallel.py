@@ -90,7 +90,7 @@ def test_mixed_dense_and_moe_layers_load_dummy_and_quantised(tmp_path):
     """A config.json mixing dense and MoE MLPs (layers 0 and 2 dense, 1 and 3 sparse): each kind
     of MLP is stacked over its own layers, with the checkpoint layer of each stacked index;
     `--load-format dummy` generates, alone and with `--quantization fp8` (the dense MLP
-    matrices become FP8, the experts stay as they are)."""
+    matrices and the experts become FP8, the router stays dense)."""
     import json
 
     from jaxserve import LLM, SamplingParams
@@ -121,6 +121,8 @@ def test_mixed_dense_and_moe_layers_load_dummy_and_quantised(tmp_path):
             layers = llm.llm_engine.runner.weights.layers
             if quantization:
                 assert isinstance(layers.w_gate, Fp8Weight) and layers.w_gate.shape[0] == 2
+                assert isinstance(layers.we_down.w, Fp8Weight) and layers.we_down.shape[:2] == (2, EXPERTS)
+                assert not isinstance(layers.router, Fp8Weight)
             outs[quantization] = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
     assert len(outs[None]) == 8 and len(set(outs[None])) > 1
     assert len(outs["fp8"]) == 8
@@ -191,6 +193,10 @@ _SHARD_CHILD = """
 import jax, jax.numpy as jnp, numpy as np, types
 from jaxserve.config import MoeConfig
 from jaxserve.layers import moe
+from jaxserve.layers.experts import ExpertWeight
+from jaxserve.layers.fp8 import Fp8Weight
+from jaxserve.layers.linear import DenseWeight
+from jaxserve.pallas.fp8_matmul import quantize_weight
 from jaxserve.sharding.mesh import make_mesh
 from jaxserve.sharding.plan import plan_for, shard_experts
 T, E, X, F, k = 16, 32, 8, 24, 3
@@ -203,25 +209,39 @@ weights, ids = moe.route(jax.random.normal(ks[4], (T, X)), k, True)
 dense = jnp.einsum("tx,txe->te", jnp.zeros((T, X)).at[jnp.arange(T)[:, None], ids].set(weights),
                    jnp.einsum("txf,xfe->txe", jax.nn.silu(jnp.einsum("te,xef->txf", x, wg))
                               * jnp.einsum("te,xef->txf", x, wu), wd))
-np.testing.assert_allclose(moe.expert_mlp(x, weights, ids, wg, wu, wd), dense, atol=1e-4)
+ew = lambda a: ExpertWeight(DenseWeight(a))
+for layout in ("tiles", "ragged"):
+    np.testing.assert_allclose(moe.expert_mlp(x, weights, ids, ew(wg), ew(wu), ew(wd), layout=layout), dense,
+                               atol=1e-4)
 cfg = types.SimpleNamespace(num_heads=8, num_kv_heads=8, intermediate_size=96, vocab_size=64,
                             num_layers=2, moe=MoeConfig(X, k, F))
 for tp, ep, expert_parallel in ((2, 2, False), (2, 2, True), (4, 2, False), (2, 4, True)):
     plan = plan_for(cfg, make_mesh(tp, ep), expert_parallel)
     put = lambda a, axes: jax.device_put(a, plan.sharding(axes))
-    args = (put(wg, ("experts", "embed", "moe_mlp")), put(wu, ("experts", "embed", "moe_mlp")),
-            put(wd, ("experts", "moe_mlp", "embed")))
-    out = jax.jit(lambda *a: shard_experts(plan, moe.expert_mlp, x, weights, ids, *a))(*args)
-    np.testing.assert_allclose(out, dense, atol=1e-4, err_msg=str((tp, ep, expert_parallel)))
-    assert args[0].addressable_shards[0].data.size * tp * ep == wg.size
+    args = (ew(put(wg, ("experts", "embed", "moe_mlp"))), ew(put(wu, ("experts", "embed", "moe_mlp"))),
+            ew(put(wd, ("experts", "moe_mlp", "embed"))))
+    for layout in ("tiles", "ragged"):
+        fn = lambda *a, layout=layout: moe.expert_mlp(*a, layout=layout)
+        out = jax.jit(lambda *a: shard_experts(plan, fn, x, weights, ids, *a))(*args)
+        np.testing.assert_allclose(out, dense, atol=1e-4, err_msg=str((tp, ep, expert_parallel, layout)))
+    assert args[0].w.w.addressable_shards[0].data.size * tp * ep == wg.size
+    # FP8 experts (per expert and channel, or blocks): scales split with their matrices
+    for granularity in ("channel", "block"):
+        q = [quantize_weight(a, granularity) for a in (wg, wu, wd)]
+        want = moe.expert_mlp(x, weights, ids, *(ExpertWeight(Fp8Weight(*qs, activations="none")) for qs in q))
+        axes = (("experts", "embed", "moe_mlp"),) * 2 + (("experts", "moe_mlp", "embed"),)
+        fp8 = [ExpertWeight(Fp8Weight(put(c, ax), s, activations="none")) for (c, s), ax in zip(q, axes)]
+        out = jax.jit(lambda *a: shard_experts(plan, moe.expert_mlp, x, weights, ids, *a))(*fp8)
+        np.testing.assert_allclose(out, want, atol=1e-4, err_msg=str((tp, ep, expert_parallel, granularity)))
 print("OK")
 """
 
 
 def test_shard_experts_over_ep_and_tp_mesh_axes_equals_all_experts_oracle():
-    """expert_mlp (ragged_dot over tokens sorted by expert) equals computing every expert on
-    every token and weighting by the routing; shard_experts on dp x ep x tp meshes with both axes
-    > 1 (experts over ep and F over tp, or whole experts over ep x tp) gives the same result."""
+    """expert_mlp (tiles of routed rows, and ragged_dot over tokens sorted by expert) equals
+    computing every expert on every token and weighting by the routing; shard_experts on
+    dp x ep x tp meshes with both axes > 1 (experts over ep and F over tp, or whole experts over
+    ep x tp) gives the same result, for dense and FP8 (per-channel, block) experts."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", _SHARD_CHILD], capture_output=True, text=True,
                          env=env, timeout=300)

@@ -1,7 +1,8 @@
 """`Fp8Weight`: an e4m3 matrix with its scales, a weight type for `linear`.
 
 Built by the loader (`--quantization fp8` on a full-precision checkpoint, or an FP8 checkpoint);
-model code calls `linear(x, w)` as for a `DenseWeight`. The matmul itself is
+model code calls `linear(x, w)` as for a `DenseWeight` (and `grouped_linear` for experts
+`[X, in, out]` inside an `ExpertWeight`). The matmul itself is
 `jaxserve.pallas.fp8_matmul.fp8_matmul` (its docstring defines the scale layouts).
 """
 
@@ -10,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
+from jaxserve.layers.experts import register_ragged
 from jaxserve.layers.linear import register_linear
-from jaxserve.pallas.fp8_matmul import BLOCK, fp8_matmul, scale_kind
+from jaxserve.pallas.fp8_matmul import BLOCK, dequantize, fp8_matmul, quantize_activations, scale_kind
 
 ACTIVATIONS = ("none", "dynamic", "static")
 KERNELS = ("auto", "xla", "pallas")
@@ -110,3 +113,21 @@ def _fp8(x: jax.Array, weight: Fp8Weight) -> jax.Array:
     return fp8_matmul(x, weight.w, weight.scale, activations=weight.activations,
                       input_scale=weight.input_scale, block_size=weight.block_size,
                       kernel=weight.kernel, k_major=weight.k_major)
+
+
+@register_ragged(Fp8Weight)
+def _fp8_ragged(x: jax.Array, weight: Fp8Weight, group_sizes: jax.Array) -> jax.Array:
+    # No grouped FP8 kernel yet: on ragged_dot backends the experts are dequantised into the
+    # activation dtype for the call (the tiles layout dequantises only the routed experts).
+    # Activations are rounded to e4m3 as `fp8_matmul` would (per token, or per 1 x b group).
+    w = jnp.swapaxes(weight.w, -1, -2) if weight.k_major else weight.w
+    if weight.activations == "dynamic":
+        block = weight.granularity == "block"
+        xq, xs = quantize_activations(x, weight.block_size if block else None)
+        xs = jnp.repeat(xs, weight.block_size, axis=-1)[:, : x.shape[-1]] if block else xs
+        x = (xq.astype(jnp.float32) * xs).astype(x.dtype)
+    elif weight.activations == "static":
+        raise ValueError("static activation scales are not supported for experts on the ragged layout")
+    pref = jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else None
+    return jax.lax.ragged_dot(x, dequantize(w, weight.scale, x.dtype, weight.block_size), group_sizes,
+                              preferred_element_type=pref).astype(x.dtype)

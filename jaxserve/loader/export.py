@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.layers.experts import ExpertWeight
 from jaxserve.layers.fp8 import Fp8Weight
 from jaxserve.models.registry import get_model
 
@@ -71,6 +72,7 @@ def _host_arrays(cfg: ModelConfig, weights, dtype) -> dict[str, np.ndarray]:
         nodes[p] = node
     tensors = {}
     for p, node in nodes.items():
+        node = node.w if isinstance(node, ExpertWeight) else node     # experts [L, X, in, out]
         if isinstance(node, Fp8Weight):     # e4m3 codes [L, in, out] and their scales, as stored
             codes = np.asarray(jax.device_get(node.w))
             codes = np.swapaxes(codes, -1, -2) if node.k_major else codes

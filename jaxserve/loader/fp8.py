@@ -8,8 +8,11 @@ Formats read (tensor names next to each linear layer's `<prefix>.weight`, stored
   compressed-tensors "float-quantized": `weight_scale` [out, 1] (strategy "channel") or [1]
       ("tensor"), [ceil(out/b), ceil(in/b)] ("block"); `input_activations` absent (W8A16),
       dynamic (per token) or static (`input_scale` [1]).
-Modules the checkpoint leaves unquantised (no scale tensor: lm_head, `ignore`d layers) stay
-`DenseWeight`. Embeddings and norms are never quantised; `--quantization fp8` also skips lm_head.
+Modules the checkpoint leaves unquantised (no scale tensor: lm_head, MoE routers, `ignore`d
+layers) stay `DenseWeight`. Mixture-of-experts experts (one tensor per layer and expert) stack
+into one `Fp8Weight` [L, X, in, out] inside their `ExpertWeight`. Embeddings and norms are never
+quantised; `--quantization fp8` also skips lm_head and the routers (vLLM's defaults) and covers
+the experts.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxserve.layers.experts import ExpertWeight
 from jaxserve.layers.fp8 import Fp8Weight, default_activations, resolve_kernel
 from jaxserve.layers.linear import DenseWeight
 from jaxserve.pallas.fp8_matmul import BLOCK, quantize_weight
 
-SKIP_ON_THE_FLY = ("lm_head",)     # vLLM's default: the head keeps the model dtype
+SKIP_ON_THE_FLY = ("lm_head", "layers.router")     # vLLM's default: the head and routers keep the model dtype
 # `--quantization fp8`'s weight scales. Chosen on a broad held-out set (benchmarks/RESULTS.md,
 # "FP8 weight granularity"): per-channel, 1 x 128 groups, 128 x 128 blocks and per-tensor measure
 # within the spread between draws of one granularity's rounding errors; per-channel has the lowest
@@ -121,16 +125,20 @@ def read_fp8(scheme: Fp8Scheme, get: Callable[[str], np.ndarray], weight_name: s
     return w, np.ascontiguousarray(s), x_scale
 
 
-def stack_fp8(scheme: Fp8Scheme, get, names: list[str], k: int, n: int, data_sharding, kernel: str = "auto"):
+def stack_fp8(scheme: Fp8Scheme, get, names: list[str], k: int, n: int, data_sharding, kernel: str = "auto",
+              lead: tuple[int, ...] | None = None):
     """Per-layer FP8 tensors -> one stacked Fp8Weight [L, in, out] on the device ([L, out, in]
     for the Mosaic GPU kernel), the codes placed as `data_sharding` ([L, in, out]) says and the
-    scales with them (`scale_sharding`)."""
+    scales with them (`scale_sharding`); `lead` (default: [len(names)]) the stacked axes the names
+    fill in order, [L, X] for per-layer experts."""
     kernel = resolve_kernel(kernel, num_devices=data_sharding.mesh.size)
     k_major = kernel == "pallas"
+    lead = tuple(lead or (len(names),))
     parts = [read_fp8(scheme, get, name, k, n, k_major) for name in names]
-    w = np.stack([p[0] for p in parts])
-    s = np.stack([p[1] for p in parts])
-    x_scale = np.stack([p[2] for p in parts]) if scheme.activations == "static" else None
+    w = np.stack([p[0] for p in parts]).reshape(*lead, *parts[0][0].shape)
+    s = np.stack([p[1] for p in parts]).reshape(*lead, *parts[0][1].shape)
+    x_scale = (np.stack([p[2] for p in parts]).reshape(lead) if scheme.activations == "static"
+               else None)
     rep = NamedSharding(data_sharding.mesh, PartitionSpec())
     s_sharding = scale_sharding(data_sharding, s.shape, k, n, scheme.block_size)
     return Fp8Weight(jax.device_put(w, _swapped(data_sharding, w.ndim) if k_major else data_sharding),
@@ -199,13 +207,17 @@ def fp8_weight(q: jax.Array, s: jax.Array, *, like=None, activations: str | None
 
 
 def replace_dense(weights, fn: Callable[[str, DenseWeight], object]):
-    """Map every DenseWeight of a model pytree through `fn(param_path, weight)`; param paths are
-    the declaration's ("layers.wq", "lm_head"), from the pytree's attribute keys."""
+    """Map every DenseWeight of a model pytree through `fn(param_path, weight)`, the experts'
+    (inside an `ExpertWeight`, which stays around the result) included; param paths are the
+    declaration's ("layers.wq", "layers.we_gate", "lm_head"), from the pytree's attribute keys."""
     def visit(keypath, leaf):
+        if isinstance(leaf, ExpertWeight):
+            return ExpertWeight(visit(keypath, leaf.w))
         if not isinstance(leaf, DenseWeight):
             return leaf
         return fn(_path(keypath), leaf)
-    return jax.tree_util.tree_map_with_path(visit, weights, is_leaf=lambda x: isinstance(x, DenseWeight))
+    return jax.tree_util.tree_map_with_path(visit, weights,
+                                            is_leaf=lambda x: isinstance(x, (DenseWeight, ExpertWeight)))
 
 
 def quantize_weights(weights, *, skip=SKIP_ON_THE_FLY, activations: str | None = None, kernel: str = "auto",

@@ -56,8 +56,9 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
     array being placed are read once and kept until its last shard is cut (GGUF dequantizes
     whole tensors, so reading them once per device made TP 8 loads 7x slower).
 
-    Linear layers become `Fp8Weight`s (jaxserve/loader/fp8.py) when `fp8_scheme` (an FP8
-    checkpoint's format) finds their scales, or when `quantization="fp8"` quantises them here."""
+    Linear layers and experts become `Fp8Weight`s (jaxserve/loader/fp8.py) when `fp8_scheme`
+    (an FP8 checkpoint's format) finds their scales, or when `quantization="fp8"` quantises them
+    here; an e4m3 tensor without scales is an error, never cast as it is."""
     model = get_model(cfg.architecture)
     mesh = mesh if mesh is not None else make_mesh()
     plan = plan_for(cfg, mesh, expert_parallel)
@@ -72,6 +73,9 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
         if name not in reads:
             reads[name] = get(name)
         x = reads[name]
+        if x.dtype.name == "float8_e4m3fn":   # casting the codes would drop their scales silently
+            raise ModelLoadError(f"tensor {name} is FP8 (F8_E4M3) but no scale for it was found "
+                                 f"(quantization_config: {'none' if fp8_scheme is None else fp8_scheme.method})")
         x = x.T if transpose else x
         if x.shape != shape:
             raise ModelLoadError(f"tensor {name} has shape {tuple(x.shape)}, expected {shape} "
@@ -95,16 +99,16 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
             x[pos] = part
         return x
 
-    arrays, quantized = {}, {}
+    arrays = {}
     for p in model.declare(cfg):
         sharding = plan.sharding(p.axes)
-        if p.dense and fp8_scheme is not None and fp8.has_fp8(fp8_scheme, names, p.checkpoint_name(0)):
+        checkpoint_names = [name for _, name in p.checkpoint_names()]
+        if p.dense and fp8_scheme is not None and fp8.has_fp8(fp8_scheme, names, checkpoint_names[0]):
             k, n = p.shape[-2:]
             try:
-                if p.stacked:
-                    w = fp8.stack_fp8(fp8_scheme, get, [p.checkpoint_name(i) for i in range(p.shape[0])],
-                                      k, n, sharding)
-                    quantized[p.path], arrays[p.path] = w, w.w
+                if p.stacked:     # [L, in, out], or experts [L, X, in, out]
+                    arrays[p.path] = fp8.stack_fp8(fp8_scheme, get, checkpoint_names, k, n, sharding,
+                                                   lead=p.shape[:p.stacked_dims])
                     continue
                 # an unstacked FP8 matrix (a quantised lm_head): dequantised to the model dtype
                 w, s, _ = fp8.read_fp8(fp8_scheme, get, p.checkpoint, k, n)
@@ -125,12 +129,8 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
             arrays[p.path] = jax.make_array_from_callback(p.shape, sharding, cb)
             reads.clear()
         if p.dense and quantization == "fp8" and p.path not in fp8.SKIP_ON_THE_FLY:
-            quantized[p.path] = fp8.quantize_array(arrays[p.path])
-            arrays[p.path] = quantized[p.path].w      # the full-precision copy is dropped here
-    weights = model.build(cfg, arrays)
-    if quantized:
-        weights = fp8.replace_dense(weights, lambda path, w: quantized.get(path, w))
-    return weights
+            arrays[p.path] = fp8.quantize_array(arrays[p.path])   # the full-precision copy is dropped
+    return model.build(cfg, arrays)
 
 
 def load_hf_config(path: Path) -> ModelConfig:

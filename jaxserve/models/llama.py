@@ -8,7 +8,8 @@ one layer body is compiled however deep the model is. A model that mixes dense a
 and the scanned body picks the layer's kind with a `lax.cond` (one branch runs). `declare(cfg)` is the one list of the
 model's arrays (shape, logical axes, checkpoint name, dummy init) that the loaders and the
 sharding rules read; this file never names a mesh axis. Matrices are stored `[in, out]` as
-`DenseWeight`s, so other weight types (FP8, LoRA) change no code here.
+`DenseWeight`s (the router and lm_head included, through `linear`), experts as `ExpertWeight`s
+`[X, in, out]` (through `grouped_linear`), so other weight types (FP8, LoRA) change no code here.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from jaxserve import attention
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import ModelConfig
 from jaxserve.layers import moe
+from jaxserve.layers.experts import ExpertWeight
 from jaxserve.layers.linear import DenseWeight, linear
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
@@ -44,10 +46,10 @@ class LayerWeights:
     w_gate: DenseWeight | None = None   # [L or Ld, E, F]  (dense MLP)
     w_up: DenseWeight | None = None     # [L or Ld, E, F]
     w_down: DenseWeight | None = None   # [L or Ld, F, E]
-    router: jax.Array | None = None     # [L or Ls, E, X]  (mixture of experts: X experts)
-    we_gate: jax.Array | None = None    # [L or Ls, X, E, Fe]
-    we_up: jax.Array | None = None      # [L or Ls, X, E, Fe]
-    we_down: jax.Array | None = None    # [L or Ls, X, Fe, E]
+    router: DenseWeight | None = None      # [L or Ls, E, X]  (mixture of experts: X experts)
+    we_gate: ExpertWeight | None = None    # [L or Ls, X, E, Fe]
+    we_up: ExpertWeight | None = None      # [L or Ls, X, E, Fe]
+    we_down: ExpertWeight | None = None    # [L or Ls, X, Fe, E]
     bq: jax.Array | None = None   # [L, H*D]  (Qwen2)
     bk: jax.Array | None = None   # [L, K*D]
     bv: jax.Array | None = None   # [L, K*D]
@@ -130,23 +132,29 @@ def _moe_params(cfg: ModelConfig, names, per_layer, ids) -> list[Param]:
 
     def expert(name, shape, axes, suffix):
         return per_layer(name, (X, *shape), ("experts", *axes), suffix, ids, per_expert=True,
-                         transpose=True)
+                         transpose=True, dense=True)
 
-    return [per_layer("router", (E, X), ("embed", "router"), router, ids, transpose=True),
+    return [per_layer("router", (E, X), ("embed", "router"), router, ids, transpose=True, dense=True),
             expert("we_gate", (E, Fe), ("embed", "moe_mlp"), gate),
             expert("we_up", (E, Fe), ("embed", "moe_mlp"), up),
             expert("we_down", (Fe, E), ("moe_mlp", "embed"), down)]
 
 
 def build(cfg: ModelConfig, arrays: dict[str, jax.Array]) -> Weights:
-    """The model pytree from `path -> array` (as declared), matmul operands wrapped."""
+    """The model pytree from `path -> array` (as declared), matmul operands wrapped: a plain
+    array in a `DenseWeight`, a weight type (an `Fp8Weight` the loader made) as it is; experts
+    in an `ExpertWeight` around either."""
     dense = {"layers.wq", "layers.wk", "layers.wv", "layers.wo", "layers.w_gate", "layers.w_up",
-             "layers.w_down", "lm_head"}      # the arrays declared dense=True
+             "layers.w_down", "layers.router", "lm_head"}      # the arrays declared dense=True
+    experts = {"layers.we_gate", "layers.we_up", "layers.we_down"}   # dense and per_expert
 
     def get(path):
         if path not in arrays:
             return None
-        return DenseWeight(arrays[path]) if path in dense else arrays[path]
+        a = arrays[path]
+        if path in dense or path in experts:
+            a = DenseWeight(a) if isinstance(a, jax.Array) else a
+        return ExpertWeight(a) if path in experts else a
 
     names = [f.name for f in dataclasses.fields(LayerWeights)]
     layers = LayerWeights(**{n: get(f"layers.{n}") for n in names})
@@ -198,7 +206,7 @@ def _mlp(cfg: ModelConfig, plan: ShardingPlan | None, w: LayerWeights, h: jax.Ar
     if w.router is None:
         return linear(jax.nn.silu(linear(h, w.w_gate)) * linear(h, w.w_up), w.w_down)
     # the weights say which MLP this layer has; cfg.moe holds the router's settings
-    logits = jnp.einsum("te,ex->tx", h, w.router, preferred_element_type=jnp.float32)
+    logits = linear(h, w.router, out_dtype=jnp.float32)
     weights, ids = moe.route(logits, cfg.moe.num_experts_per_tok, cfg.moe.norm_topk_prob)
     return shard_experts(plan, moe.expert_mlp, h, weights, ids, w.we_gate, w.we_up, w.we_down)
 
@@ -246,4 +254,4 @@ def compute_logits(weights: Weights, hidden: jax.Array) -> jax.Array:
     if weights.lm_head is None:     # tied: the embedding [V, E] is the head
         return jnp.einsum("re,ve->rv", hidden, weights.embed,
                           preferred_element_type=jnp.float32)
-    return jnp.einsum("re,ev->rv", hidden, weights.lm_head.w, preferred_element_type=jnp.float32)
+    return linear(hidden, weights.lm_head, out_dtype=jnp.float32)

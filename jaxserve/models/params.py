@@ -29,7 +29,8 @@ class Param:
     per_expert: (stacked only) the checkpoint holds one tensor per layer and expert ("{expert}"
         in its name), stacked here on axes 0 (layer) and 1 (expert).
     transpose: the checkpoint stores the matrix [out, in]; the model uses [in, out].
-    dense: a matmul operand, wrapped in a weight type (DenseWeight) in the pytree.
+    dense: a matmul operand, wrapped in a weight type (DenseWeight; an ExpertWeight around it
+        when per_expert) in the pytree, and what FP8 loading and quantisation apply to.
     layers: (stacked only) the checkpoint layer of each stacked index, when the array holds only
         some layers (a model mixing dense and MoE MLPs); None: layers 0 .. shape[0] - 1.
     init: how `--load-format dummy` fills it: normal(0, 0.02), ones or zeros.

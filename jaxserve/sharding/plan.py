@@ -118,7 +118,8 @@ def shard_experts(plan: ShardingPlan | None, fn: Callable, x, weights, ids, w_ga
     each device's slice of the expert weights and sum the devices' outputs.
 
     x [T, E] and the routing (weights, ids [T, k]) are replicated; w_gate, w_up
-    [X, E, F] and w_down [X, F, E] split on X over the expert axes and on F over the MLP axis.
+    [X, E, F] and w_down [X, F, E] (`ExpertWeight`s of any weight type, `expert_specs`) split on
+    X over the expert axes and on F over the MLP axis.
     A device computes only the assignments to its own experts (a grouped matmul over its tokens),
     with its slice of F, and one all-reduce sums the partial outputs, as jax-llm-examples'
     qwen3 does: no expert weight ever leaves its device."""
@@ -131,15 +132,45 @@ def shard_experts(plan: ShardingPlan | None, fn: Callable, x, weights, ids, w_ga
         first = 0
         for a in experts_axes:                  # this device's place along the expert split
             first = first * plan.mesh.shape[a] + jax.lax.axis_index(a)
-        out = fn(x, weights, ids, w_gate, w_up, w_down, first * w_gate.shape[0])
+        out = fn(x, weights, ids, w_gate, w_up, w_down, first * w_gate.num_experts)
         return jax.lax.psum(out, sum_axes) if sum_axes else out
 
-    up_spec = plan.spec(("experts", "embed", "moe_mlp"))
-    down_spec = plan.spec(("experts", "moe_mlp", "embed"))
+    up_axes, down_axes = ("experts", "embed", "moe_mlp"), ("experts", "moe_mlp", "embed")
     rep = PartitionSpec()
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(rep, rep, rep, up_spec, up_spec,
-                                                          down_spec),
+    specs = (expert_specs(plan, w_gate, up_axes), expert_specs(plan, w_up, up_axes),
+             expert_specs(plan, w_down, down_axes))
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(rep, rep, rep, *specs),
                          out_specs=rep, check_vma=False)(x, weights, ids, w_gate, w_up, w_down)
+
+
+def expert_specs(plan: ShardingPlan, experts, axes: Sequence[str]):
+    """PartitionSpecs for every array of an `ExpertWeight` [X, in, out] with logical `axes`,
+    whatever its weight type: the matrix as the axes say (its last two swapped when stored
+    `k_major`); an array of scales (or zeros) [X, r, c] split like the matrix where it has more
+    than one entry per expert ([X, 1, out]: per channel; [X, in/b, out/b]: blocks), whole where
+    it has one; a per-expert vector [X] split on X. A split of blocks must fall on block edges."""
+    inner = experts.w
+    spec = tuple(plan.spec(axes)) + (None,) * (len(axes) - len(plan.spec(axes)))
+    shape = experts.shape[-3:]
+
+    def one(a):
+        if a is inner.w:
+            return PartitionSpec(*spec[:1], spec[2], spec[1]) if getattr(inner, "k_major", False) \
+                else PartitionSpec(*spec)
+        if a.ndim < 3:
+            return PartitionSpec(*spec[:a.ndim])
+        out = [spec[0]]
+        for d in (1, 2):
+            parts = 1
+            for m in _axes(spec[d]):
+                parts *= plan.mesh.shape[m]
+            split = spec[d] if a.shape[-3 + d] > 1 else None
+            if split is not None and (a.shape[-3 + d] % parts or (shape[d] // parts) % -(-shape[d] // a.shape[-3 + d])):
+                raise ValueError(f"expert {axes[d]} ({shape[d]}) split over {parts} devices does not fall on "
+                                 f"the edges of its {a.shape[-3 + d]} scale blocks")
+            out.append(split)
+        return PartitionSpec(*out)
+    return jax.tree.map(one, experts)
 
 
 def _axes(mesh_axis) -> tuple[str, ...]:
