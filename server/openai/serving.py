@@ -151,11 +151,6 @@ class OpenAIServing:
         n, limit = len(token_ids), self.engine.max_model_len
         if n == 0:
             raise OpenAIError(400, "The decoder prompt cannot be empty", param="prompt")
-        vocab = self.engine.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise OpenAIError(400, f"Token id {bad} is out of vocabulary (prompt_token_ids must "
-                                   f"be in [0, {vocab}))", param="prompt")
         if max_tokens is None and n >= limit:
             raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. "
                                    f"However, your request has {n} input tokens. Please reduce "
@@ -166,6 +161,11 @@ class OpenAIServing:
                                    f"messages, {max_tokens} in the completion). Please reduce "
                                    "the length of the messages or completion.",
                               param="max_tokens")
+        vocab = self.engine.vocab_size     # after the length: a refused huge prompt is not scanned
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise OpenAIError(400, f"Token id {bad} is out of vocabulary (prompt_token_ids must "
+                                   f"be in [0, {vocab}))", param="prompt")
         return limit - n
 
     def _check_logprobs(self, num: int | None, param: str) -> None:
