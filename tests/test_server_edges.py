@@ -233,9 +233,10 @@ def test_a_huge_prompt_does_not_stall_other_requests(server):
     400 for exceeding the context), /health and a one-token completion keep answering. Tokenized
     on the event loop (before issue 28), every request waited for the whole tokenization (6.6 s
     on a quiet 2-core machine, longer on a loaded one). The bounds leave room for this machine
-    (2 cores shared with other jobs, where /health's p99 ranged 0.05-0.18 s in the runs that
-    tuned this test; 0.02-0.04 s without the huge posts): /health's median stays under 50 ms
-    and no /health (completion) waits 1 s (2 s) longer than it does without the huge posts."""
+    (2 cores, at times shared with other jobs: /health's p99 was 0.04 s on the quiet machine and
+    0.05-0.18 s at load average 10-13, against 0.01-0.04 s without the huge posts): /health's
+    median stays under 50 ms, its p99 within 200 ms of the baseline's, and no /health
+    (completion) waits 1 s (2 s) longer than it does without the huge posts."""
     base_health, base_short = _poll(server, 8.0)
 
     huge = json.dumps({"prompt": "The quick brown fox jumps over the lazy dog. " * 186_000,
@@ -266,5 +267,6 @@ def test_a_huge_prompt_does_not_stall_other_requests(server):
     assert bigs == [400, 400]
     assert len(health) > 100 and len(short) > 5
     assert statistics.median(health) < 0.050
+    assert _p99(health) < _p99(base_health) + 0.200
     assert max(health) < max(base_health) + 1.0
     assert max(short) < max(base_short) + 2.0
