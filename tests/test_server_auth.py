@@ -34,6 +34,20 @@ def test_missing_or_wrong_key_is_401_with_error_shape(server):
     assert httpx.get(server.base_url + "/health").status_code == 200   # not behind the key
 
 
+def test_tokenizer_routes_sit_behind_the_key(server):
+    calls = [("POST", "/tokenize", {"model": "m1", "prompt": "Hi"}),
+             ("POST", "/detokenize", {"model": "m1", "tokens": [1, 2]}),
+             ("GET", "/tokenizer_info", None)]
+    for method, path, body in calls:
+        r = httpx.request(method, server.base_url + path, json=body)
+        assert r.status_code == 401, path
+        assert r.json()["error"]["type"] == "AuthenticationError"
+        ok = httpx.request(method, server.base_url + path, json=body,
+                           headers={"Authorization": f"Bearer {KEY}"})
+        assert ok.status_code == 200, (path, ok.text)
+    assert httpx.get(server.base_url + "/ping").status_code == 200   # probes need no key
+
+
 def test_served_model_names_are_listed_and_accepted(server):
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0)
     assert [m.id for m in client.models.list().data] == ["m1", "m2"]

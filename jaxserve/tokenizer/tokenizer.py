@@ -24,6 +24,11 @@ from tokenizers import Tokenizer as _BackendTokenizer
 
 from jaxserve.tokenizer.gguf import build_gguf_tokenizer, read_gguf_tokenizer, set_bos_eos_post_processor
 
+# Texts longer than this are encoded through encode_batch_fast, which releases the GIL while it
+# works (encode does not), so a long prompt tokenized on a server worker thread leaves the event
+# loop free; "fast" skips the character offsets nobody reads.
+_GIL_FREE_ENCODE_CHARS = 16_384
+
 # How many prompt tokens the detokenizer decodes as left context (vLLM: INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
 _INITIAL_DETOKENIZATION_OFFSET = 5
 
@@ -48,8 +53,11 @@ class Tokenizer:
         pad_token: str | None = None,
         chat_template: str | None = None,
         add_bos_token: bool = False,
+        config: dict[str, Any] | None = None,
     ):
+        """config: tokenizer_config.json as read (what /tokenizer_info reports), if any."""
         self.backend = backend
+        self.config = dict(config or {})
         self.bos_token, self.eos_token, self.unk_token, self.pad_token = bos_token, eos_token, unk_token, pad_token
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
@@ -93,7 +101,8 @@ class Tokenizer:
             eos_id = backend.token_to_id(special["eos_token"]) if config.get("add_eos_token") else None
             set_bos_eos_post_processor(backend, bos_id if add_bos else None, eos_id)
             adds_bos = bool(add_bos)
-        return cls(backend, **special, chat_template=chat_template, add_bos_token=adds_bos)
+        return cls(backend, **special, chat_template=chat_template, add_bos_token=adds_bos,
+                   config=config)
 
     @classmethod
     def from_gguf(cls, path_or_reader) -> Tokenizer:
@@ -174,6 +183,10 @@ class Tokenizer:
     # ---- encode / decode -------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _GIL_FREE_ENCODE_CHARS:
+            batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)  # < 0.21
+            (encoding,) = batch([text], add_special_tokens=add_special_tokens)
+            return encoding.ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -257,6 +257,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                     help="No periodic throughput / KV cache usage line while serving.")
     fe.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                     help="Browser origins allowed by CORS ('*' for any; default: none, CORS off).")
+    fe.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                    help="Accepted for vLLM command lines: GET /tokenizer_info is always served "
+                         "(behind --api-key when one is set).")
     fe.add_argument("--config", default=None, help="YAML file of flag values; the command line "
                                                    "wins.")
     add_tool_arguments(p)

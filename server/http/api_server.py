@@ -33,6 +33,14 @@ from jaxserve.server.openai.protocol import (
 )
 from jaxserve.server.openai.serving import OpenAIServing, load_chat_template
 
+# Routes behind --api-key besides /v1/*: the tokenizer's (vLLM leaves them open; they read
+# prompts, so they sit with the API).
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
+# Health probes (load balancers poll them every few seconds) log their access lines at DEBUG.
+PROBE_PATHS = frozenset({"/health", "/ping"})
+# The access log's status of a request whose client went away before the answer (nginx's).
+CLIENT_CLOSED = 499
+
 logger = logging.getLogger("jaxserve.server")
 access_logger = logging.getLogger("jaxserve.access")
 stats_logger = logging.getLogger("jaxserve.stats")
@@ -100,6 +108,8 @@ class Server:
         app = web.Application(middlewares=[self._middleware],
                               client_max_size=self.args.max_request_body_bytes)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/ping", self.health)       # vLLM's (SageMaker's) health probe
+        app.router.add_post("/ping", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/openapi.json", self.openapi)
@@ -108,19 +118,29 @@ class Server:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/tokenizer_info", self.tokenizer_info)
         return app
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
         t0 = time.perf_counter()
-        response = await self._answer(request, handler)
-        if self.args.access_log:
-            usage = request.get("usage")
-            tokens = (f"{usage['prompt_tokens']}+{usage.get('completion_tokens', 0)} tokens"
-                      if usage else "- tokens")
-            access_logger.info('%s "%s %s" %d %s %.3f s', request.remote, request.method,
-                               request.path, response.status, tokens, time.perf_counter() - t0)
-        return response
+        status = CLIENT_CLOSED     # unless an answer comes back: the client went away first
+        try:
+            response = await self._answer(request, handler)
+            status = response.status
+            return response
+        finally:   # also when a disconnect cancels the handler: one line per request
+            if self.args.access_log:
+                self._log_access(request, status, time.perf_counter() - t0)
+
+    @staticmethod
+    def _log_access(request: web.Request, status: int, seconds: float) -> None:
+        usage = request.get("usage")
+        tokens = (f"{usage['prompt_tokens']}+{usage.get('completion_tokens', 0)} tokens"
+                  if usage else "- tokens")
+        level = logging.DEBUG if request.path in PROBE_PATHS else logging.INFO
+        access_logger.log(level, '%s "%s %s" %d %s %.3f s', request.remote, request.method,
+                          request.path, status, tokens, seconds)
 
     async def _answer(self, request: web.Request, handler):
         origin = request.headers.get("Origin")
@@ -146,7 +166,8 @@ class Server:
 
     async def _handle(self, request: web.Request, handler):
         try:
-            if self.args.api_key and request.path.startswith("/v1"):
+            if self.args.api_key and (request.path.startswith("/v1")
+                                      or request.path in KEYED_PATHS):
                 given = request.headers.get("Authorization", "").encode()
                 if not hmac.compare_digest(given, f"Bearer {self.args.api_key}".encode()):
                     raise OpenAIError(401, "Unauthorized: a valid API key is required "
@@ -212,11 +233,16 @@ class Server:
 
     async def tokenize(self, request):
         serving = self._require_ready()
-        return web.json_response(serving.tokenize(await self._body(request, TokenizeRequest)))
+        return web.json_response(await serving.tokenize(await self._body(request,
+                                                                         TokenizeRequest)))
 
     async def detokenize(self, request):
         serving = self._require_ready()
-        return web.json_response(serving.detokenize(await self._body(request, DetokenizeRequest)))
+        return web.json_response(await serving.detokenize(await self._body(request,
+                                                                           DetokenizeRequest)))
+
+    async def tokenizer_info(self, request):
+        return web.json_response(self._require_ready().tokenizer_info())
 
     async def completions(self, request):
         serving = self._require_ready()
@@ -234,6 +260,7 @@ class Server:
         if isinstance(result, dict):
             request["usage"] = result.get("usage")      # for the access log line
             return web.json_response(result)
+        request["usage"] = result.usage     # filled in as the stream ends
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache", **request.get("cors", {})})
         try:
@@ -312,6 +339,8 @@ class Server:
         if self._stats_task is not None:
             self._stats_task.cancel()
         await self.llm.shutdown(graceful=graceful, timeout=self.args.shutdown_timeout)
+        if self.serving is not None:
+            self.serving.close()
         if self.runner is not None:
             await self.runner.cleanup()
 

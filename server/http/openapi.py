@@ -59,7 +59,10 @@ def openapi_document(version: str) -> dict[str, Any]:
         "/tokenize": post(TokenizeRequest, "Tokenize a prompt or chat messages", False),
         "/detokenize": post(DetokenizeRequest, "Turn token ids back into text", False),
         "/v1/models": get("The served model names"),
+        "/tokenizer_info": get("The tokenizer's configuration (vLLM's shape)"),
         "/health": get("200 when ready, 503 while loading or after the engine died", None),
+        "/ping": {**get("Same as /health (vLLM's)", None),
+                  "post": get("Same as /health (vLLM's)", None)["get"]},
         "/version": get("The jaxserve version"),
         "/metrics": get("Prometheus metrics (text exposition format)", None),
     }

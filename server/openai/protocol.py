@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxserve.server.openai.tool_choice import tool_choice_schema
@@ -118,6 +118,7 @@ class _SamplingFields(OpenAIBaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    use_beam_search: bool = False
     length_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -137,6 +138,32 @@ class _SamplingFields(OpenAIBaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+
+    # Beam search's fields: this engine has no beam search, so a request that asks for it (or
+    # for its length penalty) is refused rather than answered by sampling as if it had not.
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_beam_search(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("beam search is not supported by this server; leave "
+                             "use_beam_search false")
+        return value
+
+    @field_validator("length_penalty")
+    @classmethod
+    def _no_length_penalty(cls, value: float) -> float:
+        if value != 1.0:
+            raise ValueError("length_penalty only applies to beam search, which this server does "
+                             f"not support; it must be 1.0, got {value}")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_range(cls, value: int | None) -> int | None:
+        if value is not None and (value == 0 or value < -1):
+            raise ValueError("truncate_prompt_tokens must be an integer >= 1 or -1 (the model's "
+                             f"maximum context length), got {value}")
+        return value
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """The request's StructuredOutputsParams (ValueError naming the field when it is
@@ -279,6 +306,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -336,6 +364,16 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def uses_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice not in (None, "none")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra variables for the chat template: `chat_template_kwargs`, and `reasoning_effort`
+        when given (as vLLM: the field wins over a `reasoning_effort` in chat_template_kwargs; when
+        neither sets it the variable stays undefined, so `{% if reasoning_effort is defined %}`
+        templates pick their own default)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return kwargs
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \

@@ -10,13 +10,17 @@ runner both call these.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import os
+import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
 from jaxserve.outputs import CompletionOutput, RequestOutput
@@ -42,9 +46,19 @@ from jaxserve.server.openai.tool_parsers import get_tool_parser
 
 logger = logging.getLogger("jaxserve.server")
 
-__all__ = ["OpenAIServing", "OpenAIError", "sse", "SSE_DONE"]
+__all__ = ["OpenAIServing", "OpenAIError", "SSEStream", "sse", "SSE_DONE"]
 
 SSE_DONE = "data: [DONE]\n\n"
+
+# Inputs larger than this (characters of text, or token ids) are tokenized, templated and checked
+# on a worker thread, so one huge prompt (seconds of tokenizing) does not stall every other
+# request on the event loop; smaller ones stay inline, where a thread hop would cost more than the
+# work and could queue them behind a huge one.
+OFF_LOOP_MIN_SIZE = 16_384
+
+# The template that renders `tools` for ChatML models such as the default one (hermes tool calls).
+CHATML_TOOLS_TEMPLATE = os.path.join(os.path.dirname(__file__), "chat_templates",
+                                     "tool_chat_template_chatml_hermes.jinja")
 
 
 def sse(obj: dict) -> str:
@@ -53,6 +67,21 @@ def sse(obj: dict) -> str:
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class SSEStream:
+    """A streamed response: its SSE lines (`async for`, `aclose()`) and `usage`, the token counts
+    of what was generated, filled in when the stream ends or is closed (for the access log)."""
+
+    def __init__(self, lines: AsyncIterator[str], usage_out: dict):
+        self._lines = lines
+        self.usage = usage_out
+
+    def __aiter__(self):
+        return self._lines.__aiter__()
+
+    async def aclose(self) -> None:
+        await self._lines.aclose()
 
 
 class _Prompt:
@@ -80,6 +109,31 @@ class OpenAIServing:
         self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser \
             else None
         self.chat_template = chat_template
+        # tokenizers releases the GIL while it encodes, so these threads leave the loop free
+        self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxserve-tokenize",
+                                       initializer=_lower_thread_priority)
+        if enable_auto_tools:
+            self._warn_if_template_ignores_tools()
+
+    def _warn_if_template_ignores_tools(self) -> None:
+        template = self.chat_template or self.engine.tokenizer.chat_template
+        if template and not template_renders_tools(self.engine.tokenizer, template):
+            logger.warning(
+                "--enable-auto-tool-choice is set but the chat template ignores `tools` (it "
+                "renders the same prompt with and without them): the model is never told which "
+                "tools exist, so tool_choice \"auto\" answers in plain text. Give a template that "
+                "renders tools with --chat-template, e.g. %s (ChatML models such as the default "
+                "one, with --tool-call-parser hermes).", CHATML_TOOLS_TEMPLATE)
+
+    async def _off_loop(self, size: int, fn, *args):
+        """fn(*args) inline when the input is small (size <= OFF_LOOP_MIN_SIZE), else on the
+        worker threads, so the event loop keeps answering other requests meanwhile."""
+        if size <= OFF_LOOP_MIN_SIZE:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    def close(self) -> None:
+        self._cpu.shutdown(wait=False, cancel_futures=True)
 
     # -- shared checks ------------------------------------------------------------------------
     @property
@@ -97,11 +151,6 @@ class OpenAIServing:
         n, limit = len(token_ids), self.engine.max_model_len
         if n == 0:
             raise OpenAIError(400, "The decoder prompt cannot be empty", param="prompt")
-        vocab = self.engine.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise OpenAIError(400, f"Token id {bad} is out of vocabulary (prompt_token_ids must "
-                                   f"be in [0, {vocab}))", param="prompt")
         if max_tokens is None and n >= limit:
             raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. "
                                    f"However, your request has {n} input tokens. Please reduce "
@@ -112,6 +161,11 @@ class OpenAIServing:
                                    f"messages, {max_tokens} in the completion). Please reduce "
                                    "the length of the messages or completion.",
                               param="max_tokens")
+        vocab = self.engine.vocab_size     # after the length: a refused huge prompt is not scanned
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise OpenAIError(400, f"Token id {bad} is out of vocabulary (prompt_token_ids must "
+                                   f"be in [0, {vocab}))", param="prompt")
         return limit - n
 
     def _check_logprobs(self, num: int | None, param: str) -> None:
@@ -181,33 +235,47 @@ class OpenAIServing:
                                        if item else []))
             else:
                 prompts.append(_Prompt(None, list(item)))
-        if request.truncate_prompt_tokens is not None:
-            k = request.truncate_prompt_tokens
+        k = self._truncation(request.truncate_prompt_tokens, request.max_tokens)
+        if k is not None:
             for pr in prompts:
-                if k > 0 and len(pr.token_ids) > k:
+                if len(pr.token_ids) > k:
                     pr.token_ids, pr.text = pr.token_ids[-k:], None
         return prompts
 
+    def _truncation(self, k: int | None, max_tokens: int | None) -> int | None:
+        """truncate_prompt_tokens: keep the last k prompt tokens; -1 (vLLM's meaning) keeps as
+        many as fit in the context with max_tokens (at least one) after them."""
+        if k != -1:
+            return k
+        return max(self.engine.max_model_len - max(max_tokens or 0, 1), 1)
+
+    def _prepare_completion(self, request: CompletionRequest) -> tuple[list[_Prompt], list[int]]:
+        """Tokenize and check the prompts; returns them and each one's room left in the
+        context. The CPU-heavy part of a completion request (run off the loop when large)."""
+        prompts = self._completion_prompts(request)
+        rooms = [self._check_prompt(pr.token_ids, request.max_tokens) for pr in prompts]
+        for pr in prompts:
+            if pr.text is None and request.echo:
+                pr.text = self.engine.tokenizer.decode(pr.token_ids, skip_special_tokens=False)
+        return prompts, rooms
+
     async def create_completion(self, request: CompletionRequest,
-                                request_id: str | None = None) -> dict | AsyncIterator[str]:
+                                request_id: str | None = None) -> dict | SSEStream:
         model = self.check_model(request.model)
         self._check_logprobs(request.logprobs, "logprobs")
         self._check_logprobs(request.prompt_logprobs, "prompt_logprobs")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError(400, "best_of different from n is not supported", param="best_of")
-        prompts = self._completion_prompts(request)
-        params = []
-        for pr in prompts:
-            room = self._check_prompt(pr.token_ids, request.max_tokens)
-            params.append(self._params(request.to_sampling_params, room))
-        for pr in prompts:
-            if pr.text is None and request.echo:
-                pr.text = self.engine.tokenizer.decode(pr.token_ids, skip_special_tokens=False)
+        prompts, rooms = await self._off_loop(_input_size(request.prompt),
+                                              self._prepare_completion, request)
+        params = [self._params(request.to_sampling_params, room) for room in rooms]
         base_id = request_id or request.request_id or random_id("cmpl")
         streams = await self._add_all(base_id, prompts, params, request.priority)
         created = int(time.time())
         if request.stream:
-            return self._completion_stream(request, model, base_id, created, prompts, streams)
+            usage_out: dict = {}
+            return SSEStream(self._completion_stream(request, model, base_id, created, prompts,
+                                                     streams, usage_out), usage_out)
         finals = await collect_all(streams)
         return self._completion_response(request, model, base_id, created, prompts, finals)
 
@@ -241,8 +309,8 @@ class OpenAIServing:
                 "choices": choices,
                 "usage": usage(prompt_tokens, completion_tokens, cached)}
 
-    async def _completion_stream(self, request, model, rid, created, prompts,
-                                 streams) -> AsyncIterator[str]:
+    async def _completion_stream(self, request, model, rid, created, prompts, streams,
+                                 usage_out: dict | None = None) -> AsyncIterator[str]:
         tok = self.engine.tokenizer
         n = request.n
         opts = request.stream_options
@@ -302,6 +370,9 @@ class OpenAIServing:
         except (EngineDeadError, OpenAIError) as e:
             err = e if isinstance(e, OpenAIError) else OpenAIError(503, str(e))
             yield sse(err.to_dict())
+        finally:
+            if usage_out is not None:
+                usage_out.update(usage(sum(prompt_tokens.values()), sum(out_tokens.values())))
         yield SSE_DONE
 
     # -- /v1/chat/completions -----------------------------------------------------------------
@@ -313,7 +384,7 @@ class OpenAIServing:
                 messages, add_generation_prompt=request.add_generation_prompt, tokenize=False,
                 tools=request.tools, chat_template=request.chat_template or self.chat_template,
                 continue_final_message=request.continue_final_message,
-                **(request.chat_template_kwargs or {}))
+                **request.template_kwargs())
             # vLLM's default for chat: the template writes BOS, the tokenizer adds nothing
             ids = tok.encode(text, add_special_tokens=bool(request.add_special_tokens))
         except (ValueError, TypeError, KeyError) as e:
@@ -322,13 +393,17 @@ class OpenAIServing:
         except Exception as e:      # jinja2 errors (raise_exception in templates)
             raise OpenAIError(400, f"could not apply the chat template: {e}",
                               param="messages") from None
-        k = request.truncate_prompt_tokens
-        if k is not None and k > 0 and len(ids) > k:
+        k = self._truncation(request.truncate_prompt_tokens, request.requested_max_tokens())
+        if k is not None and len(ids) > k:
             ids = ids[-k:]        # keep the last k tokens, as for completions
         return _Prompt(None, ids)
 
+    def _prepare_chat(self, request: ChatCompletionRequest) -> tuple[_Prompt, int]:
+        prompt = self._chat_prompt(request)
+        return prompt, self._check_prompt(prompt.token_ids, request.requested_max_tokens())
+
     async def create_chat_completion(self, request: ChatCompletionRequest,
-                                     request_id: str | None = None) -> dict | AsyncIterator[str]:
+                                     request_id: str | None = None) -> dict | SSEStream:
         model = self.check_model(request.model)
         if request.logprobs:
             self._check_logprobs(request.top_logprobs, "top_logprobs")
@@ -340,8 +415,8 @@ class OpenAIServing:
                 not (self.enable_auto_tools and self.tool_parser is not None):
             raise OpenAIError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
                                    "--tool-call-parser to be set", param="tool_choice")
-        prompt = self._chat_prompt(request)
-        room = self._check_prompt(prompt.token_ids, request.requested_max_tokens())
+        prompt, room = await self._off_loop(_input_size(request.messages), self._prepare_chat,
+                                            request)
         params = self._params(request.to_sampling_params, room)
         parser = self._output_parser(request)
         if parser is not None and parser.tools is not None and parser.tools.keeps_special_tokens:
@@ -350,7 +425,9 @@ class OpenAIServing:
         streams = await self._add_all(base_id, [prompt], [params], request.priority)
         created = int(time.time())
         if request.stream:
-            return self._chat_stream(request, model, base_id, created, streams)
+            usage_out: dict = {}
+            return SSEStream(self._chat_stream(request, model, base_id, created, streams,
+                                               usage_out), usage_out)
         (out,) = await collect_all(streams)
         return self._chat_response(request, model, base_id, created, out)
 
@@ -393,7 +470,8 @@ class OpenAIServing:
             body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
         return body
 
-    async def _chat_stream(self, request, model, rid, created, streams) -> AsyncIterator[str]:
+    async def _chat_stream(self, request, model, rid, created, streams,
+                           usage_out: dict | None = None) -> AsyncIterator[str]:
         tok = self.engine.tokenizer
         n = request.n or 1
         opts = request.stream_options
@@ -453,6 +531,9 @@ class OpenAIServing:
         except (EngineDeadError, OpenAIError) as e:
             err = e if isinstance(e, OpenAIError) else OpenAIError(503, str(e))
             yield sse(err.to_dict())
+        finally:
+            if usage_out is not None:
+                usage_out.update(usage(prompt_tokens, sum(out_tokens.values())))
         yield SSE_DONE
 
     # -- models, tokenize ---------------------------------------------------------------------
@@ -462,8 +543,12 @@ class OpenAIServing:
         return {"object": "list",
                 "data": [model_card(name, root, self.engine.max_model_len) for name in names]}
 
-    def tokenize(self, request: TokenizeRequest) -> dict:
+    async def tokenize(self, request: TokenizeRequest) -> dict:
         self.check_model(request.model)
+        size = _input_size(request.messages if request.prompt is None else request.prompt)
+        return await self._off_loop(size, self._tokenize, request)
+
+    def _tokenize(self, request: TokenizeRequest) -> dict:
         tok = self.engine.tokenizer
         if request.messages is not None:
             messages = [_flatten_content(m, i) for i, m in enumerate(request.messages)]
@@ -480,13 +565,37 @@ class OpenAIServing:
                 "token_strs": tok.convert_ids_to_tokens(ids) if request.return_token_strs
                 else None}
 
-    def detokenize(self, request: DetokenizeRequest) -> dict:
+    async def detokenize(self, request: DetokenizeRequest) -> dict:
         self.check_model(request.model)
+        return await self._off_loop(len(request.tokens), self._detokenize, request)
+
+    def _detokenize(self, request: DetokenizeRequest) -> dict:
         vocab = self.engine.vocab_size
         bad = next((t for t in request.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise OpenAIError(400, f"Token id {bad} is out of vocabulary", param="tokens")
         return {"prompt": self.engine.tokenizer.decode(request.tokens)}
+
+    def tokenizer_info(self) -> dict:
+        """GET /tokenizer_info (vLLM's): the tokenizer's configuration as tokenizer_config.json
+        writes it (file paths left out, special tokens as their text) with `tokenizer_class`
+        and the chat template this server renders; lm-evaluation-harness's remote tokenizer
+        reads the special tokens and the template from it."""
+        tok = self.engine.tokenizer
+        info = {k: _plain(v) for k, v in (tok.config or {}).items()
+                if k not in ("vocab_file", "merges_file")}
+        info["added_tokens_decoder"] = {str(i): t.content for i, t in
+                                        sorted(tok.backend.get_added_tokens_decoder().items())}
+        info.update(bos_token=tok.bos_token, eos_token=tok.eos_token, unk_token=tok.unk_token,
+                    pad_token=tok.pad_token, add_bos_token=tok.add_bos_token,
+                    name_or_path=self.model_root or self.model_name)
+        info.setdefault("model_max_length", self.engine.max_model_len)
+        cls = info.get("tokenizer_class") or "PreTrainedTokenizer"
+        info["tokenizer_class"] = cls if cls.endswith("Fast") else cls + "Fast"  # as loaded
+        template = self.chat_template or tok.chat_template
+        if template:
+            info["chat_template"] = template
+        return info
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -500,6 +609,59 @@ def load_chat_template(value: str | None) -> str | None:
     if "{{" in value or "{%" in value:
         return value
     raise ValueError(f"--chat-template {value!r} is neither a file nor a jinja template")
+
+
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "jaxserve_probe_tool", "description": "A tool that only tests the template.",
+    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+
+
+def template_renders_tools(tokenizer, template: str) -> bool:
+    """Whether a chat template writes a request's `tools` into the prompt: rendered with and
+    without a sample tool, the two prompts differ. A template that cannot be rendered here
+    counts as rendering them (nothing to warn about with certainty)."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    try:
+        with_tool = tokenizer.apply_chat_template(messages, tools=[_PROBE_TOOL],
+                                                  chat_template=template)
+        without = tokenizer.apply_chat_template(messages, chat_template=template)
+    except Exception:
+        return True
+    return with_tool != without
+
+
+def _lower_thread_priority() -> None:
+    """Tokenizing a huge prompt is bulk work: on Linux (where a nice value is per thread) the
+    worker thread yields the CPU to the engine step and the event loop, so short requests keep
+    their latency while it runs. Elsewhere setpriority would renice the whole process: skipped."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except OSError:
+            pass
+
+
+def _input_size(value) -> int:
+    """How big a prompt or message list is: characters of text plus token ids (for the
+    off-the-loop decision; no validation)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_input_size(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_input_size(v) if isinstance(v, (str, list, dict)) else 1 for v in value)
+    return 0
+
+
+def _plain(value):
+    """tokenizer_config.json values as JSON: an AddedToken dict becomes its text."""
+    if isinstance(value, dict):
+        if isinstance(value.get("content"), str) and "lstrip" in value:
+            return value["content"]
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _echo_only(c: CompletionOutput) -> CompletionOutput:
