@@ -267,9 +267,9 @@ def test_cli_lines_models_and_errors(tmp_path):
     assert "run-batch: 18 lines (12 ok, 6 failed)" in text and "tok/s" in text
 
 
-@pytest.mark.slow
-def test_cli_sigkill_then_resume(tmp_path):
-    n = 48
+def _job_with_four_lines_written(tmp_path, n: int = 48):
+    """Start a run-batch job of n long completions; return (process, input, output) once it has
+    written 4 result lines (or finished or timed out: the caller asserts it is still running)."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join(completion(f"r{i}", i, max_tokens=24, ignore_eos=True)
                              for i in range(n)) + "\n")
@@ -279,6 +279,13 @@ def test_cli_sigkill_then_resume(tmp_path):
         if out.exists() and len(out.read_text().splitlines()) >= 4:
             break
         time.sleep(0.2)
+    return p, inp, out
+
+
+@pytest.mark.slow
+def test_cli_sigkill_then_resume(tmp_path):
+    n = 48
+    p, inp, out = _job_with_four_lines_written(tmp_path, n)
     assert p.poll() is None, "the job finished before it could be killed"
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
@@ -307,15 +314,7 @@ def test_cli_sigkill_then_resume(tmp_path):
 @pytest.mark.slow
 def test_cli_ctrl_c_exits_cleanly_and_its_resume_command_finishes_the_job(tmp_path):
     n = 48
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    inp.write_text("\n".join(completion(f"r{i}", i, max_tokens=24, ignore_eos=True)
-                             for i in range(n)) + "\n")
-    p = cli("-i", str(inp), "-o", str(out), "--max-concurrency", "8", "--max-num-seqs", "4")
-    deadline = time.time() + 500
-    while time.time() < deadline and p.poll() is None:
-        if out.exists() and len(out.read_text().splitlines()) >= 4:
-            break
-        time.sleep(0.2)
+    p, inp, out = _job_with_four_lines_written(tmp_path, n)
     assert p.poll() is None, "the job finished before it could be interrupted"
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
