@@ -77,6 +77,10 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("load_format", "LoadConfig", dict(choices=LOAD_FORMATS, help="'dummy': seeded random "
                                        "weights of the shapes in MODEL/config.json, no "
                                        "checkpoint files (benchmarks).")),
+    ("revision", "ModelConfig", dict(help="Hub model revision (branch, tag or commit) to "
+                                     "download.", shown_default="the default branch")),
+    ("download_dir", "LoadConfig", dict(help="Where Hub models are downloaded (Hugging Face "
+                                        "cache layout).", shown_default="the Hugging Face cache")),
     ("max_logprobs", "ModelConfig", dict(type=int, help="Largest logprobs / top_logprobs a "
                                          "request may ask for.")),
     ("generation_config", "ModelConfig", dict(help="Default sampling parameters of requests "
