@@ -259,11 +259,22 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                     help="No log line per request.")
     fe.add_argument("--disable-log-stats", action="store_true",
                     help="No periodic throughput / KV cache usage line while serving.")
+    fe.add_argument("--metrics-prefix", type=_metrics_prefixes, default=None, metavar="PREFIX[,PREFIX]",
+                    help="Prefix(es) of /metrics names: 'vllm' for vLLM's dashboards, "
+                         "'jaxserve,vllm' for both (default: jaxserve).")
     fe.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                     help="Browser origins allowed by CORS ('*' for any; default: none, CORS off).")
     fe.add_argument("--config", default=None, help="YAML file of flag values; the command line "
                                                    "wins.")
     add_tool_arguments(p)
+
+
+def _metrics_prefixes(text: str) -> tuple[str, ...]:
+    from jaxserve.server.http.metrics import check_prefixes
+    try:
+        return check_prefixes(text.split(","))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_tool_arguments(p: argparse.ArgumentParser) -> None:
@@ -329,6 +340,7 @@ def _serve(ns: argparse.Namespace) -> int:
                              enable_auto_tool_choice=bool(ns.enable_auto_tool_choice),
                              tool_call_parser=ns.tool_call_parser,
                              reasoning_parser=ns.reasoning_parser,
+                             metrics_prefix=ns.metrics_prefix or ("jaxserve",),
                              **({} if ns.max_request_body_bytes is None else
                                 {"max_request_body_bytes": ns.max_request_body_bytes}),
                              **({} if ns.shutdown_timeout is None else
