@@ -109,6 +109,16 @@ def test_llm_downloads_only_loadable_files_loads_and_generates(hub, online):
     assert hub.requests and all(h.get("Authorization") == f"Bearer {TOKEN}" for _, _, h in hub.requests)
 
 
+def test_a_draft_model_may_be_a_hub_name(hub, online):
+    from jaxserve import LLM, SamplingParams
+    with LLM(model="acme/tiny", speculative_config={"model": "acme/tiny", "num_speculative_tokens": 2},
+             load_format="dummy", download_dir=str(online), max_model_len=64,
+             kv_cache_memory_bytes=8 << 20, warmup=False) as llm:
+        out = llm.generate("t5 t17", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert "model.safetensors" not in _gets(hub)          # dummy weights: configs only
+
+
 def test_revision_is_honoured(hub, online):
     folder = Path(resolve_model("acme/tiny", revision="v2", download_dir=str(online), weights=False))
     assert folder.name == hub.v2 and (folder / "extra.json").exists()

@@ -127,7 +127,9 @@ class LLMEngine:
         spec = args.spec_config()
         draft = draft_plan = None
         if spec is not None and spec.method == "draft_model":
-            draft = load_draft(spec.model, cfg, self.tokenizer, dtype=dtype, mesh=self.mesh,
+            draft_path = resolve_model(spec.model, download_dir=args.download_dir,
+                                       weights=args.load_format != "dummy")
+            draft = load_draft(draft_path, cfg, self.tokenizer, dtype=dtype, mesh=self.mesh,
                                load_format=args.load_format, seed=args.seed,
                                quantization=args.quantization,
                                expert_parallel=args.enable_expert_parallel)
