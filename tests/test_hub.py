@@ -166,6 +166,8 @@ def test_gguf_repos_need_the_file_named(hub, online):
     path = resolve_model("acme/gguf-only/model.Q8_0.gguf", download_dir=str(online))
     assert path.endswith("model.Q8_0.gguf") and Path(path).read_bytes() == b"GGUF" * 2000
     assert "model.Q4_0.gguf" not in _gets(hub)
+    with pytest.raises(ModelLoadError, match=r"'acme/gguf-only/nope\.gguf'.*EntryNotFound"):
+        resolve_model("acme/gguf-only/nope.gguf", download_dir=str(online))
 
 
 def test_an_unknown_repo_is_named(hub, online):

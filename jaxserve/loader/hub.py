@@ -55,9 +55,8 @@ def resolve_model(name: str | os.PathLike, *, revision: str | None = None,
         folder = hf.snapshot_download(repo, revision=revision, cache_dir=cache_dir,
                                       allow_patterns=ALLOW_PATTERNS if weights else CONFIG_PATTERNS,
                                       ignore_patterns=IGNORE_PATTERNS)
-    except Exception as e:      # huggingface_hub's errors (not found, offline, 401, network)
-        if not isinstance(e, (OSError, ValueError, hf.errors.HfHubHTTPError)):
-            raise
+    # huggingface_hub's errors: repo/revision/file not found, offline and not cached, 401, network
+    except (OSError, ValueError, hf.errors.HfHubHTTPError, hf.errors.EntryNotFoundError) as e:
         where = f" at revision {revision!r}" if revision else ""
         offline = (" HF_HUB_OFFLINE is set, so only the local Hugging Face cache "
                    f"({cache_dir or constants.HF_HUB_CACHE}) was searched and the model is not "
