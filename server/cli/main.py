@@ -151,7 +151,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
     if model_positional:
         parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
-                            help="HF directory or .gguf file (default: the embedded "
+                            help="HF directory, .gguf file or Hub name org/name (default: the embedded "
                                  "SmolLM2-135M-Instruct).")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for name, group, kwargs in _ENGINE_FLAGS:
@@ -161,7 +161,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         if group == "ModelConfig" and name == "tokenizer":
             g.add_argument("--model", dest="model", default=None,
                            help="Same as the positional MODEL." if model_positional else
-                           "HF directory or .gguf file (default: the embedded "
+                           "HF directory, .gguf file or Hub name org/name (default: the embedded "
                            "SmolLM2-135M-Instruct).")
         kwargs = dict(kwargs)
         help_text = kwargs.pop("help", "")
@@ -427,7 +427,7 @@ register_subcommand("generate", "Generate completions for one or more prompts (o
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", metavar="DIR", help="Where to write the Hugging Face files.")
     p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
-                   help="HF directory or .gguf file (default: the embedded "
+                   help="HF directory, .gguf file or Hub name org/name (default: the embedded "
                         "SmolLM2-135M-Instruct).")
     p.add_argument("--no-weights", action="store_true",
                    help="Write config, generation config and tokenizer files only.")
