@@ -481,6 +481,10 @@ class EngineArgs:
     speculative_config: dict | None = None
     seed: int = 0
     load_format: str = "auto"   # "dummy": seeded random weights of config.json's shapes
+    # A Hub name (org/name) for `model` is downloaded (jaxserve/loader/hub.py): into download_dir
+    # (Hugging Face cache layout; None: the HF cache) at `revision` (None: the default branch).
+    download_dir: str | None = None
+    revision: str | None = None
     # JAX's persistent compilation cache (process-wide jax.config): None or "" leaves jax.config
     # alone; the jaxserve CLI passes ~/.cache/jaxserve/xla unless --compilation-cache-dir says.
     compilation_cache_dir: str | None = None

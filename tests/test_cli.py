@@ -117,13 +117,17 @@ def test_version_flag_prints_the_version(capsys):
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"jaxserve {__version__}"
 
 
-def test_a_hub_name_is_refused_with_what_to_do(capsys):
+def test_an_uncached_hub_name_offline_is_refused_naming_it(capsys, monkeypatch, tmp_path):
+    """Hub names download (tests/test_hub.py); with HF_HUB_OFFLINE and an empty cache the
+    refusal names the model and why."""
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(SystemExit) as e:
-        cli.main(["generate", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "Hello"])
+        cli.main(["generate", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--download-dir",
+                  str(tmp_path), "Hello"])
     err = capsys.readouterr().err
     assert e.value.code == 2
-    assert "is not a local path" in err and "does not download models" in err
-    assert "huggingface-cli download HuggingFaceTB/SmolLM2-135M-Instruct" in err
+    assert "'HuggingFaceTB/SmolLM2-135M-Instruct'" in err and "HF_HUB_OFFLINE is set" in err
 
 
 def _help_texts() -> dict[str, str]:

@@ -26,6 +26,7 @@ from jaxserve.engine import multihost
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.loader.generation_config import default_sampling_params, generation_eos_token_ids
 from jaxserve.loader.gguf import read_gguf
+from jaxserve.loader.hub import resolve_model
 from jaxserve.loader.loader import load_model, resolve_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sharding.mesh import make_mesh
@@ -78,7 +79,9 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, *, warmup: bool = True):
         t0 = time.perf_counter()
         self.args = args
-        model_path = args.model or str(default_model_path())
+        model_path = resolve_model(args.model, revision=args.revision, download_dir=args.download_dir,
+                                   weights=args.load_format != "dummy") \
+            if args.model else str(default_model_path())
         self.model_path = model_path
         self.model_name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None
                                                      else args.model)
@@ -124,7 +127,9 @@ class LLMEngine:
         spec = args.spec_config()
         draft = draft_plan = None
         if spec is not None and spec.method == "draft_model":
-            draft = load_draft(spec.model, cfg, self.tokenizer, dtype=dtype, mesh=self.mesh,
+            draft_path = resolve_model(spec.model, download_dir=args.download_dir,
+                                       weights=args.load_format != "dummy")
+            draft = load_draft(draft_path, cfg, self.tokenizer, dtype=dtype, mesh=self.mesh,
                                load_format=args.load_format, seed=args.seed,
                                quantization=args.quantization,
                                expert_parallel=args.enable_expert_parallel)
@@ -481,7 +486,8 @@ def _load_tokenizer(args: EngineArgs, model_path: str, reader, cfg) -> Tokenizer
     synthetic word-level one ("t17 t42" <-> [17, 42]) so the whole engine path still runs."""
     if args.tokenizer is None and reader is not None:
         return Tokenizer.from_gguf(reader)
-    source = args.tokenizer or model_path
+    source = resolve_model(args.tokenizer, download_dir=args.download_dir, weights=False) \
+        if args.tokenizer else model_path
     if args.load_format == "dummy" and args.tokenizer is None and os.path.isdir(source) and \
             not any(os.path.exists(os.path.join(source, f))
                     for f in ("tokenizer.json", "tokenizer_config.json")):

@@ -271,12 +271,11 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
 def _not_a_local_path(name: str) -> str:
     parts = name.split("/")
     if len(parts) == 2 and all(parts) and not name.startswith((".", "~")):
-        return (f"{name!r} is not a local path. It looks like a Hugging Face Hub model name, and "
-                "jaxserve does not download models: download it first (for example "
-                f"`huggingface-cli download {name} --local-dir ./{parts[1]}`) and pass that "
-                "directory, or a .gguf file")
-    return (f"model path {name!r} does not exist (jaxserve loads local Hugging Face directories "
-            "and .gguf files; it downloads nothing)")
+        return (f"{name!r} is not a local path. It looks like a Hugging Face Hub model name: "
+                "load_model reads local paths only; LLM, `jaxserve serve` and run-batch download "
+                "Hub names (jaxserve.loader.hub.resolve_model gives the local path)")
+    return (f"model path {name!r} does not exist (load_model reads local Hugging Face directories "
+            "and .gguf files)")
 
 
 def gguf_config_of(path: Path, reader=None) -> ModelConfig:

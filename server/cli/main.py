@@ -77,6 +77,10 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("load_format", "LoadConfig", dict(choices=LOAD_FORMATS, help="'dummy': seeded random "
                                        "weights of the shapes in MODEL/config.json, no "
                                        "checkpoint files (benchmarks).")),
+    ("revision", "ModelConfig", dict(help="Hub model revision (branch, tag or commit) to "
+                                     "download.", shown_default="the default branch")),
+    ("download_dir", "LoadConfig", dict(help="Where Hub models are downloaded (Hugging Face "
+                                        "cache layout).", shown_default="the Hugging Face cache")),
     ("max_logprobs", "ModelConfig", dict(type=int, help="Largest logprobs / top_logprobs a "
                                          "request may ask for.")),
     ("generation_config", "ModelConfig", dict(help="Default sampling parameters of requests "
@@ -147,7 +151,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
     if model_positional:
         parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
-                            help="HF directory or .gguf file (default: the embedded "
+                            help="HF directory, .gguf file or Hub name org/name (default: the embedded "
                                  "SmolLM2-135M-Instruct).")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for name, group, kwargs in _ENGINE_FLAGS:
@@ -157,7 +161,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         if group == "ModelConfig" and name == "tokenizer":
             g.add_argument("--model", dest="model", default=None,
                            help="Same as the positional MODEL." if model_positional else
-                           "HF directory or .gguf file (default: the embedded "
+                           "HF directory, .gguf file or Hub name org/name (default: the embedded "
                            "SmolLM2-135M-Instruct).")
         kwargs = dict(kwargs)
         help_text = kwargs.pop("help", "")
@@ -255,6 +259,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                     help="No log line per request.")
     fe.add_argument("--disable-log-stats", action="store_true",
                     help="No periodic throughput / KV cache usage line while serving.")
+    fe.add_argument("--metrics-prefix", type=_metrics_prefixes, default=None, metavar="PREFIX[,PREFIX]",
+                    help="Prefix(es) of /metrics names: 'vllm' for vLLM's dashboards, "
+                         "'jaxserve,vllm' for both (default: jaxserve).")
     fe.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                     help="Browser origins allowed by CORS ('*' for any; default: none, CORS off).")
     fe.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
@@ -263,6 +270,14 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     fe.add_argument("--config", default=None, help="YAML file of flag values; the command line "
                                                    "wins.")
     add_tool_arguments(p)
+
+
+def _metrics_prefixes(text: str) -> tuple[str, ...]:
+    from jaxserve.server.http.metrics import check_prefixes
+    try:
+        return check_prefixes(text.split(","))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_tool_arguments(p: argparse.ArgumentParser) -> None:
@@ -328,6 +343,7 @@ def _serve(ns: argparse.Namespace) -> int:
                              enable_auto_tool_choice=bool(ns.enable_auto_tool_choice),
                              tool_call_parser=ns.tool_call_parser,
                              reasoning_parser=ns.reasoning_parser,
+                             metrics_prefix=ns.metrics_prefix or ("jaxserve",),
                              **({} if ns.max_request_body_bytes is None else
                                 {"max_request_body_bytes": ns.max_request_body_bytes}),
                              **({} if ns.shutdown_timeout is None else
@@ -414,7 +430,7 @@ register_subcommand("generate", "Generate completions for one or more prompts (o
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", metavar="DIR", help="Where to write the Hugging Face files.")
     p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
-                   help="HF directory or .gguf file (default: the embedded "
+                   help="HF directory, .gguf file or Hub name org/name (default: the embedded "
                         "SmolLM2-135M-Instruct).")
     p.add_argument("--no-weights", action="store_true",
                    help="Write config, generation config and tokenizer files only.")

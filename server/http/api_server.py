@@ -65,6 +65,8 @@ class ServerArgs:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # /metrics name prefixes: ("jaxserve", "vllm") serves every metric under both
+    metrics_prefix: tuple[str, ...] = ("jaxserve",)
 
 
 def _error_response(err: OpenAIError) -> web.Response:
@@ -288,7 +290,7 @@ class Server:
         await self.llm.start()
         engine = self.llm.engine
         names = self.args.served_model_name or [engine.model_name]
-        self.metrics = ServerMetrics(names[0], lambda: self.llm.stats)
+        self.metrics = ServerMetrics(names[0], lambda: self.llm.stats, self.args.metrics_prefix)
         self.serving = OpenAIServing(self.llm, names, self.args.response_role,
                                      model_root=engine.model_path,
                                      enable_auto_tools=self.args.enable_auto_tool_choice,

@@ -1,4 +1,6 @@
-"""Prometheus metrics with vLLM's names under the `jaxserve:` prefix, label `model_name`.
+"""Prometheus metrics with vLLM's names under the `jaxserve:` prefix, label `model_name`;
+`prefixes` serves them under other prefixes too (`--metrics-prefix jaxserve,vllm`: vLLM's
+Grafana dashboards and autoscaling rules query `vllm:` names).
 
 Each server owns its own `CollectorRegistry` (tests run several servers in one process). Gauges
 and engine-wide counters are read from the engine loop's last `EngineStats` snapshot when
@@ -8,10 +10,11 @@ and engine-wide counters are read from the engine loop's last `EngineStats` snap
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from jaxserve.outputs import RequestOutput
 
@@ -19,6 +22,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                  100000, 200000, 500000, 1000000)
+_PREFIX = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -54,6 +60,9 @@ class _EngineCollector:
                     get("num_waiting"))
         yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                     get("kv_cache_usage"))
+        # vLLM's name before 0.10 (older dashboards and KEDA rules still query it)
+        yield gauge("gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage "
+                    "(vLLM's older name of kv_cache_usage_perc).", get("kv_cache_usage"))
         yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
                       get("num_preemptions_total"))
         yield counter("prompt_tokens", "Number of prefill tokens processed.",
@@ -78,9 +87,42 @@ class _EngineCollector:
         yield per_pos
 
 
+def check_prefixes(prefixes: Iterable[str]) -> tuple[str, ...]:
+    """The metric name prefixes, validated (ValueError naming --metrics-prefix)."""
+    prefixes = tuple(dict.fromkeys(p.strip() for p in prefixes))
+    if not prefixes or not all(_PREFIX.fullmatch(p) for p in prefixes):
+        raise ValueError(f"--metrics-prefix must be comma-separated Prometheus names (letters, "
+                         f"digits, '_'), e.g. 'jaxserve,vllm', got {','.join(prefixes)!r}")
+    return prefixes
+
+
+class _Prefixed:
+    """The registry's metrics under each prefix ("jaxserve:x" -> "vllm:x"): one set of
+    collectors and histograms, renamed when rendered."""
+
+    def __init__(self, registry: CollectorRegistry, prefixes: tuple[str, ...]):
+        self.registry, self.prefixes = registry, prefixes
+
+    def collect(self):
+        families = list(self.registry.collect())
+        for prefix in self.prefixes:
+            for m in families:
+                if prefix == "jaxserve":
+                    yield m
+                    continue
+                renamed = Metric(_rename(m.name, prefix), m.documentation, m.type, m.unit)
+                renamed.samples = [s._replace(name=_rename(s.name, prefix)) for s in m.samples]
+                yield renamed
+
+
+def _rename(name: str, prefix: str) -> str:
+    return prefix + name[len("jaxserve"):] if name.startswith("jaxserve:") else name
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, get_stats: Callable):
+    def __init__(self, model_name: str, get_stats: Callable, prefixes: Iterable[str] = ("jaxserve",)):
         self.registry = CollectorRegistry()
+        self.view = _Prefixed(self.registry, check_prefixes(prefixes))
         self.model_name = model_name
         self.registry.register(_EngineCollector(model_name, get_stats))
         r, labels = self.registry, ["model_name"]
@@ -99,6 +141,16 @@ class ServerMetrics:
         self.queue_time = Histogram("jaxserve:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.",
                                     labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        # vLLM's per-request phases: queued -> scheduled -> first token (prefill) -> last (decode)
+        self.inference_time, self.prefill_time, self.decode_time = (
+            Histogram(f"jaxserve:request_{phase}_time_seconds", doc, labels, buckets=_LATENCY_BUCKETS,
+                      registry=r).labels(model_name)
+            for phase, doc in (("inference", "Histogram of time spent in RUNNING phase for request."),
+                               ("prefill", "Histogram of time spent in PREFILL phase for request."),
+                               ("decode", "Histogram of time spent in DECODE phase for request.")))
+        self.prompt_tokens = Histogram("jaxserve:request_prompt_tokens",
+                                       "Number of prefill tokens processed.", labels,
+                                       buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
         self._counted: dict[str, set[int]] = {}     # request id -> choice indices counted
 
     def observe(self, out: RequestOutput, arrival_time: float) -> None:
@@ -114,6 +166,7 @@ class ServerMetrics:
         m = out.metrics
         if m is None:
             return
+        self.prompt_tokens.observe(len(out.prompt_token_ids))
         if m.time_in_queue is not None:
             self.queue_time.observe(max(0.0, m.time_in_queue))
         if m.first_token_time is not None:
@@ -123,6 +176,11 @@ class ServerMetrics:
         end = m.finished_time or m.last_token_time
         if end is not None:
             self.e2e.observe(max(0.0, end - arrival_time))
+        if m.first_scheduled_time is not None and end is not None:
+            self.inference_time.observe(max(0.0, end - m.first_scheduled_time))
+            if m.first_token_time is not None:
+                self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+                self.decode_time.observe(max(0.0, end - m.first_token_time))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.view)
