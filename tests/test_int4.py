@@ -286,3 +286,58 @@ def test_quantization_flag_must_name_the_checkpoint_method(tmp_path):
         load_model(tmp_path, "float32", quantization="gptq")
     _, weights = load_model(tmp_path, "float32", quantization="awq_marlin")    # vLLM's kernel alias
     assert isinstance(weights.layers.wo, Int4Weight)
+
+
+# -- tensor parallelism: codes, scales and zeros split with the matrix ---------------------------------
+
+_TP_CHILD = """
+import json, sys
+import jax
+from jaxserve import LLM, SamplingParams
+from jaxserve.layers.int4 import Int4Weight
+assert len(jax.devices()) == 8
+result = []
+for path, tp in json.loads(sys.argv[1]):
+    try:
+        llm = LLM(model=path, tensor_parallel_size=tp, dtype="float32", max_model_len=64, max_num_seqs=4,
+                  num_gpu_blocks_override=32, warmup=False, compilation_cache_dir="")
+    except ValueError as e:
+        result.append(dict(error=str(e)))
+        continue
+    with llm:
+        w = llm.llm_engine.runner.weights.layers
+        outs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]}],
+                            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0),
+                            use_tqdm=False)
+        c = outs[0].outputs[0]
+        result.append(dict(tokens=list(c.token_ids), logprobs=[e[t].logprob for e, t in zip(c.logprobs, c.token_ids)],
+                           in_shards=[w.wo.in_shards, w.w_down.in_shards, w.wq.in_shards],
+                           wq_codes_per_device=w.wq.q.addressable_shards[0].data.shape[-1],
+                           wo_codes_per_device=w.wo.q.addressable_shards[0].data.shape[-2]))
+print("RESULT" + json.dumps(result))
+"""
+
+
+def test_int4_weights_split_over_tensor_parallel_devices(tmp_path):
+    import os
+    import subprocess
+    import sys
+    write_int4_checkpoint(tmp_path / "g32", "gptq", 32, False, True)
+    write_int4_checkpoint(tmp_path / "g64", "awq", 64, False, False)
+    from jaxserve.tokenizer.tokenizer import Tokenizer
+    for d in ("g32", "g64"):       # prompts are token ids; the engine still wants a tokenizer
+        Tokenizer.synthetic(96).backend.save(str(tmp_path / d / "tokenizer.json"))
+    runs = [(str(tmp_path / "g32"), tp) for tp in (1, 2, 4)] + [(str(tmp_path / "g64"), 4)]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _TP_CHILD, json.dumps(runs)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, *split, refused = json.loads(proc.stdout.split("RESULT")[-1])
+    assert "error" not in one, one["error"]
+    assert one["in_shards"] == [1, 1, 1]
+    for tp, r in zip((2, 4), split):
+        assert r["tokens"] == one["tokens"], tp
+        np.testing.assert_allclose(r["logprobs"], one["logprobs"], atol=1e-4)
+        assert r["in_shards"] == [tp, tp, 1]                      # row-parallel wo, w_down; column wq
+        assert r["wq_codes_per_device"] == 128 // tp and r["wo_codes_per_device"] == 128 // 8 // tp
+    assert "not a whole number of 64-row groups" in refused["error"], refused
