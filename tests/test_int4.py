@@ -17,7 +17,7 @@ from jaxserve.layers.int4 import Int4Weight, pack, ref_int4_matmul, unpack
 from jaxserve.layers.linear import DenseWeight, linear
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from helpers_paged import PagedRunner  # noqa: E402
 from test_model_parity import build_tiny_checkpoint  # noqa: E402
@@ -96,7 +96,7 @@ def _quantize(w: np.ndarray, g: int, sym: bool, gidx: np.ndarray):
             zero[j] = np.clip(np.round(-lo / scale[j].astype(np.float32)), 0, 15)
     s, z = scale.astype(np.float32)[gidx], zero.astype(np.float32)[gidx]
     codes = np.clip(np.round(wt / s) + z, 0, 15).astype(np.uint8)
-    return codes, scale, zero, ((codes - z) * s).T
+    return codes, scale, zero, np.ascontiguousarray(((codes - z) * s).T)
 
 
 def _words(x) -> np.ndarray:
@@ -168,35 +168,37 @@ def _qconfig(method, g, sym, act_order):
                                           "format": "pack-quantized"}}, "ignore": ["lm_head"]}
 
 
-def write_int4_checkpoint(root: Path, method: str, g: int, sym: bool, act_order: bool, seed=0, qconfig=None):
-    """A tiny random Llama saved by transformers, its linear layers replaced by `method`'s int4 tensors;
-    returns the torch model with the dequantised weights."""
+def write_int4_checkpoint(root: Path, method: str, g: int, sym: bool, act_order: bool, seed=0,
+                          config_class="LlamaConfig", kwargs=TINY):
+    """A tiny random model saved by transformers, every `*_proj` linear of its layers (experts included,
+    the router not) replaced by `method`'s int4 tensors; returns transformers' model of the same
+    weights dequantised (saved plainly next to `root` and loaded back)."""
     from safetensors.numpy import load_file, save_file
-    model = build_tiny_checkpoint(root, "LlamaConfig", TINY, seed=seed)
+    build_tiny_checkpoint(root, config_class, kwargs, seed=seed)
     tensors = load_file(str(root / "model.safetensors"))
     rng = np.random.default_rng(seed)
-    params = dict(model.named_parameters())
-    for i in range(model.config.num_hidden_layers):
-        for name in LINEARS:
-            key = f"model.layers.{i}.{name}"
-            w = tensors.pop(key + ".weight")
-            k = w.shape[1]
-            gidx = (rng.permutation(k) // g) if act_order else np.arange(k) // g
-            codes, scale, zero, deq = _quantize(w, g, sym, gidx)
-            if method == "gptq":
-                new = gptq_tensors(codes, scale, zero, gidx)
-            elif method == "awq":
-                new = awq_tensors(codes, scale, zero, gidx)
-            else:
-                new = ct_tensors(codes, scale, zero, gidx, sym, act_order)
-            tensors.update({f"{key}.{t}": v for t, v in new.items()})
-            with torch.no_grad():
-                params[key + ".weight"].copy_(torch.from_numpy(deq))
+    plain = dict(tensors)
+    for key in [k for k in tensors if k.startswith("model.layers.") and k.endswith("_proj.weight")]:
+        w = tensors.pop(key)
+        k = w.shape[1]
+        gidx = (rng.permutation(k) // g) if act_order else np.arange(k) // g
+        codes, scale, zero, plain[key] = _quantize(w, g, sym, gidx)
+        if method == "gptq":
+            new = gptq_tensors(codes, scale, zero, gidx)
+        elif method == "awq":
+            new = awq_tensors(codes, scale, zero, gidx)
+        else:
+            new = ct_tensors(codes, scale, zero, gidx, sym, act_order)
+        tensors.update({key[: -len("weight")] + t: v for t, v in new.items()})
+    dequantized = root.parent / (root.name + "-dequantized")
+    dequantized.mkdir()
+    (dequantized / "config.json").write_text((root / "config.json").read_text())
+    save_file(plain, str(dequantized / "model.safetensors"))
     save_file(tensors, str(root / "model.safetensors"))
     cfg = json.loads((root / "config.json").read_text())
-    cfg["quantization_config"] = qconfig or _qconfig(method, g, sym, act_order)
+    cfg["quantization_config"] = _qconfig(method, g, sym, act_order)
     (root / "config.json").write_text(json.dumps(cfg))
-    return model
+    return transformers.AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
 
 
 CASES = {   # method, group size, symmetric, act order
@@ -219,8 +221,8 @@ def _logprobs(logits: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("case", list(CASES))
 def test_int4_checkpoint_matches_transformers_on_dequantised_weights(tmp_path, case):
     method, g, sym, act_order = CASES[case]
-    model = write_int4_checkpoint(tmp_path, method, g, sym, act_order)
-    cfg, weights = load_model(tmp_path, "float32")
+    model = write_int4_checkpoint(tmp_path / "q", method, g, sym, act_order)
+    cfg, weights = load_model(tmp_path / "q", "float32")
     assert isinstance(weights.layers.wq, Int4Weight) and weights.layers.wq.group_size == g
     assert (weights.layers.w_down.perm is not None) == act_order
     assert (weights.layers.w_up.zero is None) == sym
@@ -274,17 +276,17 @@ BAD = {   # case: (method, act_order, edit, error pattern)
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_int4_checkpoint_is_a_load_error_naming_the_field(tmp_path, case):
     method, act_order, edit, pattern = BAD[case]
-    write_int4_checkpoint(tmp_path, method, 32, False, act_order)
-    _edit(tmp_path, **edit)
+    write_int4_checkpoint(tmp_path / "q", method, 32, False, act_order)
+    _edit(tmp_path / "q", **edit)
     with pytest.raises(ModelLoadError, match=pattern):
-        load_model(tmp_path, "float32")
+        load_model(tmp_path / "q", "float32")
 
 
 def test_quantization_flag_must_name_the_checkpoint_method(tmp_path):
-    write_int4_checkpoint(tmp_path, "awq", 32, False, False)
+    write_int4_checkpoint(tmp_path / "q", "awq", 32, False, False)
     with pytest.raises(ModelLoadError, match=r"quantization 'gptq' names a gptq checkpoint.*quant_method 'awq'"):
-        load_model(tmp_path, "float32", quantization="gptq")
-    _, weights = load_model(tmp_path, "float32", quantization="awq_marlin")    # vLLM's kernel alias
+        load_model(tmp_path / "q", "float32", quantization="gptq")
+    _, weights = load_model(tmp_path / "q", "float32", quantization="awq_marlin")    # vLLM's kernel alias
     assert isinstance(weights.layers.wo, Int4Weight)
 
 
@@ -341,3 +343,24 @@ def test_int4_weights_split_over_tensor_parallel_devices(tmp_path):
         assert r["in_shards"] == [tp, tp, 1]                      # row-parallel wo, w_down; column wq
         assert r["wq_codes_per_device"] == 128 // tp and r["wo_codes_per_device"] == 128 // 8 // tp
     assert "not a whole number of 64-row groups" in refused["error"], refused
+
+
+def test_int4_experts_match_transformers(tmp_path):
+    """Mixture-of-experts experts stored as int4 (one set of tensors per expert) stack into an
+    `ExpertWeight` around one `Int4Weight` [L, X, in, out]; the router stays dense."""
+    from jaxserve.layers.experts import ExpertWeight
+    kwargs = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    model = write_int4_checkpoint(tmp_path / "q", "gptq", 32, False, True, config_class="Qwen3MoeConfig",
+                                  kwargs=kwargs)
+    cfg, weights = load_model(tmp_path / "q", "float32")
+    we = weights.layers.we_down
+    assert isinstance(we, ExpertWeight) and isinstance(we.w, Int4Weight) and we.shape == (2, 4, 32, 64)
+    assert isinstance(weights.layers.router, DenseWeight)
+    ids = np.random.default_rng(1).integers(0, 96, size=24).tolist()
+    with torch.no_grad():
+        ref = _logprobs(model(torch.tensor([ids])).logits[0].float().numpy())
+    got = _logprobs(PagedRunner(cfg, weights, block_size=4, num_blocks=32, max_blocks_per_seq=8).prefill_logits(ids))
+    diff = float(np.abs(got - ref).max())
+    print(f"qwen3-moe gptq experts: max |logprob diff| {diff:.2e}")
+    assert diff < 1e-3
