@@ -308,14 +308,16 @@ for path, tp in json.loads(sys.argv[1]):
         continue
     with llm:
         w = llm.llm_engine.runner.weights.layers
+        moe = w.w_down is None
         outs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]}],
                             SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0),
                             use_tqdm=False)
         c = outs[0].outputs[0]
         result.append(dict(tokens=list(c.token_ids), logprobs=[e[t].logprob for e, t in zip(c.logprobs, c.token_ids)],
-                           in_shards=[w.wo.in_shards, w.w_down.in_shards, w.wq.in_shards],
+                           in_shards=None if moe else [w.wo.in_shards, w.w_down.in_shards, w.wq.in_shards],
                            wq_codes_per_device=w.wq.q.addressable_shards[0].data.shape[-1],
-                           wo_codes_per_device=w.wo.q.addressable_shards[0].data.shape[-2]))
+                           wo_codes_per_device=w.wo.q.addressable_shards[0].data.shape[-2],
+                           expert_down_words_per_device=moe and w.we_down.w.q.addressable_shards[0].data.shape[-2]))
 print("RESULT" + json.dumps(result))
 """
 
@@ -326,15 +328,20 @@ def test_int4_weights_split_over_tensor_parallel_devices(tmp_path):
     import sys
     write_int4_checkpoint(tmp_path / "g32", "gptq", 32, False, True)
     write_int4_checkpoint(tmp_path / "g64", "awq", 64, False, False)
+    moe = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    write_int4_checkpoint(tmp_path / "moe", "compressed-tensors", 16, False, False, config_class="Qwen3MoeConfig",
+                          kwargs=moe)
     from jaxserve.tokenizer.tokenizer import Tokenizer
-    for d in ("g32", "g64"):       # prompts are token ids; the engine still wants a tokenizer
+    for d in ("g32", "g64", "moe"):       # prompts are token ids; the engine still wants a tokenizer
         Tokenizer.synthetic(96).backend.save(str(tmp_path / d / "tokenizer.json"))
-    runs = [(str(tmp_path / "g32"), tp) for tp in (1, 2, 4)] + [(str(tmp_path / "g64"), 4)]
+    runs = [(str(tmp_path / "g32"), tp) for tp in (1, 2, 4)] + [(str(tmp_path / "moe"), tp) for tp in (1, 2)]
+    runs += [(str(tmp_path / "g64"), 4)]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _TP_CHILD, json.dumps(runs)], env=env, capture_output=True,
                           text=True, timeout=600, cwd=Path(__file__).parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    one, *split, refused = json.loads(proc.stdout.split("RESULT")[-1])
+    one, *split, moe_one, moe_two, refused = json.loads(proc.stdout.split("RESULT")[-1])
     assert "error" not in one, one["error"]
     assert one["in_shards"] == [1, 1, 1]
     for tp, r in zip((2, 4), split):
@@ -343,6 +350,10 @@ def test_int4_weights_split_over_tensor_parallel_devices(tmp_path):
         assert r["in_shards"] == [tp, tp, 1]                      # row-parallel wo, w_down; column wq
         assert r["wq_codes_per_device"] == 128 // tp and r["wo_codes_per_device"] == 128 // 8 // tp
     assert "not a whole number of 64-row groups" in refused["error"], refused
+    assert "error" not in moe_two, moe_two["error"]
+    assert moe_two["tokens"] == moe_one["tokens"]                 # int4 experts split over the MoE MLP
+    assert (moe_one["expert_down_words_per_device"], moe_two["expert_down_words_per_device"]) == (4, 2)
+    np.testing.assert_allclose(moe_two["logprobs"], moe_one["logprobs"], atol=1e-4)
 
 
 def test_int4_experts_match_transformers(tmp_path):

@@ -244,6 +244,14 @@ def stack_int4(scheme: Int4Scheme, get, names, layer_names: list[str], k: int, n
     shards = 1 if in_axis is None else int(np.prod([mesh.shape[a] for a in
                                                      ((in_axis,) if isinstance(in_axis, str) else in_axis)]))
     check_groups(k, g, shards, what=layer_names[0])
+    if len(lead) > 1:
+        # experts run inside `sharding.plan.shard_experts`'s shard_map: the kernel sees each
+        # device's own rows (one shard), and a global act-order permutation cannot be cut there
+        if shards > 1 and any(pm is not None for pm in perms):
+            raise ValueError(f"{layer_names[0]}: act-order (g_idx) int4 experts cannot be split along their "
+                             f"input over {shards} devices; use a smaller tensor_parallel_size or "
+                             "--enable-expert-parallel")
+        shards = 1
     q = pack_np(stacked([pt[0] for pt in parts]), -2)
     zero = None
     if any(z is not None for z in zeros):
@@ -252,7 +260,7 @@ def stack_int4(scheme: Int4Scheme, get, names, layer_names: list[str], k: int, n
     perm = None
     if any(pm is not None for pm in perms):
         perm = stacked([np.arange(k, dtype=np.int32) if pm is None else pm for pm in perms])
-    place = NamedSharding(mesh, PartitionSpec(*spec))
+    place = NamedSharding(mesh, PartitionSpec(*spec))   # codes [.., in/8, out] and groups [.., in/g, out] alike
     rep = NamedSharding(mesh, PartitionSpec(*spec[:-2], None))
     return Int4Weight(jax.device_put(q, place), jax.device_put(stacked([pt[1] for pt in parts]), place),
                       None if zero is None else jax.device_put(zero, place),
