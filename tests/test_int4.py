@@ -288,6 +288,10 @@ def test_quantization_flag_must_name_the_checkpoint_method(tmp_path):
         load_model(tmp_path / "q", "float32", quantization="gptq")
     _, weights = load_model(tmp_path / "q", "float32", quantization="awq_marlin")    # vLLM's kernel alias
     assert isinstance(weights.layers.wo, Int4Weight)
+    gguf = tmp_path / "model.gguf"          # refused before the file is read
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match=r"quantization 'gptq' names a gptq checkpoint, but .* is a GGUF file"):
+        load_model(gguf, "float32", quantization="gptq")
 
 
 # -- tensor parallelism: codes, scales and zeros split with the matrix ---------------------------------
@@ -375,3 +379,11 @@ def test_int4_experts_match_transformers(tmp_path):
     diff = float(np.abs(got - ref).max())
     print(f"qwen3-moe gptq experts: max |logprob diff| {diff:.2e}")
     assert diff < 1e-3
+
+
+def test_engine_args_accept_vllm_quantization_names():
+    from jaxserve.config import EngineArgs
+    for q in ("awq", "gptq", "compressed-tensors", "awq_marlin", "gptq_marlin", "fp8"):
+        assert EngineArgs(quantization=q).quantization == q
+    with pytest.raises(ValueError, match="quantization must be None or one of fp8, awq, gptq"):
+        EngineArgs(quantization="bitsandbytes")

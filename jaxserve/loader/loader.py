@@ -272,6 +272,7 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf file")
         from jaxserve.loader import gguf as gguf_loader
+        _check_quantization_flag(quantization, None, path)
         cfg, get = gguf_loader.open_gguf(path, gguf_reader)
         scheme = None
     else:
@@ -300,8 +301,9 @@ def _check_quantization_flag(quantization: str | None, scheme, path: Path) -> No
         return
     found = getattr(scheme, "method", None)
     if found != method:
-        raise ModelLoadError(f"quantization {quantization!r} names a {method} checkpoint, but "
-                             f"{path / 'config.json'} has quantization_config.quant_method {found!r}")
+        where = f"{path} is a GGUF file" if path.is_file() else \
+            f"{path / 'config.json'} has quantization_config.quant_method {found!r}"
+        raise ModelLoadError(f"quantization {quantization!r} names a {method} checkpoint, but {where}")
 
 
 def _not_a_local_path(name: str) -> str:
