@@ -181,8 +181,9 @@ def write_int4_checkpoint(root: Path, method: str, g: int, sym: bool, act_order:
     for key in [k for k in tensors if k.startswith("model.layers.") and k.endswith("_proj.weight")]:
         w = tensors.pop(key)
         k = w.shape[1]
-        gidx = (rng.permutation(k) // g) if act_order else np.arange(k) // g
-        codes, scale, zero, plain[key] = _quantize(w, g, sym, gidx)
+        gk = k if g == -1 else g              # -1: one group over the whole input (per channel)
+        gidx = (rng.permutation(k) // gk) if act_order else np.arange(k) // gk
+        codes, scale, zero, plain[key] = _quantize(w, gk, sym, gidx)
         if method == "gptq":
             new = gptq_tensors(codes, scale, zero, gidx)
         elif method == "awq":
@@ -206,6 +207,7 @@ CASES = {   # method, group size, symmetric, act order
     "gptq-asym-actorder-g32": ("gptq", 32, False, True),
     "gptq-sym-actorder-g64": ("gptq", 64, True, True),
     "gptq-asym-g64": ("gptq", 64, False, False),
+    "gptq-asym-per-channel": ("gptq", -1, False, False),
     "awq-g128": ("awq", 128, False, False),
     "awq-g32": ("awq", 32, False, False),
     "ct-sym-g128": ("compressed-tensors", 128, True, False),
@@ -223,7 +225,7 @@ def test_int4_checkpoint_matches_transformers_on_dequantised_weights(tmp_path, c
     method, g, sym, act_order = CASES[case]
     model = write_int4_checkpoint(tmp_path / "q", method, g, sym, act_order)
     cfg, weights = load_model(tmp_path / "q", "float32")
-    assert isinstance(weights.layers.wq, Int4Weight) and weights.layers.wq.group_size == g
+    assert isinstance(weights.layers.wq, Int4Weight) and weights.layers.wq.group_size == (128 if g == -1 else g)
     assert (weights.layers.w_down.perm is not None) == act_order
     assert (weights.layers.w_up.zero is None) == sym
     assert isinstance(weights.lm_head, DenseWeight)
@@ -387,3 +389,19 @@ def test_engine_args_accept_vllm_quantization_names():
         assert EngineArgs(quantization=q).quantization == q
     with pytest.raises(ValueError, match="quantization must be None or one of fp8, awq, gptq"):
         EngineArgs(quantization="bitsandbytes")
+
+
+def test_int4_checkpoint_runs_in_bfloat16_as_close_as_dense_bfloat16(tmp_path):
+    """bf16 activations with int4 weights (on CPU the tiles are multiplied in f32: XLA:CPU's fused
+    dot has no bf16 x bf16 -> f32) stay as close to the f32 reference as the dequantised model in bf16."""
+    model = write_int4_checkpoint(tmp_path / "q", "gptq", 32, False, True)
+    ids = np.random.default_rng(1).integers(0, 96, size=24).tolist()
+    with torch.no_grad():
+        ref = _logprobs(model(torch.tensor([ids])).logits[0].float().numpy())
+    diffs = {}
+    for name in ("q", "q-dequantized"):
+        cfg, weights = load_model(tmp_path / name, "bfloat16")
+        runner = PagedRunner(cfg, weights, block_size=4, num_blocks=32, max_blocks_per_seq=8)
+        diffs[name] = float(np.abs(_logprobs(runner.prefill_logits(ids)) - ref).max())
+    print(f"bf16 max |logprob diff|: int4 {diffs['q']:.3f}, dense {diffs['q-dequantized']:.3f}")
+    assert diffs["q"] < max(0.1, 1.5 * diffs["q-dequantized"])

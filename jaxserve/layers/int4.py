@@ -107,8 +107,9 @@ def tile_rows(in_rows: int, out: int, group_size: int, itemsize: int = 4) -> int
 @register_linear(Int4Weight)
 def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
     """x [..., in] @ w [in, out] -> [..., out], the weight dequantised one tile of rows at a time
-    into x.dtype (f32 accumulation). Under row-parallel TP each of the `in_shards` slices of the
-    rows is tiled on its own and the per-shard partial sums are added once at the end."""
+    into x.dtype (f32 accumulation; f32 tiles for bf16/f16 on CPU). Under row-parallel TP each of
+    the `in_shards` slices of the rows is tiled on its own and the per-shard partial sums are added
+    once at the end."""
     if w.q.ndim != 2:
         raise ValueError(f"int4 linear takes one [in/8, out] matrix, got codes {w.q.shape} "
                          "(stacked layers are sliced off by lax.scan, experts by grouped_linear)")
@@ -119,10 +120,14 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
     xm = x.reshape(-1, K)
     M, S, g = xm.shape[0], w.in_shards, w.group_size
     ks = K // S                                        # rows per shard
-    tk = tile_rows(ks, N, g, jnp.dtype(x.dtype).itemsize)
-    T = ks // tk                                       # tiles per shard (static)
     cdt = x.dtype
-    acc_t = jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else None
+    if jax.default_backend() == "cpu" and cdt in (jnp.bfloat16, jnp.float16):
+        # XLA:CPU fuses the dequantisation into the dot, and its fused dot has no bf16 x bf16 -> f32
+        # ("Unsupported element type for DotThunk"): the tile is multiplied in f32 there
+        cdt, xm = jnp.float32, xm.astype(jnp.float32)
+    acc_t = jnp.float32 if cdt in (jnp.bfloat16, jnp.float16) else None
+    tk = tile_rows(ks, N, g, jnp.dtype(cdt).itemsize)
+    T = ks // tk                                       # tiles per shard (static)
 
     # [S, ...] views (bitcasts): a split of the rows over devices stays a split of S. A fori_loop
     # slicing the operands in place, not a scan over them: XLA copies a scan's stacked inputs
