@@ -169,7 +169,7 @@ def _qconfig(method, g, sym, act_order):
 
 
 def write_int4_checkpoint(root: Path, method: str, g: int, sym: bool, act_order: bool, seed=0,
-                          config_class="LlamaConfig", kwargs=TINY):
+                          config_class="LlamaConfig", kwargs=TINY, quantize_head=False):
     """A tiny random model saved by transformers, every `*_proj` linear of its layers (experts included,
     the router not) replaced by `method`'s int4 tensors; returns transformers' model of the same
     weights dequantised (saved plainly next to `root` and loaded back)."""
@@ -178,7 +178,8 @@ def write_int4_checkpoint(root: Path, method: str, g: int, sym: bool, act_order:
     tensors = load_file(str(root / "model.safetensors"))
     rng = np.random.default_rng(seed)
     plain = dict(tensors)
-    for key in [k for k in tensors if k.startswith("model.layers.") and k.endswith("_proj.weight")]:
+    linears = [k for k in tensors if k.startswith("model.layers.") and k.endswith("_proj.weight")]
+    for key in linears + (["lm_head.weight"] if quantize_head else []):
         w = tensors.pop(key)
         k = w.shape[1]
         gk = k if g == -1 else g              # -1: one group over the whole input (per channel)
@@ -290,6 +291,8 @@ def test_quantization_flag_must_name_the_checkpoint_method(tmp_path):
         load_model(tmp_path / "q", "float32", quantization="gptq")
     _, weights = load_model(tmp_path / "q", "float32", quantization="awq_marlin")    # vLLM's kernel alias
     assert isinstance(weights.layers.wo, Int4Weight)
+    with pytest.raises(ModelLoadError, match=r"quantization 'fp8' quantises a full-precision checkpoint"):
+        load_model(tmp_path / "q", "float32", quantization="fp8")
     gguf = tmp_path / "model.gguf"          # refused before the file is read
     gguf.write_bytes(b"GGUF")
     with pytest.raises(ModelLoadError, match=r"quantization 'gptq' names a gptq checkpoint, but .* is a GGUF file"):
@@ -405,3 +408,16 @@ def test_int4_checkpoint_runs_in_bfloat16_as_close_as_dense_bfloat16(tmp_path):
         diffs[name] = float(np.abs(_logprobs(runner.prefill_logits(ids)) - ref).max())
     print(f"bf16 max |logprob diff|: int4 {diffs['q']:.3f}, dense {diffs['q-dequantized']:.3f}")
     assert diffs["q"] < max(0.1, 1.5 * diffs["q-dequantized"])
+
+
+def test_int4_lm_head_is_dequantised_to_the_model_dtype(tmp_path):
+    """GPTQ's `lm_head: true` checkpoints quantise the head too; jaxserve dequantises it at load (the
+    head's f32 logits path stays a DenseWeight)."""
+    model = write_int4_checkpoint(tmp_path / "q", "gptq", 32, False, True, quantize_head=True)
+    cfg, weights = load_model(tmp_path / "q", "float32")
+    assert isinstance(weights.lm_head, DenseWeight)
+    ids = np.random.default_rng(1).integers(0, 96, size=24).tolist()
+    with torch.no_grad():
+        ref = _logprobs(model(torch.tensor([ids])).logits[0].float().numpy())
+    got = _logprobs(PagedRunner(cfg, weights, block_size=4, num_blocks=32, max_blocks_per_seq=8).prefill_logits(ids))
+    assert float(np.abs(got - ref).max()) < 1e-3

@@ -294,12 +294,15 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
 def _check_quantization_flag(quantization: str | None, scheme, path: Path) -> None:
     """`--quantization awq|gptq|compressed-tensors` (vLLM's names, and their *_marlin aliases)
     names the checkpoint's own int4 method: detected from config.json anyway, so the flag only
-    has to agree with it."""
-    from jaxserve.loader.int4 import method_of
+    has to agree with it (and `fp8` is refused on an int4 checkpoint)."""
+    from jaxserve.loader.int4 import Int4Scheme, method_of
     method = method_of(quantization)
+    found = getattr(scheme, "method", None)
+    if quantization == "fp8" and isinstance(scheme, Int4Scheme):
+        raise ModelLoadError(f"quantization 'fp8' quantises a full-precision checkpoint, but "
+                             f"{path / 'config.json'} describes a {found} int4 checkpoint")
     if method is None:
         return
-    found = getattr(scheme, "method", None)
     if found != method:
         where = f"{path} is a GGUF file" if path.is_file() else \
             f"{path / 'config.json'} has quantization_config.quant_method {found!r}"
