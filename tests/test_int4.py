@@ -273,6 +273,8 @@ BAD = {   # case: (method, act_order, edit, error pattern)
     "awq-gemv": ("awq", False, dict(qconfig={"version": "gemv"}), r"quantization_config\.version"),
     "ct-asym-zero-point-missing": ("compressed-tensors", False, dict(drop=("weight_zero_point",)),
                                    r"weight_zero_point is missing"),
+    "ct-actorder-gidx-missing": ("compressed-tensors", True, dict(drop=("weight_g_idx",)),
+                                 r"weight_g_idx is missing"),
 }
 
 
@@ -293,6 +295,8 @@ def test_quantization_flag_must_name_the_checkpoint_method(tmp_path):
     assert isinstance(weights.layers.wo, Int4Weight)
     with pytest.raises(ModelLoadError, match=r"quantization 'fp8' quantises a full-precision checkpoint"):
         load_model(tmp_path / "q", "float32", quantization="fp8")
+    with pytest.raises(ModelLoadError, match=r"--load-format dummy makes full-precision random weights"):
+        load_model(tmp_path / "q", "float32", quantization="gptq", load_format="dummy")
     gguf = tmp_path / "model.gguf"          # refused before the file is read
     gguf.write_bytes(b"GGUF")
     with pytest.raises(ModelLoadError, match=r"quantization 'gptq' names a gptq checkpoint, but .* is a GGUF file"):

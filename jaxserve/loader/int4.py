@@ -107,10 +107,12 @@ def scheme_of(hf_config: dict) -> Int4Scheme:
     if groups[0].get("input_activations"):
         raise ValueError("compressed-tensors: quantised input_activations with int4 weights (W4A8) are not "
                          "supported; jaxserve reads W4A16")
+    # "group" (alias "dynamic") stores each input's group in weight_g_idx; "weight" (alias "static")
+    # only chose the order GPTQ visited the columns in, the groups stay contiguous (no g_idx)
     actorder = _field(w, "actorder", (None, "group", "weight", "static", "dynamic", False, True), prefix=pre)
     group = _group(w.get("group_size"), pre + ".group_size") if strategy == "group" else None
     return Int4Scheme("compressed-tensors", group,
-                      bool(w.get("symmetric", True)), actorder not in (None, False))
+                      bool(w.get("symmetric", True)), actorder in ("group", "dynamic", True))
 
 
 def _prefix(weight_name: str) -> str:

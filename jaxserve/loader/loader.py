@@ -259,6 +259,10 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
     jdtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
     if load_format == "dummy":
         from jaxserve.loader.dummy import dummy_weights
+        from jaxserve.loader.int4 import method_of
+        if method_of(quantization):
+            raise ModelLoadError(f"quantization {quantization!r} reads a checkpoint's int4 weights; "
+                                 "--load-format dummy makes full-precision random weights (use fp8 or none)")
         cfg = gguf_config_of(path, gguf_reader) if path.is_file() else load_hf_config(path)
         logger.info("dummy weights (seed %d) for %s (%s, %d layers, hidden %d) as %s%s", seed,
                     path, cfg.architecture, cfg.num_layers, cfg.hidden_size,
