@@ -226,7 +226,9 @@ def test_int4_checkpoint_matches_transformers_on_dequantised_weights(tmp_path, c
     method, g, sym, act_order = CASES[case]
     model = write_int4_checkpoint(tmp_path / "q", method, g, sym, act_order)
     cfg, weights = load_model(tmp_path / "q", "float32")
+    # per channel (-1) is stored as groups of 128 rows sharing one scale, so it tiles and splits
     assert isinstance(weights.layers.wq, Int4Weight) and weights.layers.wq.group_size == (128 if g == -1 else g)
+    assert weights.layers.w_down.scale.shape[-2] == 256 // (128 if g == -1 else g)
     assert (weights.layers.w_down.perm is not None) == act_order
     assert (weights.layers.w_up.zero is None) == sym
     assert isinstance(weights.lm_head, DenseWeight)

@@ -155,10 +155,19 @@ def _get(get, name: str, dtype, shape) -> np.ndarray:
     return x.astype(dtype, copy=False) if dtype is not None else x
 
 
+def stored_group(scheme: Int4Scheme, k: int) -> int:
+    """The group size an `Int4Weight` of `k` input rows is stored with: the checkpoint's, or for
+    per-channel scales (one group over all rows) the largest of 128, 64, ..., 8 dividing k, the
+    scales repeated: the kernel tiles by groups, and a split over devices needs whole groups."""
+    if scheme.group_size is not None:
+        return scheme.group_size
+    return next((g for g in (128, 64, 32, 16, 8) if k % g == 0), k)
+
+
 def read_int4(scheme: Int4Scheme, get: Callable[[str], np.ndarray], names, weight_name: str, k: int, n: int):
-    """One layer's (codes uint8 [in, out] in storage order, scale f32 [groups, out], zero uint8
-    [groups, out] or None (symmetric), perm int32 [in] or None, group size) from its checkpoint
-    tensors. Raises ValueError naming the tensor or field for anything inconsistent."""
+    """One layer's (codes uint8 [in, out] in storage order, scale f32 [in / g, out], zero uint8
+    [in / g, out] or None (symmetric), perm int32 [in] or None) from its checkpoint tensors, g =
+    `stored_group`. Raises ValueError naming the tensor or field for anything inconsistent."""
     p = _prefix(weight_name)
     g = scheme.group_size or k
     check_groups(k, g, what=weight_name)
@@ -194,6 +203,10 @@ def read_int4(scheme: Int4Scheme, get: Callable[[str], np.ndarray], names, weigh
         raise ValueError(f"{p}qzeros: quantization_config.sym is true but the stored zero points are not 8")
     if zero is not None and (zero == SYMMETRIC_ZERO).all():
         zero = None
+    if G == 1 and stored_group(scheme, k) != k:             # per channel: repeat into tile-sized groups
+        reps = k // stored_group(scheme, k)
+        scale = np.repeat(scale, reps, 0)
+        zero = None if zero is None else np.repeat(zero, reps, 0)
     return np.ascontiguousarray(codes), np.ascontiguousarray(scale), zero, perm
 
 
@@ -233,7 +246,7 @@ def stack_int4(scheme: Int4Scheme, get, names, layer_names: list[str], k: int, n
     the input (row-parallel), the permutation replicated."""
     lead = tuple(lead or (len(layer_names),))
     parts = [read_int4(scheme, get, names, name, k, n) for name in layer_names]
-    g = scheme.group_size or k
+    g = stored_group(scheme, k)
     perms = [pt[3] for pt in parts]
     zeros = [pt[2] for pt in parts]
 
@@ -272,7 +285,7 @@ def stack_int4(scheme: Int4Scheme, get, names, layer_names: list[str], k: int, n
 def read_dense(scheme: Int4Scheme, get, names, weight_name: str, k: int, n: int) -> np.ndarray:
     """An int4 matrix that is not stacked (a quantised lm_head) dequantised: f32 [in, out]."""
     codes, scale, zero, perm = read_int4(scheme, get, names, weight_name, k, n)
-    w = dequantize_np(codes, scale, zero, scheme.group_size or k)
+    w = dequantize_np(codes, scale, zero, stored_group(scheme, k))
     if perm is not None:
         w = w[np.argsort(perm)]
     return w
