@@ -314,10 +314,10 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.layers.int4 import Int4Weight
 assert len(jax.devices()) == 8
 result = []
-for path, tp in json.loads(sys.argv[1]):
+for path, tp, ep in json.loads(sys.argv[1]):
     try:
         llm = LLM(model=path, tensor_parallel_size=tp, dtype="float32", max_model_len=64, max_num_seqs=4,
-                  num_gpu_blocks_override=32, warmup=False, compilation_cache_dir="")
+                  num_gpu_blocks_override=32, warmup=False, compilation_cache_dir="", enable_expert_parallel=ep)
     except ValueError as e:
         result.append(dict(error=str(e)))
         continue
@@ -350,13 +350,14 @@ def test_int4_weights_split_over_tensor_parallel_devices(tmp_path):
     from jaxserve.tokenizer.tokenizer import Tokenizer
     for d in ("g32", "g64", "moe"):       # prompts are token ids; the engine still wants a tokenizer
         Tokenizer.synthetic(96).backend.save(str(tmp_path / d / "tokenizer.json"))
-    runs = [(str(tmp_path / "g32"), tp) for tp in (1, 2, 4)] + [(str(tmp_path / "moe"), tp) for tp in (1, 2)]
-    runs += [(str(tmp_path / "g64"), 4)]
+    runs = [(str(tmp_path / "g32"), tp, False) for tp in (1, 2, 4)]
+    runs += [(str(tmp_path / "moe"), 1, False), (str(tmp_path / "moe"), 2, False), (str(tmp_path / "moe"), 2, True)]
+    runs += [(str(tmp_path / "g64"), 4, False)]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _TP_CHILD, json.dumps(runs)], env=env, capture_output=True,
                           text=True, timeout=600, cwd=Path(__file__).parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    one, *split, moe_one, moe_two, refused = json.loads(proc.stdout.split("RESULT")[-1])
+    one, *split, moe_one, moe_two, moe_ep, refused = json.loads(proc.stdout.split("RESULT")[-1])
     assert "error" not in one, one["error"]
     assert one["in_shards"] == [1, 1, 1]
     for tp, r in zip((2, 4), split):
@@ -368,6 +369,9 @@ def test_int4_weights_split_over_tensor_parallel_devices(tmp_path):
     assert "error" not in moe_two, moe_two["error"]
     assert moe_two["tokens"] == moe_one["tokens"]                 # int4 experts split over the MoE MLP
     assert (moe_one["expert_down_words_per_device"], moe_two["expert_down_words_per_device"]) == (4, 2)
+    assert "error" not in moe_ep, moe_ep["error"]
+    assert moe_ep["tokens"] == moe_one["tokens"] and moe_ep["expert_down_words_per_device"] == 4   # whole experts
+    np.testing.assert_allclose(moe_ep["logprobs"], moe_one["logprobs"], atol=1e-4)
     np.testing.assert_allclose(moe_two["logprobs"], moe_one["logprobs"], atol=1e-4)
 
 
