@@ -250,7 +250,9 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
     or a jnp dtype; `gguf_reader` an already open reader of the file (parsing a GGUF header
     takes seconds); `load_format="dummy"` reads only `config.json` and makes seeded random
     weights of its shapes. `quantization="fp8"` stores the linear layers (not lm_head) in e4m3
-    with per-channel scales; FP8 checkpoints are detected from config.json either way.
+    with per-channel scales; FP8 checkpoints are detected from config.json either way, and so are
+    int4 ones (GPTQ, AWQ, compressed-tensors), which `quantization` "gptq", "awq",
+    "compressed-tensors" (or vLLM's *_marlin names) may name.
     `expert_parallel`: mixture-of-experts weights are placed whole-expert per device
     (`sharding.plan.plan_for`)."""
     path = Path(model)
