@@ -18,6 +18,9 @@ from jaxserve.models.registry import check_architecture
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+# --quantization values: fp8 quantises on load; the others name an int4 checkpoint's method (vLLM's
+# names, its *_marlin kernels' included), which is detected from config.json anyway.
+QUANTIZATIONS = (None, "fp8", "awq", "gptq", "compressed-tensors", "awq_marlin", "gptq_marlin")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton", "mosaic")
 # `<think>` markers the engine knows (structured_output/reasoning.py; the server's parsers)
@@ -509,8 +512,9 @@ class EngineArgs:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got "
                              f"{self.load_format!r}")
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATIONS[1:])}, "
+                             f"got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not isinstance(self.nnodes, int) or self.nnodes < 1:

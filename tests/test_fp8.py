@@ -227,13 +227,13 @@ def test_fp8_checkpoint_loads_and_matches_dequantised_f32(tmp_path, fmt):
 
 def test_unknown_quantization_method_is_a_load_error(tmp_path):
     from jaxserve.loader.loader import ModelLoadError, load_model
-    d = tmp_path / "awq"
+    d = tmp_path / "bnb"
     d.mkdir()
     cfg = json.loads((TINY / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (d / "config.json").write_text(json.dumps(cfg))
     shutil.copy(TINY / "config.json", tmp_path / "unused.json")
-    with pytest.raises(ModelLoadError, match="quant_method 'awq' is not supported"):
+    with pytest.raises(ModelLoadError, match="quant_method 'bitsandbytes' is not supported"):
         load_model(d, "float32")
 
 

@@ -84,7 +84,7 @@ def scheme_of(hf_config: dict) -> Fp8Scheme | None:
         act = "none" if not aq else ("dynamic" if aq.get("dynamic") else "static")
         return Fp8Scheme("compressed-tensors", "weight_scale", act, int(block))
     raise ValueError(f"quantization_config.quant_method {method!r} is not supported; jaxserve reads "
-                     "'fp8' and 'compressed-tensors' (FP8) checkpoints")
+                     "'fp8', 'compressed-tensors' (FP8 and int4), 'gptq' and 'awq' (int4) checkpoints")
 
 
 def _prefix(weight_name: str) -> str:

@@ -45,7 +45,8 @@ def resolve_dtype(dtype: str, platform: str | None = None):
 
 
 def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=None, *,
-             quantization: str | None = None, fp8_scheme=None, expert_parallel: bool = False):
+             quantization: str | None = None, fp8_scheme=None, expert_parallel: bool = False,
+             int4_scheme=None):
     """Read every declared array through `get` (Hugging Face names and layouts), stack the
     per-layer ones, cast to `dtype` and place each with the sharding its logical axes get on
     `mesh` (default: one device). Returns the model's weights pytree.
@@ -58,7 +59,9 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
 
     Linear layers and experts become `Fp8Weight`s (jaxserve/loader/fp8.py) when `fp8_scheme`
     (an FP8 checkpoint's format) finds their scales, or when `quantization="fp8"` quantises them
-    here; an e4m3 tensor without scales is an error, never cast as it is."""
+    here; an e4m3 tensor without scales is an error, never cast as it is. `int4_scheme` (a GPTQ,
+    AWQ or compressed-tensors int4 checkpoint's format) makes them `Int4Weight`s
+    (jaxserve/loader/int4.py)."""
     model = get_model(cfg.architecture)
     mesh = mesh if mesh is not None else make_mesh()
     plan = plan_for(cfg, mesh, expert_parallel)
@@ -66,6 +69,8 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
     names = getattr(get, "names", ())
     if fp8_scheme is not None or quantization == "fp8":
         from jaxserve.loader import fp8
+    if int4_scheme is not None:
+        from jaxserve.loader import int4
 
     reads: dict[str, np.ndarray] = {}     # this array's checkpoint tensors, by name
 
@@ -103,7 +108,18 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
     for p in model.declare(cfg):
         sharding = plan.sharding(p.axes)
         checkpoint_names = [name for _, name in p.checkpoint_names()]
-        if p.dense and fp8_scheme is not None and fp8.has_fp8(fp8_scheme, names, checkpoint_names[0]):
+        if p.dense and int4_scheme is not None and int4.has_int4(int4_scheme, names, checkpoint_names[0]):
+            k, n = p.shape[-2:]
+            try:
+                if p.stacked:
+                    arrays[p.path] = int4.stack_int4(int4_scheme, get, names, checkpoint_names, k, n, sharding,
+                                                     lead=p.shape[:p.stacked_dims])
+                    continue
+                x = int4.read_dense(int4_scheme, get, names, p.checkpoint, k, n).astype(np_dtype)
+            except ValueError as e:
+                raise ModelLoadError(f"{int4_scheme.method} int4 checkpoint: {e}") from None
+            arrays[p.path] = jax.device_put(x, sharding)
+        elif p.dense and fp8_scheme is not None and fp8.has_fp8(fp8_scheme, names, checkpoint_names[0]):
             k, n = p.shape[-2:]
             try:
                 if p.stacked:     # [L, in, out], or experts [L, X, in, out]
@@ -153,13 +169,15 @@ def _hf_json(path: Path) -> dict:
 
 
 def fp8_scheme_of(path: Path):
-    """The FP8 format of a Hugging Face directory's checkpoint (loader/fp8.py), or None."""
+    """The quantised format of a Hugging Face directory's checkpoint: an FP8 scheme (loader/fp8.py),
+    an int4 one (loader/int4.py), or None."""
     hf = _hf_json(path)
     if not hf.get("quantization_config"):
         return None
+    from jaxserve.loader import int4
     from jaxserve.loader.fp8 import scheme_of
     try:
-        return scheme_of(hf)
+        return int4.scheme_of(hf) if int4.is_int4(hf) else scheme_of(hf)
     except ValueError as e:
         raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
 
@@ -220,7 +238,8 @@ def _read_f8_e4m3(file: Path, name: str) -> np.ndarray:
 def _fp8_note(scheme, quantization: str | None) -> str:
     """What the load line adds when the linear layers are (or become) FP8."""
     if scheme is not None:
-        return f", linear layers fp8 ({scheme.method} checkpoint)"
+        kind = "int4" if type(scheme).__name__ == "Int4Scheme" else "fp8"
+        return f", linear layers {kind} ({scheme.method} checkpoint)"
     return ", linear layers quantised to fp8 (per-channel e4m3)" if quantization == "fp8" else ""
 
 
@@ -231,7 +250,9 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
     or a jnp dtype; `gguf_reader` an already open reader of the file (parsing a GGUF header
     takes seconds); `load_format="dummy"` reads only `config.json` and makes seeded random
     weights of its shapes. `quantization="fp8"` stores the linear layers (not lm_head) in e4m3
-    with per-channel scales; FP8 checkpoints are detected from config.json either way.
+    with per-channel scales; FP8 checkpoints are detected from config.json either way, and so are
+    int4 ones (GPTQ, AWQ, compressed-tensors), which `quantization` "gptq", "awq",
+    "compressed-tensors" (or vLLM's *_marlin names) may name.
     `expert_parallel`: mixture-of-experts weights are placed whole-expert per device
     (`sharding.plan.plan_for`)."""
     path = Path(model)
@@ -240,6 +261,10 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
     jdtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
     if load_format == "dummy":
         from jaxserve.loader.dummy import dummy_weights
+        from jaxserve.loader.int4 import method_of
+        if method_of(quantization):
+            raise ModelLoadError(f"quantization {quantization!r} reads a checkpoint's int4 weights; "
+                                 "--load-format dummy makes full-precision random weights (use fp8 or none)")
         cfg = gguf_config_of(path, gguf_reader) if path.is_file() else load_hf_config(path)
         logger.info("dummy weights (seed %d) for %s (%s, %d layers, hidden %d) as %s%s", seed,
                     path, cfg.architecture, cfg.num_layers, cfg.hidden_size,
@@ -253,19 +278,41 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf file")
         from jaxserve.loader import gguf as gguf_loader
+        _check_quantization_flag(quantization, None, path)
         cfg, get = gguf_loader.open_gguf(path, gguf_reader)
         scheme = None
     else:
         cfg = load_hf_config(path)
         scheme = fp8_scheme_of(path)
+        _check_quantization_flag(quantization, scheme, path)
         get = _safetensors_getter(path)
     logger.info("loading %s (%s, %d layers, hidden %d) as %s%s", path, cfg.architecture,
                 cfg.num_layers, cfg.hidden_size, jnp.dtype(jdtype).name, _fp8_note(scheme, quantization))
+    int4_scheme = scheme if type(scheme).__name__ == "Int4Scheme" else None
     weights = assemble(cfg, get, jdtype, mesh, quantization=None if scheme else quantization,
-                       fp8_scheme=scheme, expert_parallel=expert_parallel)
+                       fp8_scheme=None if int4_scheme else scheme, expert_parallel=expert_parallel,
+                       int4_scheme=int4_scheme)
     del get
     release_freed_host_memory()       # the per-layer host tensors
     return cfg, weights
+
+
+def _check_quantization_flag(quantization: str | None, scheme, path: Path) -> None:
+    """`--quantization awq|gptq|compressed-tensors` (vLLM's names, and their *_marlin aliases)
+    names the checkpoint's own int4 method: detected from config.json anyway, so the flag only
+    has to agree with it (and `fp8` is refused on an int4 checkpoint)."""
+    from jaxserve.loader.int4 import Int4Scheme, method_of
+    method = method_of(quantization)
+    found = getattr(scheme, "method", None)
+    if quantization == "fp8" and isinstance(scheme, Int4Scheme):
+        raise ModelLoadError(f"quantization 'fp8' quantises a full-precision checkpoint, but "
+                             f"{path / 'config.json'} describes a {found} int4 checkpoint")
+    if method is None:
+        return
+    if found != method:
+        where = f"{path} is a GGUF file" if path.is_file() else \
+            f"{path / 'config.json'} has quantization_config.quant_method {found!r}"
+        raise ModelLoadError(f"quantization {quantization!r} names a {method} checkpoint, but {where}")
 
 
 def _not_a_local_path(name: str) -> str:

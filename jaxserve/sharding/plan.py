@@ -147,14 +147,15 @@ def expert_specs(plan: ShardingPlan, experts, axes: Sequence[str]):
     """PartitionSpecs for every array of an `ExpertWeight` [X, in, out] with logical `axes`,
     whatever its weight type: the matrix as the axes say (its last two swapped when stored
     `k_major`); an array of scales (or zeros) [X, r, c] split like the matrix where it has more
-    than one entry per expert ([X, 1, out]: per channel; [X, in/b, out/b]: blocks), whole where
+    than one entry per expert ([X, 1, out]: per channel; [X, in/b, out/b]: blocks; int4 codes
+    [X, in/8, out] and group scales), whole where
     it has one; a per-expert vector [X] split on X. A split of blocks must fall on block edges."""
     inner = experts.w
     spec = tuple(plan.spec(axes)) + (None,) * (len(axes) - len(plan.spec(axes)))
     shape = experts.shape[-3:]
 
     def one(a):
-        if a is inner.w:
+        if a is getattr(inner, "w", None):
             return PartitionSpec(*spec[:1], spec[2], spec[1]) if getattr(inner, "k_major", False) \
                 else PartitionSpec(*spec)
         if a.ndim < 3:

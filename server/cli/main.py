@@ -30,6 +30,7 @@ from jaxserve.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    QUANTIZATIONS,
     REASONING_PARSERS,
     EngineArgs,
 )
@@ -70,7 +71,9 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("dtype", "ModelConfig", dict(choices=DTYPES, help="Weights and activations dtype.")),
     ("max_model_len", "ModelConfig", dict(type=_bytes, help="Context length (prompt + output).",
                                           shown_default="the model's")),
-    ("quantization", "ModelConfig", dict(choices=["fp8"], help="Weight quantization.",
+    ("quantization", "ModelConfig", dict(choices=[q for q in QUANTIZATIONS if q],
+                                         help="Weight quantization: fp8 quantises on load; awq, gptq, "
+                                         "compressed-tensors name an int4 checkpoint's format (detected anyway).",
                                          shown_default="none")),
     ("seed", "ModelConfig", dict(type=int, help="Random seed of the engine (and of dummy "
                                  "weights).")),

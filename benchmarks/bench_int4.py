@@ -1,0 +1,61 @@
+"""Benchmark the int4 (W4A16) matmul (issue 22): wall time and compiled temporaries of
+`linear(x, Int4Weight)` against the same matrix as a f32 `DenseWeight` and against dequantising the
+whole matrix then multiplying, side by side in one run, at decode and prefill row counts.
+
+    python benchmarks/bench_int4.py                 # CPU: a minute
+    python benchmarks/bench_int4.py --k 4096 --n 14336
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxserve.layers.int4 import Int4Weight, dequantize, pack  # noqa: E402
+from jaxserve.layers.linear import DenseWeight, linear  # noqa: E402
+
+
+def _median_ms(fn, *args, reps: int = 20) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    codes = jnp.asarray(rng.integers(0, 16, (a.k, a.n)), jnp.uint8)
+    w4 = Int4Weight(pack(codes), jnp.asarray(rng.random((a.k // a.group, a.n)) * 0.01, jnp.float32),
+                    jnp.asarray(rng.integers(0, 16, (a.k // a.group, a.n)), jnp.uint8), None, a.group)
+    dense = DenseWeight(dequantize(w4.q, w4.scale, w4.zero, a.group))
+    f = jax.jit(linear)
+    whole = jax.jit(lambda x, w: x @ dequantize(w.q, w.scale, w.zero, w.group_size))
+    print(f"{jax.devices()[0].device_kind}: K {a.k} N {a.n} group {a.group}; weight bytes int4 {w4.nbytes / 2**20:.1f} "
+          f"MiB, f32 {dense.w.nbytes / 2**20:.1f} MiB")
+    print("rows | int4 tiled ms | int4 whole-dequant ms | f32 dense ms | tiled temp MiB | whole temp MiB")
+    for m in a.rows:
+        x = jnp.asarray(rng.standard_normal((m, a.k)), jnp.float32)
+        temp = [fn.lower(x, w4).compile().memory_analysis().temp_size_in_bytes / 2**20 for fn in (f, whole)]
+        print(f"{m:4d} | {_median_ms(f, x, w4):13.2f} | {_median_ms(whole, x, w4):21.2f} | "
+              f"{_median_ms(f, x, dense):12.2f} | {temp[0]:14.1f} | {temp[1]:14.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""`Int4Weight`: 4-bit integer weight codes with per-group scales (W4A16), a weight type for `linear`.
+
+Built by the loader from GPTQ, AWQ and compressed-tensors `pack-quantized` checkpoints
+(jaxserve/loader/int4.py converts all three to this one layout). The matmul dequantizes inside the
+jitted step one tile of input rows at a time (`TILE_BYTES` of the activation dtype at most), so
+the full-precision matrix never exists in memory, and accumulates in f32.
+
+Dequantisation of input row k, output column o: `(code[k, o] - zero[k // g, o]) * scale[k // g, o]`
+for group size g; a weight with an act-order permutation multiplies `x[..., perm]` (the loader
+sorts the rows by group so each group is contiguous).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.layers.linear import register_linear
+
+PACK = 8                      # int4 codes per int32 word
+SYMMETRIC_ZERO = 8            # the zero point of symmetric (signed int4 + 8) codes
+TILE_BYTES = 4 << 20          # dequantised rows per tile, at most (one tile when the matrix is smaller)
+
+
+@dataclasses.dataclass
+class Int4Weight:
+    """A [..., in, out] matrix as 4-bit codes; stacked layers (and experts) lead.
+
+    q: int32 [..., in / 8, out], input row 8 * r + j in bits 4j..4j+3 of word r (GPTQ's packing).
+    scale: f32 [..., in / g, out], one per group of g input rows and output column.
+    zero: uint8 [..., in / g, out] zero points (0..15), or None: symmetric, zero 8.
+    perm: int32 [..., in] act-order input permutation (rows are stored in this order), or None.
+    group_size: g (a multiple of 8 that divides `in`).
+    in_shards: how many devices the input rows are split over (row-parallel tensor parallelism):
+      the kernel tiles each shard's rows separately so no tile straddles two devices.
+    """
+
+    q: jax.Array
+    scale: jax.Array
+    zero: jax.Array | None = None
+    perm: jax.Array | None = None
+    group_size: int = 128
+    in_shards: int = 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.q.shape[:-2], self.q.shape[-2] * PACK, self.q.shape[-1])
+
+    @property
+    def dtype(self):
+        return self.scale.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.q, self.scale, self.zero, self.perm) if a is not None)
+
+
+jax.tree_util.register_dataclass(Int4Weight, data_fields=["q", "scale", "zero", "perm"],
+                                 meta_fields=["group_size", "in_shards"])
+
+
+def unpack(q: jax.Array) -> jax.Array:
+    """int32 [..., r, out] -> the uint8 codes [..., 8 r, out] (row 8 r + j from bits 4j)."""
+    shifts = jnp.arange(PACK, dtype=jnp.uint32)[:, None] * 4
+    codes = (q.astype(jnp.uint32)[..., :, None, :] >> shifts) & 0xF          # [..., r, 8, out]
+    return codes.reshape(*q.shape[:-2], q.shape[-2] * PACK, q.shape[-1]).astype(jnp.uint8)
+
+
+def pack(codes: jax.Array) -> jax.Array:
+    """The inverse of `unpack`: codes [..., 8 r, out] (0..15) -> int32 [..., r, out]."""
+    c = codes.astype(jnp.uint32).reshape(*codes.shape[:-2], codes.shape[-2] // PACK, PACK, codes.shape[-1])
+    shifts = jnp.arange(PACK, dtype=jnp.uint32)[:, None] * 4
+    return jax.lax.bitcast_convert_type(jnp.sum(c << shifts, axis=-2, dtype=jnp.uint32), jnp.int32)
+
+
+def dequantize(q, scale, zero=None, group_size: int = 128, dtype=jnp.float32) -> jax.Array:
+    """Codes [..., in / 8, out] with their group scales (and zeros) -> [..., in, out] in `dtype`
+    (rows in storage order). The reference; the matmul calls it one tile at a time."""
+    codes = unpack(q)
+    z = jnp.full((), SYMMETRIC_ZERO, jnp.int16) if zero is None else zero.astype(jnp.int16)
+    g = group_size
+    grouped = codes.reshape(*codes.shape[:-2], codes.shape[-2] // g, g, codes.shape[-1]).astype(jnp.int16)
+    zg = z if zero is None else z[..., :, None, :]
+    w = (grouped - zg).astype(jnp.float32) * scale.astype(jnp.float32)[..., :, None, :]
+    return w.reshape(codes.shape).astype(dtype)
+
+
+def ref_int4_matmul(x: jax.Array, w: Int4Weight) -> jax.Array:
+    """x [..., in] @ the whole dequantised matrix, f32 (the test oracle)."""
+    if w.perm is not None:
+        x = jnp.take(x, w.perm, axis=-1)
+    full = dequantize(w.q, w.scale, w.zero, w.group_size)
+    return jnp.einsum("...k,ko->...o", x.astype(jnp.float32), full, precision="highest")
+
+
+def tile_rows(in_rows: int, out: int, group_size: int, itemsize: int = 4) -> int:
+    """Input rows per tile: the most whole groups (dividing `in_rows`) whose dequantised rows fit
+    in TILE_BYTES."""
+    groups = in_rows // group_size
+    fit = max(1, TILE_BYTES // max(1, group_size * out * itemsize))
+    per_tile = max(d for d in range(1, min(groups, fit) + 1) if groups % d == 0)
+    return per_tile * group_size
+
+
+@register_linear(Int4Weight)
+def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
+    """x [..., in] @ w [in, out] -> [..., out], the weight dequantised one tile of rows at a time
+    into x.dtype (f32 accumulation; f32 tiles for bf16/f16 on CPU). Under row-parallel TP each of
+    the `in_shards` slices of the rows is tiled on its own and the per-shard partial sums are added
+    once at the end."""
+    if w.q.ndim != 2:
+        raise ValueError(f"int4 linear takes one [in/8, out] matrix, got codes {w.q.shape} "
+                         "(stacked layers are sliced off by lax.scan, experts by grouped_linear)")
+    K, N = w.q.shape[0] * PACK, w.q.shape[1]
+    if w.perm is not None:
+        x = jnp.take(x, w.perm, axis=-1)
+    lead = x.shape[:-1]
+    xm = x.reshape(-1, K)
+    M, S, g = xm.shape[0], w.in_shards, w.group_size
+    ks = K // S                                        # rows per shard
+    cdt = x.dtype
+    if jax.default_backend() == "cpu" and cdt in (jnp.bfloat16, jnp.float16):
+        # XLA:CPU fuses the dequantisation into the dot, and its fused dot has no bf16 x bf16 -> f32
+        # ("Unsupported element type for DotThunk"): the tile is multiplied in f32 there
+        cdt, xm = jnp.float32, xm.astype(jnp.float32)
+    acc_t = jnp.float32 if cdt in (jnp.bfloat16, jnp.float16) else None
+    tk = tile_rows(ks, N, g, jnp.dtype(cdt).itemsize)
+    T = ks // tk                                       # tiles per shard (static)
+
+    # [S, ...] views (bitcasts): a split of the rows over devices stays a split of S. A fori_loop
+    # slicing the operands in place, not a scan over them: XLA copies a scan's stacked inputs
+    # (the whole code matrix) into the loop state every call.
+    qs = w.q.reshape(S, ks // PACK, N)
+    ss = w.scale.reshape(S, ks // g, N)
+    zs = None if w.zero is None else w.zero.reshape(S, ks // g, N)
+    xs = xm.reshape(M, S, ks)
+
+    def tile(t, acc):
+        def rows(a, per, axis):
+            return jax.lax.dynamic_slice_in_dim(a, t * (tk // per), tk // per, axis)
+        wt = dequantize(rows(qs, PACK, 1), rows(ss, g, 1), None if zs is None else rows(zs, g, 1), g, cdt)
+        return acc + jnp.einsum("msk,skn->smn", rows(xs, 1, 2), wt,       # wt [S, tk, N]: this tile only
+                                preferred_element_type=acc_t or cdt)
+
+    acc = jax.lax.fori_loop(0, T, tile, jnp.zeros((S, M, N), acc_t or cdt))
+    y = acc.sum(0) if S > 1 else acc[0]
+    return y.reshape(*lead, N).astype(out_dtype or x.dtype)
+
+
+def check_groups(in_rows: int, group_size: int, shards: int = 1, what: str = "weight") -> None:
+    """Raise ValueError unless `in_rows` splits into whole groups (and, over `shards` devices,
+    into whole groups per device)."""
+    if group_size % PACK or in_rows % group_size:
+        raise ValueError(f"{what}: {in_rows} input features do not divide into groups of {group_size} "
+                         f"(group_size must be a multiple of {PACK} that divides the input size)")
+    if shards > 1 and (in_rows % shards or (in_rows // shards) % group_size):
+        raise ValueError(f"{what}: int4 group scales do not split over {shards} devices: each would "
+                         f"hold {in_rows / shards:g} of the {in_rows} input features, not a whole number "
+                         f"of {group_size}-row groups; tensor_parallel_size must divide {in_rows} into "
+                         f"multiples of {group_size}")
+
