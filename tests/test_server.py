@@ -53,7 +53,7 @@ def assert_still_serves(client):
 def test_health_is_503_until_the_model_is_ready(server):
     assert server.health_seen[0] == 503
     assert server.health_seen[-1] == 200
-    assert "KV pool" in server.log() and "compiled programs" in server.log()
+    assert "KV pool" in server.log() and "step programs" in server.log()
 
 
 def test_models_version_and_tokenize_roundtrip(server, client):
