@@ -55,7 +55,7 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"speculative_config\.model.*vocabulary \(1000"):
         LLMEngine(args, warmup=False)
     args = dataclasses.replace(args, speculative_config={"model": str(tmp_path / "missing")})
-    with pytest.raises(ValueError, match=r"speculative_config\.model.*not a local model path"):
+    with pytest.raises(ValueError, match=r"speculative_config\.model: model path .* does not exist"):
         LLMEngine(args, warmup=False)
 
 

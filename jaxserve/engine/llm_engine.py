@@ -27,7 +27,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.loader.generation_config import default_sampling_params, generation_eos_token_ids
 from jaxserve.loader.gguf import read_gguf
 from jaxserve.loader.hub import resolve_model
-from jaxserve.loader.loader import load_model, resolve_dtype
+from jaxserve.loader.loader import ModelLoadError, load_model, resolve_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sharding.mesh import make_mesh
 from jaxserve.sharding.plan import plan_for
@@ -127,8 +127,11 @@ class LLMEngine:
         spec = args.spec_config()
         draft = draft_plan = None
         if spec is not None and spec.method == "draft_model":
-            draft_path = resolve_model(spec.model, download_dir=args.download_dir,
-                                       weights=args.load_format != "dummy")
+            try:
+                draft_path = resolve_model(spec.model, download_dir=args.download_dir,
+                                           weights=args.load_format != "dummy")
+            except ModelLoadError as e:     # name the field, as every config error does
+                raise ModelLoadError(f"speculative_config.model: {e}") from None
             draft = load_draft(draft_path, cfg, self.tokenizer, dtype=dtype, mesh=self.mesh,
                                load_format=args.load_format, seed=args.seed,
                                quantization=args.quantization,
