@@ -117,6 +117,21 @@ def test_temperature_sampling_matches_softmax(temperature):
     assert 0.5 * np.abs(freq - expected).sum() < 0.03
 
 
+@pytest.mark.parametrize("temperature", [np.inf, 1e38])
+def test_a_temperature_beyond_f32_never_draws_a_masked_token(temperature):
+    """A request's temperature 2.6e266 is finite in Python but inf in f32, and -inf / inf is NaN:
+    the grammar's -inf logits must stay undrawable (found by the OpenAPI fuzz test). The draw is
+    uniform over the allowed tokens, the limit of a huge temperature."""
+    R = 4000
+    logits = random_logits(R)
+    allowed = np.zeros(V, bool)
+    allowed[[3, 7, 11]] = True
+    logits[:, ~allowed] = -np.inf
+    ids = ids_of(sample(logits, tensors(R, temperature=temperature)))
+    assert set(np.unique(ids)) == {3, 7, 11}
+    assert np.all(np.abs(np.bincount(ids, minlength=V)[[3, 7, 11]] / R - 1 / 3) < 0.05)
+
+
 def test_same_seed_and_position_give_same_token_in_any_row():
     R = 8
     row = np.zeros(V, np.float32)                 # uniform: the noise alone decides

@@ -80,11 +80,18 @@ def _gumbel(seed, position, vocab):
     return jax.random.gumbel(key, (vocab,), jnp.float32)
 
 
+MAX_TEMPERATURE = 1e30
+
+
 def _draw(logits, greedy_ids, t: SamplingTensors):
     """Temperature, filters and Gumbel noise; greedy rows keep `greedy_ids`."""
     V = logits.shape[-1]
     rand = t.temperature > 0
-    scaled = logits / jnp.where(rand, t.temperature, 1.0)[:, None]
+    # A temperature past f32's range arrives as inf, and -inf / inf is NaN: the grammar's and
+    # logit_bias' -inf logits would become drawable. Capped, they stay -inf and every allowed
+    # token is equally likely, the limit of a huge temperature.
+    temp = jnp.minimum(jnp.where(rand, t.temperature, 1.0), MAX_TEMPERATURE)
+    scaled = logits / temp[:, None]
     filtered = rand & ((t.top_k > 0) | (t.top_p < 1.0) | (t.min_p > 0))
     scaled = jax.lax.cond(jnp.any(filtered), _apply_filters, lambda x, _: x, scaled, t)
     noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(t.seeds, t.positions, V)
