@@ -117,17 +117,21 @@ def test_temperature_sampling_matches_softmax(temperature):
     assert 0.5 * np.abs(freq - expected).sum() < 0.03
 
 
-@pytest.mark.parametrize("temperature", [np.inf, 1e38])
-def test_a_temperature_beyond_f32_never_draws_a_masked_token(temperature):
-    """A request's temperature 2.6e266 is finite in Python but inf in f32, and -inf / inf is NaN:
-    the grammar's -inf logits must stay undrawable (found by the OpenAPI fuzz test). The draw is
-    uniform over the allowed tokens, the limit of a huge temperature."""
+@pytest.mark.parametrize("temperature", [1e6, 1e29, 1e38, np.inf])
+def test_a_huge_temperature_never_draws_a_token_the_grammar_forbids(temperature):
+    """A request's temperature 2.6e266 is inf in f32; the grammar's forbidden logits (-1e30) and
+    logit_bias' -inf must stay undrawable (found by the OpenAPI fuzz test: a 500 "sampled token
+    is not allowed by its grammar"). The draw is uniform over the allowed tokens."""
     R = 4000
     logits = random_logits(R)
-    allowed = np.zeros(V, bool)
-    allowed[[3, 7, 11]] = True
-    logits[:, ~allowed] = -np.inf
-    ids = ids_of(sample(logits, tensors(R, temperature=temperature)))
+    logits[:, 5] = -np.inf                      # logit_bias -100 style
+    allowed = [3, 5, 7, 11]
+    words = np.zeros((R, -(-V // 32)), np.int64)
+    for tok in allowed:
+        words[:, tok // 32] |= 1 << (tok % 32)
+    bitmask = words.astype(np.uint32).view(np.int32)
+    ids = ids_of(_sample(logits, tensors(R, temperature=temperature), NO_PENALTIES, k=0,
+                         bitmask=bitmask))
     assert set(np.unique(ids)) == {3, 7, 11}
     assert np.all(np.abs(np.bincount(ids, minlength=V)[[3, 7, 11]] / R - 1 / 3) < 0.05)
 

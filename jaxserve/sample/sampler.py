@@ -80,16 +80,16 @@ def _gumbel(seed, position, vocab):
     return jax.random.gumbel(key, (vocab,), jnp.float32)
 
 
-MAX_TEMPERATURE = 1e30
+MAX_TEMPERATURE = 1e6
 
 
 def _draw(logits, greedy_ids, t: SamplingTensors):
     """Temperature, filters and Gumbel noise; greedy rows keep `greedy_ids`."""
     V = logits.shape[-1]
     rand = t.temperature > 0
-    # A temperature past f32's range arrives as inf, and -inf / inf is NaN: the grammar's and
-    # logit_bias' -inf logits would become drawable. Capped, they stay -inf and every allowed
-    # token is equally likely, the limit of a huge temperature.
+    # A huge temperature would lift the grammar's forbidden logits (-1e30, structured.py) and
+    # logit_bias' -inf ones (NaN once 2.6e266 is inf in f32) into reach of the Gumbel noise.
+    # Capped, they stay unreachable; at 1e6 every allowed logit is already ~0 (uniform draw).
     temp = jnp.minimum(jnp.where(rand, t.temperature, 1.0), MAX_TEMPERATURE)
     scaled = logits / temp[:, None]
     filtered = rand & ((t.top_k > 0) | (t.top_p < 1.0) | (t.min_p > 0))
