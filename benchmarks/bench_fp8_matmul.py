@@ -22,27 +22,15 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from timing import timed  # noqa: E402
 
 from jaxserve.pallas import fp8_matmul as fm  # noqa: E402
-
-
-def timed(fn, args, iters: int) -> float:
-    """Median seconds per call of a jitted fn (compiled and warmed first)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def problem(m: int, n: int, k: int, seed: int = 0):

@@ -9,28 +9,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from timing import timed  # noqa: E402
 
 from jaxserve.layers.int4 import Int4Weight, dequantize, pack  # noqa: E402
 from jaxserve.layers.linear import DenseWeight, linear  # noqa: E402
 
 
 def _median_ms(fn, *args, reps: int = 20) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+    return 1e3 * timed(fn, args, reps)
 
 
 def main():

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -28,20 +27,11 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
+from timing import timed  # noqa: E402
 
 from jaxserve.layers import experts as ex  # noqa: E402
 from jaxserve.layers import moe  # noqa: E402
 from jaxserve.layers.linear import DenseWeight  # noqa: E402
-
-
-def timed(fn, args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def layer_table(tokens, X, k, E, F, iters):
