@@ -23,6 +23,8 @@ LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = (None, "fp8", "awq", "gptq", "compressed-tensors", "awq_marlin", "gptq_marlin")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton", "mosaic")
+# The FP8 matmul (jaxserve/layers/fp8.py): "pallas" is the Mosaic GPU kernel ("mosaic" its alias).
+FP8_KERNELS = ("auto", "xla", "pallas", "mosaic")
 # `<think>` markers the engine knows (structured_output/reasoning.py; the server's parsers)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
@@ -481,6 +483,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
+    fp8_kernel: str = "auto"
     speculative_config: dict | None = None
     seed: int = 0
     load_format: str = "auto"   # "dummy": seeded random weights of config.json's shapes
@@ -509,6 +512,8 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.fp8_kernel not in FP8_KERNELS:
+            raise ValueError(f"fp8_kernel must be one of {', '.join(FP8_KERNELS)}, got {self.fp8_kernel!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got "
                              f"{self.load_format!r}")

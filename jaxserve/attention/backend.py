@@ -6,8 +6,13 @@ Backends (`attention_backend`):
              "triton" is the same backend;
   mosaic     the Mosaic GPU kernel for Hopper (jaxserve/pallas/paged_attention_mgpu.py), jax >= 0.11,
              interpreted off GPU;
-  auto       mosaic on a Hopper GPU (compute capability 9.x) with jax >= 0.11 when the kernel
-             supports the model's dtypes and shapes, else pallas on any other GPU, else reference.
+  auto       on a GPU, the first of mosaic, pallas that can run the model's dtypes and shapes AND has
+             a recorded measurement on this GPU class for this shape class
+             (`jaxserve.pallas.measured.MEASURED`, filled from benchmarks/RESULTS.md), else the
+             reference (XLA) path; off GPU, reference. The log says why each was passed over.
+
+A kernel that fails to compile when the engine warms up falls back along `FALLBACK` with a warning
+(jaxserve/engine/llm_engine.py), never a crash.
 """
 
 from __future__ import annotations
@@ -20,12 +25,15 @@ import jax
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.attention.reference import ragged_paged_attention_ref
+from jaxserve.pallas import measured as measured_kernels
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("reference", "pallas", "mosaic")
 ALIASES = {"triton": "pallas"}
 MOSAIC_MIN_JAX = (0, 11)
+# What a backend that failed to compile falls back to, in order.
+FALLBACK = {"mosaic": ("pallas", "reference"), "pallas": ("reference",), "reference": ()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +96,11 @@ def mosaic_problem(case: AttentionCase, platform: Platform) -> str | None:
 
 
 def select_backend(name: str, case: AttentionCase | None = None,
-                   platform: Platform | None = None) -> str:
+                   platform: Platform | None = None,
+                   measured: tuple[measured_kernels.Measurement, ...] = measured_kernels.MEASURED) -> str:
     """`attention_backend` -> "reference", "pallas" or "mosaic" for this case and platform.
-    Raises ValueError for an unknown name, or for "mosaic" where it cannot run (the reason named)."""
+    Raises ValueError for an unknown name, or for "mosaic" where it cannot run (the reason named).
+    `measured`: the table of GPU measurements `auto` may pick from (injectable in tests)."""
     name = ALIASES.get(name, name)
     if name != "auto" and name not in BACKENDS:
         raise ValueError(f"attention_backend must be 'auto', {', '.join(map(repr, BACKENDS + tuple(ALIASES)))}; "
@@ -105,19 +115,27 @@ def select_backend(name: str, case: AttentionCase | None = None,
         return name
     if platform.backend != "gpu":
         return "reference"
-    if platform.hopper and not problem:
-        return "mosaic"
-    if platform.hopper:
-        logger.info("attention_backend auto: Triton kernel, not Mosaic GPU (%s)", problem)
-    return "pallas"
+    q_dtype, head_dim = (None, None) if case is None else (case.q_dtype, case.head_dim)
+    reasons = []
+    for kernel in ("mosaic", "pallas"):
+        if kernel == "mosaic" and problem:
+            reasons.append(f"mosaic: the kernel {problem}")
+            continue
+        m = measured_kernels.find(f"attention/{kernel}", platform.compute_capability, q_dtype, head_dim,
+                                  table=measured)
+        if m is not None:
+            if reasons:
+                logger.info("attention_backend auto: %s, not %s", kernel, "; ".join(reasons))
+            return kernel
+        reasons.append(measured_kernels.why_not(f"attention/{kernel}", platform.compute_capability,
+                                                q_dtype, head_dim, table=measured))
+    logger.warning("attention_backend auto: the XLA reference path (%s); --attention-backend "
+                   "pallas or mosaic asks for a kernel anyway", "; ".join(reasons))
+    return "reference"
 
 
 def resolve_backend(name: str) -> str:
-    """`select_backend` without a case: "auto" -> the Triton kernel on GPU, the reference
-    elsewhere (kept for callers that know no model)."""
-    name = ALIASES.get(name, name)
-    if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    """`select_backend` without a case (for callers that know no model)."""
     return select_backend(name)
 
 

@@ -23,7 +23,9 @@ from jaxserve.core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.core.scheduler import GrammarBitmask, Scheduler, SchedulerOutput
 from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
 from jaxserve.engine import multihost
+from jaxserve.engine.fallback import Choice, build_with_fallback, fallback_plan
 from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.loader.fp8 import kernels_in, with_kernel
 from jaxserve.loader.generation_config import default_sampling_params, generation_eos_token_ids
 from jaxserve.loader.gguf import read_gguf
 from jaxserve.loader.hub import resolve_model
@@ -150,42 +152,57 @@ class LLMEngine:
         # Simulated CPU devices share the host's memory: there a budget covers all of them.
         host_copies = self.mesh.size if jax.default_backend() == "cpu" else 1
         self.scheduler_config = args.scheduler_config(self.max_model_len)
-        self.attention_backend = select_backend(
-            args.attention_backend, AttentionCase.of(cfg, dtype, kv_dtype, args.block_size))
-        logger.info("attention backend: %s (asked: %s)", self.attention_backend, args.attention_backend)
+        selected = select_backend(args.attention_backend,
+                                  AttentionCase.of(cfg, dtype, kv_dtype, args.block_size))
+        if args.fp8_kernel != "auto":
+            weights = with_kernel(weights, args.fp8_kernel)
+        fp8_kernels = kernels_in(weights)
+        fp8 = "pallas" if "pallas" in fp8_kernels else ("xla" if fp8_kernels else None)
 
-        def make_runner(num_blocks: int, drafter: DraftRunner | None = None) -> ModelRunner:
+        def make_runner(num_blocks: int, choice: Choice, weights,
+                        drafter: DraftRunner | None = None) -> ModelRunner:
             cache_config = dataclasses.replace(args.cache_config(), num_blocks=num_blocks)
             return ModelRunner(cfg, weights, cache_config, self.scheduler_config, dtype=dtype,
-                               backend=self.attention_backend, max_logprobs=args.max_logprobs,
+                               backend=choice.attention, max_logprobs=args.max_logprobs,
                                kv_quantize=kv_quantize, kv_dtype=kv_dtype, plan=self.plan,
                                num_speculative_tokens=self.scheduler_config.num_speculative_tokens,
                                drafter=drafter)
 
-        def make_drafter(num_blocks: int) -> DraftRunner | None:
+        def make_drafter(num_blocks: int, choice: Choice) -> DraftRunner | None:
             if draft is None:
                 return None
             dcfg, dweights = draft
-            backend = select_backend(args.attention_backend,
-                                     AttentionCase.of(dcfg, dtype, kv_dtype, args.block_size))
+            backend = choice.attention if choice.attention != selected else select_backend(
+                args.attention_backend, AttentionCase.of(dcfg, dtype, kv_dtype, args.block_size))
             return DraftRunner(dcfg, dweights, num_blocks=num_blocks, block_size=args.block_size,
                                max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
                                num_speculative_tokens=spec.num_speculative_tokens, dtype=dtype,
                                backend=backend, kv_quantize=kv_quantize, kv_dtype=kv_dtype,
                                plan=draft_plan)
 
-        blocks = num_kv_blocks(args, per_block * host_copies, weight_bytes,
-                               profile=lambda n: profile_peak_bytes(make_runner(n)),
-                               probe_num_blocks=probe_blocks(args, self.max_model_len))
-        if self.group is not None:      # one pool size for all (profiles differ per process)
-            blocks = self.group.agree_min("kv_blocks", blocks)
+        def build(choice: Choice):
+            """Size the pool (a profile run compiles the largest programs), then the runner and
+            its warm-up: everything that compiles a kernel happens here (`build_with_fallback`)."""
+            w = weights if choice.fp8 == fp8 else with_kernel(weights, choice.fp8)
+            blocks = num_kv_blocks(args, per_block * host_copies, weight_bytes,
+                                   profile=lambda n: profile_peak_bytes(make_runner(n, choice, w)),
+                                   probe_num_blocks=probe_blocks(args, self.max_model_len))
+            if self.group is not None:      # one pool size for all (profiles differ per process)
+                blocks = self.group.agree_min("kv_blocks", blocks)
+            runner = make_runner(blocks, choice, w, make_drafter(blocks, choice))
+            return blocks, runner, (runner.warmup() if warmup else 0.0)
+
+        choice, (blocks, self.runner, self.warmup_seconds) = build_with_fallback(
+            fallback_plan(selected, fp8), build)
+        self.attention_backend = choice.attention
+        logger.info("attention backend: %s (asked: %s)%s", self.attention_backend, args.attention_backend,
+                    "" if choice.fp8 is None else f"; fp8 matmul: {choice.fp8} (asked: {args.fp8_kernel})")
         self.cache_config = dataclasses.replace(args.cache_config(), num_blocks=blocks)
         tokens = blocks * args.block_size
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); maximum concurrency "
                     "for %d tokens per request: %.2fx", blocks, args.block_size, tokens,
                     blocks * per_block / 2**30, self.max_model_len, tokens / self.max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
-        self.runner = make_runner(blocks, make_drafter(blocks))
         self.processor = OutputProcessor(self.tokenizer)
         so_config = args.structured_config()
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
@@ -204,7 +221,6 @@ class LLMEngine:
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
         self.num_failed_steps = 0
         self.last_step_error: Exception | None = None
-        self.warmup_seconds = self.runner.warmup() if warmup else 0.0
         self.startup_seconds = time.perf_counter() - t0
         logger.info("engine ready in %.1f s (%d model programs: %s)", self.startup_seconds,
                     len(self.runner.compiled_programs), self.runner.programs_obtained())
@@ -212,9 +228,7 @@ class LLMEngine:
     @property
     def fp8_linear(self) -> bool:
         """Whether the linear layers are FP8 (`--quantization fp8` or an FP8 checkpoint)."""
-        from jaxserve.layers.fp8 import Fp8Weight
-        is_fp8 = lambda x: isinstance(x, Fp8Weight)     # noqa: E731
-        return any(map(is_fp8, jax.tree_util.tree_leaves(self.runner.weights, is_leaf=is_fp8)))
+        return bool(kernels_in(self.runner.weights))
 
     def _eos_token_ids(self, cfg) -> set[int]:
         ids = set(cfg.eos_token_ids) | set(self._generation_eos)

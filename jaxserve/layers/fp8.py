@@ -9,16 +9,20 @@ model code calls `linear(x, w)` as for a `DenseWeight` (and `grouped_linear` for
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
 
 from jaxserve.layers.experts import register_ragged
 from jaxserve.layers.linear import register_linear
+from jaxserve.pallas import measured as measured_kernels
 from jaxserve.pallas.fp8_matmul import BLOCK, dequantize, fp8_matmul, quantize_activations, scale_kind
 
 ACTIVATIONS = ("none", "dynamic", "static")
 KERNELS = ("auto", "xla", "pallas")
+KERNEL_ALIASES = {"mosaic": "pallas"}     # the Pallas kernel is a Mosaic GPU one
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -71,12 +75,15 @@ jax.tree_util.register_dataclass(Fp8Weight, data_fields=["w", "scale", "input_sc
                                  meta_fields=["activations", "block_size", "kernel", "k_major"])
 
 
-def resolve_kernel(name: str = "auto", device=None, num_devices: int = 1) -> str:
-    """"auto": the Mosaic GPU kernel on Hopper (compute capability 9.x), XLA elsewhere and on
-    meshes of more than one device (`num_devices`): XLA partitions its own matmul over the mesh,
-    but not a Pallas call, and the kernel has no `shard_map` wrapper yet."""
+def resolve_kernel(name: str = "auto", device=None, num_devices: int = 1,
+                   measured: tuple | None = None) -> str:
+    """"auto": the Mosaic GPU kernel where it has a recorded GPU measurement for this GPU class
+    (`jaxserve.pallas.measured`; none yet), XLA elsewhere and on meshes of more than one device
+    (`num_devices`): XLA partitions its own matmul over the mesh, but not a Pallas call, and the
+    kernel has no `shard_map` wrapper yet. `measured`: the table (injectable in tests)."""
+    name = KERNEL_ALIASES.get(name, name)
     if name not in KERNELS:
-        raise ValueError(f"fp8 kernel must be one of {KERNELS}, got {name!r}")
+        raise ValueError(f"fp8 kernel must be one of {KERNELS + tuple(KERNEL_ALIASES)}, got {name!r}")
     if name == "pallas" and num_devices > 1:
         raise ValueError(f"fp8 kernel 'pallas' runs on one device; weights placed on {num_devices} "
                          "devices (tensor parallelism) use kernel 'xla'")
@@ -85,8 +92,15 @@ def resolve_kernel(name: str = "auto", device=None, num_devices: int = 1) -> str
     if num_devices > 1:
         return "xla"
     device = device or jax.devices()[0]
-    hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
-    return "pallas" if hopper and _kernel_available() else "xla"
+    cc = getattr(device, "compute_capability", None)
+    hopper = device.platform == "gpu" and str(cc or "").startswith("9")
+    if not (hopper and _kernel_available()):
+        return "xla"
+    table = measured_kernels.MEASURED if measured is None else measured
+    if measured_kernels.find("fp8/pallas", str(cc), table=table) is None:
+        logger.info("fp8 kernel auto: xla (%s)", measured_kernels.why_not("fp8/pallas", str(cc), table=table))
+        return "xla"
+    return "pallas"
 
 
 def default_activations(device=None) -> str:

@@ -242,3 +242,27 @@ def linear_weight_bytes(weights, skip=SKIP_ON_THE_FLY) -> int:
         return leaf
     jax.tree_util.tree_map_with_path(visit, weights, is_leaf=lambda x: isinstance(x, (DenseWeight, Fp8Weight)))
     return total
+
+
+def with_kernel(weights, kernel: str):
+    """Every `Fp8Weight` of a model pytree (experts' included) in `kernel`'s layout, "xla" or
+    "pallas" (`resolve_kernel` names; "auto" resolves here): the codes transposed where the layout
+    changes. For `--fp8-kernel` and the warm-up fallback (jaxserve/engine/fallback.py)."""
+    def one(w):
+        if not isinstance(w, Fp8Weight):
+            return w
+        sharding = getattr(w.w, "sharding", None)
+        devices = sharding.mesh.size if isinstance(sharding, NamedSharding) else 1
+        target = resolve_kernel(kernel, num_devices=devices)
+        if w.kernel == target:
+            return w
+        k_major = target == "pallas"
+        q = w.w if k_major == w.k_major else jnp.swapaxes(w.w, -1, -2)
+        return dataclasses.replace(w, w=q, kernel=target, k_major=k_major)
+    return jax.tree_util.tree_map(one, weights, is_leaf=lambda x: isinstance(x, Fp8Weight))
+
+
+def kernels_in(weights) -> set[str]:
+    """The FP8 kernels a model pytree's `Fp8Weight`s run on (empty: no FP8 weights)."""
+    is_fp8 = lambda x: isinstance(x, Fp8Weight)     # noqa: E731
+    return {w.kernel for w in jax.tree_util.tree_leaves(weights, is_leaf=is_fp8) if is_fp8(w)}

@@ -28,6 +28,7 @@ from jaxserve.config import (
     ATTENTION_BACKENDS,
     DEFAULT_COMPILATION_CACHE_DIR,
     DTYPES,
+    FP8_KERNELS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
@@ -140,7 +141,11 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
           "tokens; vLLM's unbounded rule is \"[\\\\x20\\\\x0A\\\\x0D\\\\x09]+\").",
           shown_default="one space, or a line break and up to 32 spaces of indentation")),
     ("attention_backend", "CompilationConfig", dict(choices=ATTENTION_BACKENDS,
-                                                    help="Attention implementation.")),
+                                                    help="Attention implementation (auto: on a GPU, "
+                                                    "only kernels measured on that GPU class).")),
+    ("fp8_kernel", "CompilationConfig", dict(choices=FP8_KERNELS, help="FP8 matmul: xla, or "
+                                             "pallas/mosaic (the Mosaic GPU kernel, one device); auto "
+                                             "picks a kernel only where it was measured.")),
     ("compilation_cache_dir", "CompilationConfig", dict(help="Persistent XLA compilation cache "
                                                         "directory ('' disables).",
                                                         shown_default=DEFAULT_COMPILATION_CACHE_DIR)),
