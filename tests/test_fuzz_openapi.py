@@ -57,3 +57,14 @@ def test_openapi_document_lists_every_route(server):
                                  "/detokenize", "/tokenizer_info", "/v1/models", "/health",
                                  "/ping", "/version", "/metrics"}
     assert doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
+
+
+@pytest.mark.parametrize("path,marker", [("/docs", "SwaggerUIBundle"), ("/redoc", "<redoc spec-url")])
+def test_interactive_docs_pages_read_the_openapi_document(server, path, marker):
+    """/docs (Swagger UI) and /redoc, as FastAPI/vLLM serve them: HTML over /openapi.json, and
+    not in the document themselves (so the fuzzer above never calls them)."""
+    r = requests.get(server.base_url + path, timeout=10)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/html")
+    assert marker in r.text and "/openapi.json" in r.text
+    doc = requests.get(server.base_url + "/openapi.json", timeout=10).json()
+    assert path not in doc["paths"]

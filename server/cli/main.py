@@ -521,6 +521,20 @@ register_subcommand("run-batch", "Run an OpenAI Batch JSONL file through the eng
                     _run_batch_arguments, _run_batch)
 
 
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    from jaxserve.server.bench import cli as bench
+    bench.add_arguments(p)
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    from jaxserve.server.bench import cli as bench
+    return bench.run(ns)
+
+
+register_subcommand("bench", "Benchmark a server (serve) or the offline engine (throughput, latency), "
+                    "as vllm bench does.", _bench_arguments, _bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description="jaxserve: LLM serving in JAX")
     parser.add_argument("--version", action="version", version=_version())

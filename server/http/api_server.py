@@ -20,6 +20,7 @@ from pydantic import BaseModel
 import jaxserve
 from jaxserve.config import EngineArgs
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.server.http.docs import add_docs_routes
 from jaxserve.server.http.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.http.openapi import openapi_document
 from jaxserve.server.openai.protocol import (
@@ -115,6 +116,7 @@ class Server:
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/openapi.json", self.openapi)
+        add_docs_routes(app)                            # /docs, /redoc over /openapi.json
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
