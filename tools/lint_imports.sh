@@ -7,6 +7,7 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 cp -r "$repo/jaxserve" "$tmp/jaxserve"
+rm -rf "$tmp/jaxserve/server"     # a git-ignored jaxserve/server -> ../server link (worktrees)
 cp -r "$repo/server" "$tmp/jaxserve/server"
 cp "$repo/pyproject.toml" "$tmp/"
 cd "$tmp" && PYTHONPATH="$tmp" lint-imports --no-cache
