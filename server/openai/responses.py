@@ -88,8 +88,8 @@ class ResponsesServing:
             raise responses_error(e) from None
         shell = ResponseShell(request, rid, model, self._temperature(request))
         if isinstance(result, SSEStream):
-            return SSEStream(stream_events(shell, result, lambda body: self._keep(
-                request, conversation, body), self._count_tokens), result.usage)
+            return _EventStream(stream_events(shell, result, lambda body: self._keep(
+                request, conversation, body), self._count_tokens), result)
         choice = result["choices"][0]
         output = output_items(choice["message"])
         reasoning = choice["message"].get("reasoning")
@@ -121,3 +121,19 @@ class ResponsesServing:
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
+
+
+class _EventStream(SSEStream):
+    """The events of a chat stream; closing it closes the chat stream too, also when no event
+    was read (a generator that never started skips its `finally`), so the engine request is
+    aborted whenever the client goes away."""
+
+    def __init__(self, events, chat_stream: SSEStream):
+        super().__init__(events, chat_stream.usage)
+        self._chat_stream = chat_stream
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()
+        finally:
+            await self._chat_stream.aclose()
