@@ -297,3 +297,47 @@ def test_store_evicts_the_least_recently_used():
         store.get("b", "previous_response_id")
     assert e.value.status == 404 and e.value.param == "previous_response_id"
     assert len(store) == 2
+
+
+# -- a client that goes away ----------------------------------------------------------------------
+@pytest.mark.parametrize("events_read", [0, 4])
+def test_closing_the_event_stream_aborts_the_engine_request(events_read):
+    """Closing a streamed response (the client went away) aborts its engine request, also
+    before the first event was read (an unstarted generator skips its `finally`)."""
+    import asyncio
+
+    from test_server_async import FakeEngine, FakeTokenizer
+
+    from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.server.openai.protocol import validate_request
+    from jaxserve.server.openai.responses import ResponsesServing
+    from jaxserve.server.openai.responses_protocol import ResponsesRequest
+    from jaxserve.server.openai.serving import OpenAIServing
+
+    class ChatTokenizer(FakeTokenizer):
+        chat_template = None
+
+        def apply_chat_template(self, messages, tokenize=False, **kw):
+            return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+
+    async def main():
+        engine = FakeEngine(tokens=1000)
+        engine.tokenizer = ChatTokenizer()
+        llm = AsyncLLM(engine=engine)
+        await llm.start()
+        serving = ResponsesServing(OpenAIServing(llm, ["fake"]))
+        request = validate_request(ResponsesRequest, {"input": "Hi", "stream": True,
+                                                      "max_output_tokens": 500})
+        stream = await serving.create_response(request, "r1")
+        lines = stream.__aiter__()
+        for _ in range(events_read):
+            assert (await lines.__anext__()).startswith("event: response.")
+        await stream.aclose()
+        for _ in range(100):
+            if engine.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.aborted == ["r1"] and not engine.requests
+        assert len(serving.store) == 0            # an unfinished response is not stored
+        await llm.shutdown()
+    asyncio.run(main())
