@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 import requests
-from openai.types.responses import Response
+from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel
 
 from jaxserve.server.openai.protocol import OpenAIError
@@ -80,11 +80,39 @@ def test_text_response_is_the_chat_answer_with_responses_usage(client, tools_ser
 def test_max_output_tokens_ends_the_response_incomplete(client):
     r = _create(client, input="Write a long story about a dragon.", max_output_tokens=5)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
-    assert r.usage.output_tokens == 5
+    assert r.usage.output_tokens == 5 and r.output[0].status == "incomplete"
     events = list(_create(client, input="Write a long story about a dragon.",
                           max_output_tokens=5, stream=True))
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.output[0].content[0].text == r.output_text
+    assert events[-1].response.output[0].status == "incomplete"
+
+
+def _raw_events(server, body: dict) -> list[dict]:
+    with requests.post(server.base_url + "/v1/responses", stream=True, timeout=120,
+                       json={"temperature": 0, "max_output_tokens": 60, "stream": True,
+                             **body}) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines(decode_unicode=True) if line]
+    names = [line[len("event: "):] for line in lines if line.startswith("event: ")]
+    events = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+    assert names == [e["type"] for e in events]       # each event names its type twice
+    return events
+
+
+def test_bodies_and_events_validate_against_the_openai_types(tools_server):
+    """Strict validation with the openai package's own models (the client itself builds them
+    leniently), for text, function call and reasoning outputs, streamed and not."""
+    from pydantic import TypeAdapter
+    events_type = TypeAdapter(ResponseStreamEvent)
+    for body in ({"input": QUESTION, "metadata": {"k": "v"}},
+                 {"input": "Weather in Paris?", "tools": [WEATHER], "tool_choice": "required"},
+                 {"input": REASONING_INPUT, "reasoning": {"effort": "low"}}):
+        r = requests.post(tools_server.base_url + "/v1/responses", timeout=120,
+                          json={"temperature": 0, "max_output_tokens": 60, **body})
+        Response.model_validate(r.json())
+        for event in _raw_events(tools_server, body):
+            events_type.validate_python(event)
 
 
 # -- streaming ----------------------------------------------------------------------------------

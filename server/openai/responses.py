@@ -89,12 +89,11 @@ class ResponsesServing:
         shell = ResponseShell(request, rid, model, self._temperature(request))
         if isinstance(result, SSEStream):
             return _EventStream(stream_events(shell, result, lambda body: self._keep(
-                request, conversation, body), self._count_tokens), result)
+                request, conversation, body), self._usage), result)
         choice = result["choices"][0]
-        output = output_items(choice["message"])
+        output = output_items(choice["message"], choice["finish_reason"])
         reasoning = choice["message"].get("reasoning")
-        body = shell.body(output, choice["finish_reason"],
-                          response_usage(result["usage"], self._count_tokens(reasoning)))
+        body = shell.body(output, choice["finish_reason"], self._usage(result["usage"], reasoning))
         self._keep(request, conversation, body)
         return body
 
@@ -107,11 +106,14 @@ class ResponsesServing:
             return request.temperature
         return self.chat.engine.default_sampling_params.get("temperature", 1.0)
 
-    def _count_tokens(self, text: str | None) -> int:
-        """Tokens of the reasoning text (re-tokenized: the parsers hand back text, not ids)."""
-        if not text:
-            return 0
-        return len(self.chat.engine.tokenizer.encode(text, add_special_tokens=False))
+    def _usage(self, chat_usage: dict, reasoning: str | None) -> dict:
+        """The Responses usage of a chat usage; the reasoning tokens are the reasoning text
+        re-tokenized (the parsers hand back text, not ids)."""
+        args = self.chat.engine.engine_args
+        n = len(self.chat.engine.tokenizer.encode(reasoning, add_special_tokens=False)) \
+            if reasoning else 0
+        return response_usage(chat_usage, n, args.block_size if args.enable_prefix_caching
+                              else None)
 
     def retrieve(self, response_id: str) -> dict:
         return self.store.get(response_id)[0]

@@ -70,7 +70,12 @@ def function_call_item(call_id: str, name: str, arguments: str,
             "arguments": arguments, "status": status}
 
 
-def output_items(message: dict) -> list[dict]:
+def message_status(finish_reason: str | None) -> str:
+    """A message item's status: "incomplete" when max_output_tokens cut it (OpenAI's)."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def output_items(message: dict, finish_reason: str | None) -> list[dict]:
     """A chat message as output items: reasoning, then the text (left out only when the answer
     is tool calls alone), then one function_call per tool call."""
     items = []
@@ -78,7 +83,8 @@ def output_items(message: dict) -> list[dict]:
         items.append(reasoning_item(message["reasoning"]))
     calls = message.get("tool_calls") or []
     if message.get("content") or not calls:
-        items.append(message_item(message.get("content") or ""))
+        items.append({**message_item(message.get("content") or ""),
+                      "status": message_status(finish_reason)})
     items.extend(function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"])
                  for c in calls)
     return items
@@ -98,10 +104,14 @@ def output_messages(output: list[dict]) -> list[dict]:
     return [message]
 
 
-def response_usage(chat_usage: dict, reasoning_tokens: int) -> dict:
+def response_usage(chat_usage: dict, reasoning_tokens: int, cache_block: int | None) -> dict:
+    """cache_block: the prefix cache's block size (None when prefix caching is off); the input's
+    full blocks that were not cached before are the tokens this request wrote to the cache."""
     details = chat_usage.get("prompt_tokens_details") or {}
-    return {"input_tokens": chat_usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": details.get("cached_tokens") or 0},
+    n, cached = chat_usage["prompt_tokens"], details.get("cached_tokens") or 0
+    written = max(n // cache_block * cache_block - cached, 0) if cache_block else 0
+    return {"input_tokens": n,
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
             "output_tokens": chat_usage.get("completion_tokens") or 0,
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": chat_usage["total_tokens"]}

@@ -26,9 +26,9 @@ from jaxserve.server.openai.responses_output import (
     ResponseShell,
     function_call_item,
     message_item,
+    message_status,
     output_text,
     reasoning_item,
-    response_usage,
 )
 
 
@@ -104,8 +104,9 @@ class OutputItems:
         self._open, self._text = item, ""
         return [self.event("response.output_item.added", output_index=self._index, item=item)]
 
-    def close(self) -> list[str]:
-        """Finish the open item (its done events); nothing when none is open."""
+    def close(self, status: str = "completed") -> list[str]:
+        """Finish the open item (its done events); nothing when none is open. status: the
+        item's ("incomplete" for a message that max_output_tokens cut)."""
         item, text = self._open, self._text
         if item is None:
             return []
@@ -126,23 +127,24 @@ class OutputItems:
                                          text=text, logprobs=[]))
             events.append(self.event("response.content_part.done", **ids, content_index=0,
                                      part=part))
-            done = {**item, "content": [part], "status": "completed"}
+            done = {**item, "content": [part],
+                    "status": status if item["type"] == "message" else "completed"}
         events.append(self.event("response.output_item.done", output_index=self._index,
                                  item=done))
         self.items.append(done)
         self._open, self._text = None, ""
         return events
 
-    def finish(self) -> list[str]:
+    def finish(self, finish_reason: str | None) -> list[str]:
         """Close the last item; an answer with neither text nor calls still gets its (empty)
         message, as the non-streamed response has."""
-        events = self.close()
+        events = self.close(message_status(finish_reason))
         if not any(i["type"] in ("message", "function_call") for i in self.items):
             events += self._start(message_item("", "in_progress"))
             events.append(self.event("response.content_part.added", item_id=self._open["id"],
                                      output_index=self._index, content_index=0,
                                      part=output_text("")))
-            events += self.close()
+            events += self.close(message_status(finish_reason))
         return events
 
     def reasoning_text(self) -> str:
@@ -151,9 +153,10 @@ class OutputItems:
 
 
 async def stream_events(shell: ResponseShell, chat_stream, on_done: Callable[[dict], None],
-                        count_tokens: Callable[[str], int]) -> AsyncIterator[str]:
+                        make_usage: Callable[[dict, str], dict]) -> AsyncIterator[str]:
     """The Responses events of a chat stream (an SSEStream with include_usage). on_done gets
-    the final Response body (to store it); count_tokens counts the reasoning tokens."""
+    the final Response body (to store it); make_usage(chat usage, reasoning text) gives the
+    Responses usage."""
     event = EventWriter()
     output = OutputItems(event)
     started = shell.body([], None, None, status="in_progress")
@@ -183,10 +186,9 @@ async def stream_events(shell: ResponseShell, chat_stream, on_done: Callable[[di
                 for lines in _delta_events(output, delta):
                     yield lines
                 finish_reason = choice.get("finish_reason") or finish_reason
-        for line_out in output.finish():
+        for line_out in output.finish(finish_reason):
             yield line_out
-        usage = response_usage(chat_usage, count_tokens(output.reasoning_text())) \
-            if chat_usage else None
+        usage = make_usage(chat_usage, output.reasoning_text()) if chat_usage else None
         body = shell.body(output.items, finish_reason, usage)
         on_done(body)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
