@@ -55,7 +55,8 @@ def test_openapi_document_lists_every_route(server):
     doc = requests.get(server.base_url + "/openapi.json", timeout=10).json()
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/tokenize",
                                  "/detokenize", "/tokenizer_info", "/v1/models", "/health",
-                                 "/ping", "/version", "/metrics"}
+                                 "/ping", "/version", "/metrics", "/v1/responses",
+                                 "/v1/responses/{response_id}"}
     assert doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
 
 

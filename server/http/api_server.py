@@ -32,6 +32,8 @@ from jaxserve.server.openai.protocol import (
     check_json_body,
     validate_request,
 )
+from jaxserve.server.openai.responses import ResponsesServing
+from jaxserve.server.openai.responses_protocol import ResponsesRequest
 from jaxserve.server.openai.serving import OpenAIServing, load_chat_template
 
 # Routes behind --api-key besides /v1/*: the tokenizer's (vLLM leaves them open; they read
@@ -94,6 +96,7 @@ class Server:
                             warmup=warmup, max_waiting_requests=server_args.max_waiting_requests,
                             on_output=self._on_output)
         self.serving: OpenAIServing | None = None
+        self.responses: ResponsesServing | None = None
         self.metrics: ServerMetrics | None = None
         self.app = self._build_app()
         self.runner: web.AppRunner | None = None
@@ -120,6 +123,9 @@ class Server:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.create_response)
+        app.router.add_get("/v1/responses/{response_id}", self.retrieve_response)
+        app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
@@ -163,7 +169,7 @@ class Server:
     def _cors_headers(origin: str, preflight: bool = False) -> dict[str, str]:
         headers = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
         if preflight:
-            headers.update({"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            headers.update({"Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
                             "Access-Control-Allow-Headers": "Authorization, Content-Type",
                             "Access-Control-Max-Age": "600"})
         return headers
@@ -260,6 +266,24 @@ class Server:
         return await self._respond(request, await serving.create_chat_completion(
             body, request.headers.get("X-Request-Id")))
 
+    async def create_response(self, request):
+        self._require_ready()
+        body = await self._body(request, ResponsesRequest)
+        result = await self.responses.create_response(body, request.headers.get("X-Request-Id"))
+        response = await self._respond(request, result)
+        if isinstance(result, dict) and result["usage"]:   # the access log reads chat's names
+            request["usage"] = {"prompt_tokens": result["usage"]["input_tokens"],
+                                "completion_tokens": result["usage"]["output_tokens"]}
+        return response
+
+    async def retrieve_response(self, request):
+        self._require_ready()
+        return web.json_response(self.responses.retrieve(request.match_info["response_id"]))
+
+    async def delete_response(self, request):
+        self._require_ready()
+        return web.json_response(self.responses.delete(request.match_info["response_id"]))
+
     async def _respond(self, request: web.Request, result):
         if isinstance(result, dict):
             request["usage"] = result.get("usage")      # for the access log line
@@ -299,6 +323,7 @@ class Server:
                                      tool_parser=self.args.tool_call_parser,
                                      reasoning_parser=self.args.reasoning_parser,
                                      chat_template=self.chat_template)
+        self.responses = ResponsesServing(self.serving)
         cfg = engine.model_config
         blocks, bs = engine.cache_config.num_blocks, engine.cache_config.block_size
         logger.info("loaded %s (%s, %d layers%s, KV cache %s) from %s", names[0], cfg.architecture,

@@ -15,6 +15,7 @@ from jaxserve.server.openai.protocol import (
     ErrorResponse,
     TokenizeRequest,
 )
+from jaxserve.server.openai.responses_protocol import ResponsesRequest
 
 _REF = "#/components/schemas/{model}"
 _ERRORS = {"400": "invalid request", "401": "missing or wrong API key",
@@ -53,9 +54,15 @@ def openapi_document(version: str) -> dict[str, Any]:
             ok.update(_json(obj))
         return {"get": {"summary": summary, "responses": {"200": ok, **errors}}}
 
+    response_id = {"parameters": [{"name": "response_id", "in": "path", "required": True,
+                                   "schema": {"type": "string"}}]}
     paths = {
         "/v1/completions": post(CompletionRequest, "Create a completion", True),
         "/v1/chat/completions": post(ChatCompletionRequest, "Create a chat completion", True),
+        "/v1/responses": post(ResponsesRequest, "Create a response (OpenAI's Responses API)", True),
+        "/v1/responses/{response_id}": {
+            **response_id, "get": get("A stored response")["get"],
+            "delete": get("Delete a stored response")["get"]},
         "/tokenize": post(TokenizeRequest, "Tokenize a prompt or chat messages", False),
         "/detokenize": post(DetokenizeRequest, "Turn token ids back into text", False),
         "/v1/models": get("The served model names"),

@@ -71,17 +71,25 @@ def random_id(prefix: str) -> str:
 
 class SSEStream:
     """A streamed response: its SSE lines (`async for`, `aclose()`) and `usage`, the token counts
-    of what was generated, filled in when the stream ends or is closed (for the access log)."""
+    of what was generated, filled in when the stream ends or is closed (for the access log).
+    `aclose()` also closes (aborts) `streams`: a generator closed before its first line skips
+    its own `finally`."""
 
-    def __init__(self, lines: AsyncIterator[str], usage_out: dict):
+    def __init__(self, lines: AsyncIterator[str], usage_out: dict,
+                 streams: list[RequestStream] = ()):
         self._lines = lines
         self.usage = usage_out
+        self._streams = streams
 
     def __aiter__(self):
         return self._lines.__aiter__()
 
     async def aclose(self) -> None:
-        await self._lines.aclose()
+        try:
+            await self._lines.aclose()
+        finally:
+            for s in self._streams:
+                s.close()
 
 
 class _Prompt:
@@ -275,7 +283,7 @@ class OpenAIServing:
         if request.stream:
             usage_out: dict = {}
             return SSEStream(self._completion_stream(request, model, base_id, created, prompts,
-                                                     streams, usage_out), usage_out)
+                                                     streams, usage_out), usage_out, streams)
         finals = await collect_all(streams)
         return self._completion_response(request, model, base_id, created, prompts, finals)
 
@@ -427,7 +435,7 @@ class OpenAIServing:
         if request.stream:
             usage_out: dict = {}
             return SSEStream(self._chat_stream(request, model, base_id, created, streams,
-                                               usage_out), usage_out)
+                                               usage_out), usage_out, streams)
         (out,) = await collect_all(streams)
         return self._chat_response(request, model, base_id, created, out)
 
