@@ -157,3 +157,48 @@ def test_compiled_matches_reference(case):
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(dtype)
     kw = to_kernel(w, jnp.float16 if dtype == "float16" else jnp.bfloat16)
     _close(jax.jit(im.int4_matmul_mgpu)(x, kw), ref_int4_matmul(x, w))
+
+
+def _gptq_layers(L, k, n, g, seed=0):
+    """GPTQ v1 tensors (zeros stored minus 1) of L layers as the loader reads them, and the
+    Int4Weights they are."""
+    from jaxserve.loader.int4 import pack_np
+    rng = np.random.default_rng(seed)
+    tensors, names = {}, []
+    for i in range(L):
+        codes, zero = rng.integers(0, 16, (k, n)), rng.integers(0, 16, (k // g, n))
+        p = f"model.layers.{i}.mlp.down_proj."
+        tensors |= {p + "qweight": pack_np(codes, 0), p + "qzeros": pack_np((zero - 1) & 15, 1),
+                    p + "scales": rng.uniform(0.005, 0.02, (k // g, n)).astype(np.float16)}
+        names.append(p + "weight")
+    return tensors, names
+
+
+def test_loader_re_lays_out_for_the_kernel_only_when_asked():
+    """`stack_int4(kernel="pallas")` is the one re-layout at load: the same matrix as the XLA
+    path's Int4Weight; "auto" keeps the Int4Weight. `use_kernel` converts a model's dense int4
+    matrices and leaves experts (grouped_linear's business) alone."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxserve.layers.experts import ExpertWeight
+    from jaxserve.layers.int4_kernel import use_kernel
+    from jaxserve.loader.int4 import Int4Scheme, stack_int4
+    tensors, names = _gptq_layers(2, 128, 64, 64)
+    scheme = Int4Scheme("gptq", 64, False, zero_offset=1)
+    one = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)), PartitionSpec())
+    xla = stack_int4(scheme, tensors.__getitem__, set(tensors), names, 128, 64, one)
+    assert isinstance(xla, Int4Weight)
+    if not im.MGPU_AVAILABLE:
+        with pytest.raises(ValueError, match="needs jax >= 0.11"):
+            stack_int4(scheme, tensors.__getitem__, set(tensors), names, 128, 64, one, kernel="pallas")
+        return
+    kw = stack_int4(scheme, tensors.__getitem__, set(tensors), names, 128, 64, one, kernel="pallas")
+    assert isinstance(kw, im.Int4KernelWeight) and kw.codes.shape == (2, 64, 128) and kw.shape == (2, 128, 64)
+    eye = jnp.eye(128, dtype=jnp.float32)
+    for layer in range(2):
+        sl = jax.tree.map(lambda a, i=layer: a[i], (xla, kw))
+        np.testing.assert_allclose(im.ref_int4_matmul(eye, sl[1]), ref_int4_matmul(eye, sl[0]), atol=1e-3)
+    tree = {"wq": xla, "experts": ExpertWeight(xla)}
+    out = use_kernel(tree, "pallas")
+    assert isinstance(out["wq"], im.Int4KernelWeight) and out["experts"].w is xla
+    assert use_kernel(tree) is tree
