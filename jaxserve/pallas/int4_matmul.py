@@ -25,8 +25,8 @@ multiplied by `wgmma(acc [64, tm] f32, w_smem_bf16, x_smem^T)`; the step's slot 
 its wgmma is done. Why staged, not the register operand wgmma allows (Machete's way): the GPU
 interpreter runs wgmma from shared memory only, and the parity gate should run the path that
 ships; the staging costs 2 * 64 * tk bytes of SMEM traffic per step, not HBM. The f32 accumulator
-is cast to the activation dtype and written as y^T [N, M] tiles; the wrapper transposes back (one
-[M, N] pass, small next to the weight at decode).
+y^T [64, tm] is cast to the compute dtype and stored transposed (the WGMMA_TRANSPOSED register
+layout) into a [tm, 64] tile of y, so y is written once, in place, with no transpose after.
 
 Bytes moved per call (HBM; M rows, K inputs, N outputs, group g, tm the M tile, b the activation
 itemsize, T = ceil(M / tm) M tiles):
@@ -35,7 +35,7 @@ itemsize, T = ceil(M / tm) M tiles):
                                              bytes per weight, 3% / 6% of the codes at g = 128,
                                              12.5% / 25% at g = 32)
   x       (N / 64) * M * K * 2             (bf16; each N tile re-reads the activations, L2 absorbs most)
-  y       3 * M * N * b                    (y^T written, then transposed by XLA)
+  y       M * N * 2                        (bf16; a cast to b after, for f32 activations)
 At decode the codes dominate: K * N * (0.5 + 2 * (1 + asym) / g) bytes against 2 K N for a bf16
 weight, 3.9x fewer at g = 128 (symmetric), 3.2x at g = 32 (asymmetric). The XLA path (`int4_linear`) moves the
 same codes but writes and reads each dequantised tile through memory.
@@ -174,11 +174,11 @@ def _transforms(dtype, minor: int):
 def _int4_kernel(w_ref, s_ref, b_ref, x_ref, o_ref, w_smem, s_smem, b_smem, x_smem, deq_smem, o_smem, bar,
                  *, k_steps, steps_per_group, gps, g):
     # GMEM: w_ref [Np, K] int4 (K-major); s_ref, b_ref [G, Np] (b_ref None: symmetric);
-    #       x_ref [Mp, K]; o_ref [Np, Mp] = y^T.
+    #       x_ref [Mp, K]; o_ref [Mp, Np].
     # SMEM: w_smem [S, 64, tk]; s_smem, b_smem [S, gps, 64] (gps = groups per step);
-    #       x_smem [S, tm, tk]; deq_smem [64, tk] (the step's dequantised W^T tile); o_smem [64, tm].
+    #       x_smem [S, tm, tk]; deq_smem [64, tk] (the step's dequantised W^T tile); o_smem [tm, 64].
     # Step kb uses slot kb % S; its slot is refilled with step kb + S once its wgmma has finished.
-    tn, tm = o_smem.shape
+    tm, tn = o_smem.shape
     S = w_smem.shape[0]
     tk = w_smem.shape[2]
     ni, mi = lax.axis_index("n"), lax.axis_index("m")
@@ -228,9 +228,9 @@ def _int4_kernel(w_ref, s_ref, b_ref, x_ref, o_ref, w_smem, s_smem, b_smem, x_sm
         return acc_ref[...]
 
     acc = pl.run_scoped(mma_all, plgpu.ACC((tn, tm), jnp.float32))
-    o_smem[...] = acc.astype(o_smem.dtype)
+    o_smem.T[...] = plgpu.layout_cast(acc.astype(o_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[cols, rows])
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows, cols])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -293,7 +293,7 @@ def int4_matmul_mgpu(x: jax.Array, w: Int4KernelWeight, *, tiles: Int4Tiles | No
                plgpu.SMEM((S, gps, TILE_N), cdt) if bias is not None else None,
                plgpu.SMEM((S, tm, tk), cdt, transforms=_transforms(cdt, tk)),
                plgpu.SMEM((TILE_N, tk), cdt, transforms=_transforms(cdt, tk)),
-               plgpu.SMEM((TILE_N, tm), cdt, transforms=_transforms(cdt, tm)),
+               plgpu.SMEM((tm, TILE_N), cdt, transforms=_transforms(cdt, TILE_N)),
                plgpu.Barrier(num_arrivals=4 if bias is not None else 3, num_barriers=S)]
     asym = bias is not None
 
@@ -307,12 +307,11 @@ def int4_matmul_mgpu(x: jax.Array, w: Int4KernelWeight, *, tiles: Int4Tiles | No
                      k_steps=k // tk, steps_per_group=max(1, w.group_size // tk), gps=gps, g=w.group_size)
 
     call = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((np_, mp), cdt),
+        kernel, out_type=jax.ShapeDtypeStruct((mp, np_), cdt),
         scratch_types=[s for s in scratch if s is not None],
         grid=(np_ // TILE_N, mp // tm), grid_names=("n", "m"), compiler_params=plgpu.CompilerParams(),
         interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                    else plgpu.InterpretGPUParams() if interpret else None))
     args = (codes, scale) + ((bias,) if asym else ()) + (xp,)
-    y_t = call(*args)                                                           # [Np, Mp] = y^T
-    return y_t[:n, :m].T.astype(out_dtype)
+    return call(*args)[:m, :n].astype(out_dtype)
 
