@@ -45,6 +45,7 @@ CASES = [
     (70, 384, 128, 128, True, False, "float16"),      # the mid tiles, three K steps
     (130, 256, 64, 64, False, False, "bfloat16"),     # two prefill M tiles
     (8, 1024, 64, 128, True, True, "bfloat16"),       # more K steps than the decode tiles' slots
+    (3, 512, 64, 256, True, False, "bfloat16"),       # a 256-row group: two K steps share its scales
 ]
 
 

@@ -64,7 +64,6 @@ except ImportError:  # pragma: no cover - depends on the installed jax
     MGPU_AVAILABLE = False
 
 TILE_N = 64                         # wgmma M per warpgroup: W^T rows per program
-GROUP_SIZES = (32, 64, 128)         # the checkpoints' group sizes; any multiple of 32 dividing K runs
 SYMMETRIC_ZERO = 8
 
 
