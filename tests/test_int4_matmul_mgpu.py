@@ -203,3 +203,19 @@ def test_loader_re_lays_out_for_the_kernel_only_when_asked():
     out = use_kernel(tree, "pallas")
     assert isinstance(out["wq"], im.Int4KernelWeight) and out["experts"].w is xla
     assert use_kernel(tree) is tree
+
+
+def test_a_weight_the_kernel_cannot_represent_is_refused():
+    """A later Int4Weight variant (a float offset, another bit width) is refused by name rather
+    than re-laid out without the field; a weight split over devices too."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Variant(Int4Weight):
+        offset: jax.Array | None = None
+        bits: int = 4
+    w = _weight(64, 64, 32, False)
+    assert isinstance(to_kernel(Variant(w.q, w.scale, group_size=32)), im.Int4KernelWeight)
+    for extra, name in ((dict(offset=jnp.ones((2, 64))), "offset"), (dict(bits=8), "bits"), (dict(in_shards=2), "")):
+        with pytest.raises(ValueError, match=f"int4 kernel 'pallas' .*{name}"):
+            to_kernel(Variant(w.q, w.scale, group_size=32, **extra))

@@ -13,6 +13,8 @@ the experts for the call.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -22,6 +24,7 @@ from jaxserve.layers.linear import register_linear
 from jaxserve.pallas.int4_matmul import MGPU_AVAILABLE, Int4KernelWeight, int4_matmul_mgpu, kernel_layout
 
 KERNELS = ("auto", "xla", "pallas")
+_KERNEL_FIELDS = ("q", "scale", "zero", "perm", "group_size", "in_shards")
 
 
 def resolve_int4_kernel(name: str = "auto", num_devices: int = 1) -> str:
@@ -42,7 +45,19 @@ def to_kernel(w: Int4Weight, dtype=jnp.bfloat16) -> Int4KernelWeight:
     """An `Int4Weight` [..., in, out] on one device -> the Mosaic GPU kernel's layout (computing in `dtype`)."""
     if w.in_shards != 1:
         raise ValueError(f"int4 kernel 'pallas' runs on one device; this weight's rows are split over {w.in_shards}")
+    # the kernel knows codes, scales, integer zeros and a permutation; a weight using any other
+    # field (a variant added to Int4Weight later) is refused rather than re-laid out without it
+    extra = [f.name for f in dataclasses.fields(w) if f.name not in _KERNEL_FIELDS and _in_use(getattr(w, f.name), f)]
+    if extra:
+        raise ValueError(f"int4 kernel 'pallas' cannot run this Int4Weight: it uses {', '.join(extra)}")
     return kernel_layout(unpack(w.q), w.scale, w.zero, w.perm, w.group_size, dtype)
+
+
+def _in_use(value, field: dataclasses.Field) -> bool:
+    """An array field that is set, or a scalar one away from its default."""
+    if value is None:
+        return False
+    return not isinstance(value, (bool, int, float, str)) or value != field.default
 
 
 def use_kernel(weights, kernel: str = "auto", dtype=jnp.bfloat16):
