@@ -12,8 +12,12 @@ MLP by layout, and decode of a tiny 128-expert Qwen3-MoE, side by side in one ru
    through `LLM.generate`: decode tokens/s for ragged (forced by putting "cpu" in
    RAGGED_DOT_BACKENDS), tiles, and tiles with `--quantization fp8` (FP8 experts).
 
+3. `--int4`: the same MLP with int4 experts (`Int4Weight` [X, in, out], asymmetric groups of
+   `--group`) beside the f32 experts they dequantise to, tiles layout: wall time and weight bytes.
+
     python benchmarks/bench_moe.py                  # both parts (CPU, minutes)
     python benchmarks/bench_moe.py --no-engine      # part 1 only
+    python benchmarks/bench_moe.py --no-engine --int4 --tokens 1,16,128
 """
 from __future__ import annotations
 
@@ -94,6 +98,33 @@ def engine_table(layers, prompts, max_tokens):
     ex.RAGGED_DOT_BACKENDS = ("gpu",)
 
 
+def int4_table(tokens, X, k, E, F, iters, group):
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.layers.int4 import Int4Weight, dequantize, pack
+    rng = np.random.default_rng(0)
+
+    def int4(shape):
+        n_groups = (shape[0], shape[1] // group, shape[2])
+        return Int4Weight(pack(jnp.asarray(rng.integers(0, 16, shape))),
+                          jnp.asarray(rng.uniform(0.005, 0.02, n_groups), jnp.float32),
+                          jnp.asarray(rng.integers(0, 16, n_groups), jnp.uint8), None, group)
+    q = [int4(s) for s in [(X, E, F), (X, E, F), (X, F, E)]]
+    d = [ex.ExpertWeight(DenseWeight(dequantize(w.q, w.scale, w.zero, group))) for w in q]
+    q = [ex.ExpertWeight(w) for w in q]
+    ratio = sum(w.w.nbytes for w in q) / sum(w.w.w.nbytes for w in d)
+    print(f"\n### int4 experts (group {group}, asymmetric) vs f32, tiles layout: weight bytes {ratio:.3f}x\n")
+    print("| T | f32 ms | int4 ms | int4 / f32 time |")
+    print("|---|---|---|---|")
+    fn = jax.jit(lambda *a: moe.expert_mlp(*a, layout="tiles"))
+    for T in tokens:
+        x = jax.random.normal(jax.random.key(T), (T, E))
+        weights, ids = moe.route(jax.random.normal(jax.random.key(10_000 + T), (T, X)), k, True)
+        ms = [1e3 * timed(fn, (x, weights, ids, *w), iters) for w in (d, q)]
+        print(f"| {T} | {ms[0]:.2f} | {ms[1]:.2f} | {ms[1] / ms[0]:.2f}x |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,4,16,128,256,512")
@@ -106,10 +137,14 @@ def main():
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--int4", action="store_true", help="add the int4 experts table")
+    ap.add_argument("--group", type=int, default=128)
     a = ap.parse_args()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {when}")
     layer_table([int(t) for t in a.tokens.split(",")], a.experts, a.top_k, a.hidden, a.inner, a.iters)
+    if a.int4:
+        int4_table([int(t) for t in a.tokens.split(",")], a.experts, a.top_k, a.hidden, a.inner, a.iters, a.group)
     if not a.no_engine:
         engine_table(a.layers, a.prompts, a.max_tokens)
 

@@ -120,6 +120,8 @@ stage e2e_triton 90 $py benchmarks/bench_gpu_e2e.py --attention-backend pallas -
 fp8_sizes=4096
 [ -n "${FP8_FULL:-}" ] && fp8_sizes=4096,8192
 stage fp8 60 $py benchmarks/bench_fp8_matmul.py --sizes "$fp8_sizes" --iters 10
+# the int4 Mosaic GPU kernel beside XLA's int4 tiles and bf16 dense (after fp8: on what is left)
+stage int4 40 $py benchmarks/bench_int4.py --kernel pallas --k 4096 --n 8192 --rows 1 16 64 256
 
 {
   echo
@@ -142,4 +144,8 @@ stage fp8 60 $py benchmarks/bench_fp8_matmul.py --sizes "$fp8_sizes" --iters 10
   echo "### FP8 matmul"
   echo
   grep -E '^(device:|\||###)' "$out/fp8.log" 2>/dev/null
+  echo
+  echo "### int4 matmul (W4A16)"
+  echo
+  grep -E '^(rows|[ 0-9]+ \||NVIDIA|cuda)' "$out/int4.log" 2>/dev/null
 } | tee "$out/results_block.md"

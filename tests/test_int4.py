@@ -5,6 +5,7 @@ format's own packing code) matching transformers running the dequantised weights
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -178,7 +179,8 @@ def write_int4_checkpoint(root: Path, method: str, g: int, sym: bool, act_order:
     tensors = load_file(str(root / "model.safetensors"))
     rng = np.random.default_rng(seed)
     plain = dict(tensors)
-    linears = [k for k in tensors if k.startswith("model.layers.") and k.endswith("_proj.weight")]
+    linears = [k for k in tensors if k.startswith("model.layers.") and
+               (k.endswith("_proj.weight") or re.search(r"\.experts\.\d+\.w[123]\.weight$", k))]  # Mixtral's w1..w3
     for key in linears + (["lm_head.weight"] if quantize_head else []):
         w = tensors.pop(key)
         k = w.shape[1]
@@ -347,17 +349,21 @@ def test_int4_weights_split_over_tensor_parallel_devices(tmp_path):
                num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     write_int4_checkpoint(tmp_path / "moe", "compressed-tensors", 16, False, False, config_class="Qwen3MoeConfig",
                           kwargs=moe)
+    mixtral = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                   num_experts_per_tok=2, intermediate_size=64)
+    write_int4_checkpoint(tmp_path / "mixtral", "gptq", 32, False, True, config_class="MixtralConfig", kwargs=mixtral)
     from jaxserve.tokenizer.tokenizer import Tokenizer
-    for d in ("g32", "g64", "moe"):       # prompts are token ids; the engine still wants a tokenizer
+    for d in ("g32", "g64", "moe", "mixtral"):       # prompts are token ids; the engine still wants a tokenizer
         Tokenizer.synthetic(96).backend.save(str(tmp_path / d / "tokenizer.json"))
     runs = [(str(tmp_path / "g32"), tp, False) for tp in (1, 2, 4)]
     runs += [(str(tmp_path / "moe"), 1, False), (str(tmp_path / "moe"), 2, False), (str(tmp_path / "moe"), 2, True)]
     runs += [(str(tmp_path / "g64"), 4, False)]
+    runs += [(str(tmp_path / "mixtral"), tp, ep) for tp, ep in ((1, False), (2, True), (2, False))]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _TP_CHILD, json.dumps(runs)], env=env, capture_output=True,
                           text=True, timeout=600, cwd=Path(__file__).parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    one, *split, moe_one, moe_two, moe_ep, refused = json.loads(proc.stdout.split("RESULT")[-1])
+    one, *split, moe_one, moe_two, moe_ep, refused, mx_one, mx_ep, mx_tp = json.loads(proc.stdout.split("RESULT")[-1])
     assert "error" not in one, one["error"]
     assert one["in_shards"] == [1, 1, 1]
     for tp, r in zip((2, 4), split):
@@ -373,26 +379,54 @@ def test_int4_weights_split_over_tensor_parallel_devices(tmp_path):
     assert moe_ep["tokens"] == moe_one["tokens"] and moe_ep["expert_down_words_per_device"] == 4   # whole experts
     np.testing.assert_allclose(moe_ep["logprobs"], moe_one["logprobs"], atol=1e-4)
     np.testing.assert_allclose(moe_two["logprobs"], moe_one["logprobs"], atol=1e-4)
+    # Mixtral names, act-order int4 experts: whole experts per device (EP) give one device's tokens;
+    # splitting each expert's input rows (TP without EP) cannot carry a per-expert permutation
+    assert "error" not in mx_one and "error" not in mx_ep, (mx_one, mx_ep)
+    assert mx_ep["tokens"] == mx_one["tokens"] and mx_ep["expert_down_words_per_device"] == 8
+    np.testing.assert_allclose(mx_ep["logprobs"], mx_one["logprobs"], atol=1e-4)
+    assert "act-order" in mx_tp["error"] and "--enable-expert-parallel" in mx_tp["error"], mx_tp
 
 
-def test_int4_experts_match_transformers(tmp_path):
-    """Mixture-of-experts experts stored as int4 (one set of tensors per expert) stack into an
-    `ExpertWeight` around one `Int4Weight` [L, X, in, out]; the router stays dense."""
+MOE_CASES = {   # config class, method, group size, symmetric, act order, hidden, expert width
+    "qwen3moe-gptq-asym-actorder-g32": ("Qwen3MoeConfig", "gptq", 32, False, True, 64, 32),
+    "qwen3moe-awq-g64": ("Qwen3MoeConfig", "awq", 64, False, False, 128, 64),
+    "qwen3moe-ct-sym-g128": ("Qwen3MoeConfig", "compressed-tensors", 128, True, False, 128, 128),
+    "mixtral-gptq-sym-g64": ("MixtralConfig", "gptq", 64, True, False, 128, 64),
+    "mixtral-ct-asym-actorder-g32": ("MixtralConfig", "compressed-tensors", 32, False, True, 64, 32),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_int4_experts_match_transformers(tmp_path, case):
+    """Mixture-of-experts experts stored as int4 (one set of tensors per expert, Qwen3-MoE's
+    `mlp.experts.N.*_proj` and Mixtral's `block_sparse_moe.experts.N.w1..w3` names) stack into an
+    `ExpertWeight` around one `Int4Weight` [L, X, in, out]; the router stays dense. Logprobs equal
+    transformers running the dequantised weights as a plain model."""
     from jaxserve.layers.experts import ExpertWeight
-    kwargs = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-                  num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
-    model = write_int4_checkpoint(tmp_path / "q", "gptq", 32, False, True, config_class="Qwen3MoeConfig",
+    config_class, method, g, sym, act_order, hidden, width = MOE_CASES[case]
+    kwargs = dict(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                  num_experts_per_tok=2)
+    if config_class == "MixtralConfig":
+        kwargs.update(num_local_experts=4, intermediate_size=width)
+    else:
+        kwargs.update(num_experts=4, moe_intermediate_size=width, norm_topk_prob=True)
+    model = write_int4_checkpoint(tmp_path / "q", method, g, sym, act_order, config_class=config_class,
                                   kwargs=kwargs)
     cfg, weights = load_model(tmp_path / "q", "float32")
-    we = weights.layers.we_down
-    assert isinstance(we, ExpertWeight) and isinstance(we.w, Int4Weight) and we.shape == (2, 4, 32, 64)
+    for name in ("we_gate", "we_up", "we_down"):
+        we = getattr(weights.layers, name)
+        assert isinstance(we, ExpertWeight) and isinstance(we.w, Int4Weight), name
+        # act order over a single group (K == g) permutes nothing: no perm is kept
+        assert we.w.group_size == g and (we.w.zero is None) == sym
+        assert (we.w.perm is not None) == (act_order and we.shape[-2] > g), name
+    assert weights.layers.we_down.shape == (2, 4, width, hidden)
     assert isinstance(weights.layers.router, DenseWeight)
     ids = np.random.default_rng(1).integers(0, 96, size=24).tolist()
     with torch.no_grad():
         ref = _logprobs(model(torch.tensor([ids])).logits[0].float().numpy())
     got = _logprobs(PagedRunner(cfg, weights, block_size=4, num_blocks=32, max_blocks_per_seq=8).prefill_logits(ids))
     diff = float(np.abs(got - ref).max())
-    print(f"qwen3-moe gptq experts: max |logprob diff| {diff:.2e}")
+    print(f"{case}: max |logprob diff| {diff:.2e}")
     assert diff < 1e-3
 
 

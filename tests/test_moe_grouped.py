@@ -281,3 +281,35 @@ def test_fp8_experts_export_as_compressed_tensors_and_load_back(tmp_path):
         np.testing.assert_array_equal(np.asarray(b.w, np.float32), np.asarray(a.w, np.float32))
         np.testing.assert_array_equal(b.scale, a.scale)
     np.testing.assert_array_equal(back.layers.router.w, weights.layers.router.w)
+
+
+def _int4_experts(a, g, asym, act_order, seed):
+    """Random int4 experts [X, in, out] (each its own act-order permutation when asked) and the
+    f32 matrices they dequantise to, rows back in checkpoint order."""
+    from jaxserve.layers.int4 import Int4Weight, pack
+    from jaxserve.layers.int4 import dequantize as int4_dequantize
+    rng = np.random.default_rng(seed)
+    X, K, N = a.shape
+    codes = jnp.asarray(rng.integers(0, 16, (X, K, N)))
+    scale = jnp.asarray(rng.uniform(0.01, 0.05, (X, K // g, N)), jnp.float32)
+    zero = jnp.asarray(rng.integers(0, 16, (X, K // g, N)), jnp.uint8) if asym else None
+    perm = jnp.asarray(np.stack([rng.permutation(K) for _ in range(X)]), jnp.int32) if act_order else None
+    w = Int4Weight(pack(codes), scale, zero, perm, group_size=g)
+    full = int4_dequantize(w.q, scale, zero, g)                         # storage order
+    if perm is not None:
+        full = jnp.take_along_axis(full, jnp.argsort(perm, axis=-1)[..., None], axis=-2)
+    return ExpertWeight(w), full
+
+
+@pytest.mark.parametrize("T", [1, 40])
+@pytest.mark.parametrize("asym,act_order", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("layout", ["tiles", "ragged"])
+def test_int4_experts_equal_their_dequantised_experts(T, asym, act_order, layout):
+    """An Int4Weight [X, in, out] inside an ExpertWeight: the tiles layout runs `int4_linear` on
+    each tile's expert (decode: tile 1; prefill: sorted tiles), the ragged layout (GPU's default)
+    dequantises the experts for ragged_dot, per-expert act-order permutations undone."""
+    E, X, F, k = 64, 8, 32, 2
+    x, weights, ids, w = _problem(T, E, X, F, k, seed=T)
+    experts, full = zip(*(_int4_experts(a, 32, asym, act_order, seed=i) for i, a in enumerate(w)))
+    got = jax.jit(lambda *a: moe.expert_mlp(*a, layout=layout))(x, weights, ids, *experts)
+    np.testing.assert_allclose(got, _all_experts(x, weights, ids, *full), rtol=1e-4, atol=1e-4)

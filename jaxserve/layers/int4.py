@@ -17,6 +17,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.layers.experts import register_ragged
 from jaxserve.layers.linear import register_linear
 
 PACK = 8                      # int4 codes per int32 word
@@ -147,6 +148,19 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
     acc = jax.lax.fori_loop(0, T, tile, jnp.zeros((S, M, N), acc_t or cdt))
     y = acc.sum(0) if S > 1 else acc[0]
     return y.reshape(*lead, N).astype(out_dtype or x.dtype)
+
+
+@register_ragged(Int4Weight)
+def int4_ragged(x: jax.Array, w: Int4Weight, group_sizes: jax.Array) -> jax.Array:
+    """Experts x [M, in] (rows sorted by expert) @ w [X, in, out] for ragged_dot backends (GPU).
+    No grouped int4 kernel: the experts are dequantised into x.dtype for the call (X * in * out
+    elements of temporaries), rows put back in checkpoint order (each expert has its own act-order
+    permutation, so x cannot be permuted instead). The tiles layout never materialises them."""
+    full = dequantize(w.q, w.scale, w.zero, w.group_size, x.dtype)                 # [X, in, out]
+    if w.perm is not None:
+        full = jnp.take_along_axis(full, jnp.argsort(w.perm, axis=-1)[..., None], axis=-2)
+    pref = jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else None
+    return jax.lax.ragged_dot(x, full, group_sizes, preferred_element_type=pref).astype(x.dtype)
 
 
 def check_groups(in_rows: int, group_size: int, shards: int = 1, what: str = "weight") -> None:

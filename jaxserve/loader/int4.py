@@ -239,11 +239,14 @@ def dequantize_np(codes, scale, zero, group_size: int) -> np.ndarray:
 
 
 def stack_int4(scheme: Int4Scheme, get, names, layer_names: list[str], k: int, n: int, data_sharding: NamedSharding,
-               lead: tuple[int, ...] | None = None) -> Int4Weight:
+               lead: tuple[int, ...] | None = None, kernel: str = "auto"):
     """Per-layer int4 tensors -> one stacked Int4Weight [L, in, out] (`lead`: the stacked axes the
     names fill in order, [L, X] for experts), placed as `data_sharding` ([..., in, out]) says:
     codes, scales and zeros split along the output (column-parallel) or along whole groups of
-    the input (row-parallel), the permutation replicated."""
+    the input (row-parallel), the permutation replicated. `kernel` "pallas" (one device, not
+    experts): re-laid out for the Mosaic GPU kernel, an `Int4KernelWeight` (layers/int4_kernel.py)."""
+    from jaxserve.layers.int4_kernel import resolve_int4_kernel, to_kernel
+    pallas = resolve_int4_kernel(kernel, num_devices=data_sharding.mesh.size) == "pallas"
     lead = tuple(lead or (len(layer_names),))
     parts = [read_int4(scheme, get, names, name, k, n) for name in layer_names]
     g = stored_group(scheme, k)
@@ -277,9 +280,10 @@ def stack_int4(scheme: Int4Scheme, get, names, layer_names: list[str], k: int, n
         perm = stacked([np.arange(k, dtype=np.int32) if pm is None else pm for pm in perms])
     place = NamedSharding(mesh, PartitionSpec(*spec))   # codes [.., in/8, out] and groups [.., in/g, out] alike
     rep = NamedSharding(mesh, PartitionSpec(*spec[:-2], None))
-    return Int4Weight(jax.device_put(q, place), jax.device_put(stacked([pt[1] for pt in parts]), place),
-                      None if zero is None else jax.device_put(zero, place),
-                      None if perm is None else jax.device_put(perm, rep), group_size=g, in_shards=shards)
+    w = Int4Weight(jax.device_put(q, place), jax.device_put(stacked([pt[1] for pt in parts]), place),
+                   None if zero is None else jax.device_put(zero, place),
+                   None if perm is None else jax.device_put(perm, rep), group_size=g, in_shards=shards)
+    return to_kernel(w) if pallas and len(lead) == 1 else w
 
 
 def read_dense(scheme: Int4Scheme, get, names, weight_name: str, k: int, n: int) -> np.ndarray:
