@@ -77,7 +77,8 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                          "e.g. '{\"max_position_embeddings\": 65536}'.", shown_default="none")),
     ("rope_scaling", "ModelConfig", dict(type=_json_dict, help="JSON replacing config.json's rope_scaling, "
                                          "e.g. Qwen3's 131K YaRN: '{\"rope_type\": \"yarn\", \"factor\": 4.0, "
-                                         "\"original_max_position_embeddings\": 32768}'.", shown_default="the model's")),
+                                         "\"original_max_position_embeddings\": 32768}'.",
+                                         shown_default="the model's")),
     ("quantization", "ModelConfig", dict(choices=[q for q in QUANTIZATIONS if q],
                                          help="Weight quantization: fp8 quantises on load; awq, gptq, "
                                          "compressed-tensors name an int4 checkpoint's format (detected anyway).",
