@@ -124,6 +124,20 @@ class ModelConfig:
             return int(scaling["original_max_position_embeddings"] * float(scaling["factor"]))
         return self.max_position_embeddings
 
+    def resolve_max_model_len(self, requested: int | None) -> int:
+        """--max-model-len (None: the model's own) checked against derived_max_model_len."""
+        limit = self.derived_max_model_len
+        if requested is None:
+            return limit
+        if requested > limit:
+            yarn = (self.rope_scaling_dict or {}).get("rope_type") == "yarn"
+            raise ValueError(f"max_model_len ({requested}) is larger than the model's "
+                             + (f"rope_scaling.original_max_position_embeddings x rope_scaling.factor ({limit})"
+                                if yarn else f"max_position_embeddings ({self.max_position_embeddings})"
+                                + (f" x rope_scaling.factor ({limit})" if limit != self.max_position_embeddings
+                                   else "")))
+        return requested
+
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads

@@ -116,15 +116,7 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(args, model_path, reader, self.model_config)
         del reader
         cfg = self.model_config
-        self.max_model_len = args.max_model_len or cfg.derived_max_model_len
-        if args.max_model_len and args.max_model_len > cfg.derived_max_model_len:
-            yarn = (cfg.rope_scaling_dict or {}).get("rope_type") == "yarn"
-            raise ValueError(f"max_model_len ({args.max_model_len}) is larger than the model's "
-                             + (f"rope_scaling.original_max_position_embeddings x rope_scaling.factor "
-                                f"({cfg.derived_max_model_len})" if yarn else
-                                f"max_position_embeddings ({cfg.max_position_embeddings})"
-                                + (f" x rope_scaling.factor ({cfg.derived_max_model_len})"
-                                   if cfg.derived_max_model_len != cfg.max_position_embeddings else "")))
+        self.max_model_len = cfg.resolve_max_model_len(args.max_model_len)
         kv_quantize, kv_dtype = _kv_quantization(args.kv_cache_dtype, dtype)
         self.plan = plan_for(cfg, self.mesh, args.enable_expert_parallel)
         # Speculative decoding with a draft model: its own pool of the same blocks.

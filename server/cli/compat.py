@@ -219,6 +219,14 @@ def apply(ns: argparse.Namespace) -> None:
         ns.allowed_origins = json_list("allowed_origins", origins[0])
 
 
+def apply_or_exit(ns: argparse.Namespace) -> None:
+    """`apply`, a ValueError being the subcommand's usage error (exit 2)."""
+    try:
+        apply(ns)
+    except ValueError as e:
+        ns._subparser.error(str(e))
+
+
 def json_list(field: str, text: str) -> list[str]:
     """vLLM's JSON-list flag values ('["https://a.example", "https://b.example"]')."""
     try:

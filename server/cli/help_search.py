@@ -1,6 +1,6 @@
 """`jaxserve serve --help=...` as vLLM has it: `listgroup` (the argument groups), a group's name
 (`ModelConfig`), a flag's name (`max-num-seqs`), `page` (everything, through a pager) or a keyword
-searched for in flag names and help texts (`--help=max`)."""
+searched for in flag names, help texts and group titles (`--help=max`)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def help_text(parser: argparse.ArgumentParser, query: str) -> str:
     needle = q.lower().lstrip("-")
     found = [(g.title, hits) for g in groups
              if (hits := [a for a in g._group_actions
-                          if any(needle in o.lower() for o in a.option_strings) or needle in (a.help or "").lower()])]
+                          if needle in (g.title or "").lower() or needle in (a.help or "").lower()
+                          or any(needle in o.lower() for o in a.option_strings)])]
     if not found:
         raise ValueError(f"--help={query}: no argument group, flag or help text matches {query!r}; "
                          "--help=listgroup lists the groups")

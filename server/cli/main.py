@@ -534,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for cmd in SUBCOMMANDS.values():
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        # no abbreviations: a mistyped flag must not be taken for a longer one
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, allow_abbrev=False)
         cmd.add_arguments(p)
         p.set_defaults(_subparser=p)
     return parser
@@ -561,10 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     apply_config_file(ns, ns._subparser)
-    try:
-        compat.apply(ns)
-    except ValueError as e:
-        ns._subparser.error(str(e))
+    compat.apply_or_exit(ns)
     ns._argv = argv    # as typed (run-batch's --resume hint)
     try:
         return int(SUBCOMMANDS[ns.command].run(ns) or 0)
