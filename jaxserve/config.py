@@ -389,6 +389,9 @@ class SpeculativeConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         if d.get("model") is not None and "method" not in d:
             d = {**d, "method": "draft_model"}      # vLLM: a model alone means a draft model
+        if d.get("method", "ngram") not in cls.METHODS:    # before the keys: an unknown method has its own
+            raise ValueError(f"speculative_config.method must be one of {', '.join(cls.METHODS)}, got "
+                             f"{d['method']!r}")
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"speculative_config has unknown key(s) {unknown}; allowed: "

@@ -35,7 +35,7 @@ def _seed_lines() -> list[tuple[str, str]]:
 SEEDS = _seed_lines()
 # Lines refused, and the flag each refusal names (every other line must run).
 REFUSED = {
-    "000_a5a415881538e937.txt:360": "speculative_config",                 # eagle3, draft_tensor_parallel_size
+    "000_a5a415881538e937.txt:360": "speculative_config.method",          # eagle3
     "001_c69dbfc57f34f86b.txt:164": "--cpu-offload-gb",
     "001_c69dbfc57f34f86b.txt:321": "--quantization",                     # bitsandbytes
     "001_c69dbfc57f34f86b.txt:417": "--tool-call-parser",                 # glm47
