@@ -239,3 +239,10 @@ def test_hf_overrides_merge_as_vllm_merges_them():
          "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 32768},
         {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})))
     assert cfg.derived_max_model_len == 131072        # original defaults to max_position_embeddings
+
+
+def test_overrides_on_a_gguf_file_are_refused_naming_them():
+    from jaxserve.default_model import default_model_path
+    from jaxserve.loader.loader import ModelLoadError, load_model
+    with pytest.raises(ModelLoadError, match=r"hf_overrides \(or rope_scaling\) \['rope_scaling'\].*GGUF file"):
+        load_model(default_model_path(), "float32", hf_overrides={"rope_scaling": YARN})

@@ -93,14 +93,14 @@ def _dest(flags: tuple[str, ...]) -> str:
     return "_compat_" + next(f for f in flags if f.startswith("--")).lstrip("-").replace("-", "_")
 
 
-def _refuse(flag: str, reason: str):
+def _refuse(reason: str):
     class Refuse(argparse.Action):
         def __call__(self, parser, namespace, values, option_string=None):
             raise argparse.ArgumentError(self, reason)
     return Refuse
 
 
-def _checked_noop(flag: str, allowed: tuple[str, ...], reason: str):
+def _checked_noop(allowed: tuple[str, ...], reason: str):
     class Checked(argparse.Action):
         def __call__(self, parser, namespace, values, option_string=None):
             if str(values) not in allowed:
@@ -113,7 +113,7 @@ def _add(group, flags, kwargs, why):
     kwargs = dict(kwargs)
     flag = next(f for f in flags if f.startswith("--"))
     if flag in _NOOP_VALUES:
-        kwargs["action"] = _checked_noop(flag, _NOOP_VALUES[flag], _NOOP_REFUSALS[flag])
+        kwargs["action"] = _checked_noop(_NOOP_VALUES[flag], _NOOP_REFUSALS[flag])
         kwargs.pop("type", None)
     if kwargs.get("action") != "store_true" and "choices" not in kwargs:
         kwargs.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
@@ -128,7 +128,7 @@ def add_engine_compat_arguments(parser: argparse.ArgumentParser) -> None:
     for flags, kwargs, why in NOOP_FLAGS:
         _add(g, flags, kwargs, why)
     for flag, (_, reason) in REFUSED_FLAGS.items():
-        g.add_argument(flag, nargs="*", action=_refuse(flag, reason), dest=_dest((flag,)), default=None,
+        g.add_argument(flag, nargs="*", action=_refuse(reason), dest=_dest((flag,)), default=None,
                        metavar="VALUE",
                        help=f"Refused: {reason}.")
 
