@@ -26,7 +26,7 @@ def error_of(capsys, *argv: str) -> str:
 
 
 HARMLESS = [("--trust-remote-code",), ("--enforce-eager",), ("--disable-log-requests",), ("-O3",), ("-O.level=3",),
-            ("-O", '{"level": 3}'), ("--uvicorn-log-level", "debug"), ("--max-model-len", "auto"),
+            ("-O.level", "3"), ("--compilation-config.level=3",), ("-O", '{"level": 3}'), ("--uvicorn-log-level", "debug"), ("--max-model-len", "auto"),
             ("--enable-reasoning",), ("--num-scheduler-steps", "5"), ("--pipeline-parallel-size", "1"),
             ("--load-format", "fastsafetensors"), ("--calculate-kv-scales",), ("--enable-eplb",)]
 
@@ -37,7 +37,7 @@ def test_harmless_vllm_flag_is_accepted_with_one_warning_naming_it(caplog, flag)
         ns = parse(*flag)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
-    name = flag[0][:2] if flag[0].startswith("-O") else flag[0]
+    name = "-O/--compilation-config" if flag[0].startswith(("-O", "--compilation-config")) else flag[0]
     assert name in warnings[0] and "does nothing here" in warnings[0]
     args = cli.engine_args_from(ns)         # and the engine settings are the defaults'
     assert args == cli.engine_args_from(parse())

@@ -150,17 +150,30 @@ def max_model_len(text: str) -> int | str:
 
 def normalize_argv(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """`--max_model_len 8` -> `--max-model-len 8` where the dashed flag exists in `parser` or one of its
-    subcommands (an unknown underscore flag is left as typed, so the error shows it)."""
+    subcommands (an unknown underscore flag is left as typed, so the error shows it); vLLM's dotted
+    `-O.level 3` / `--compilation-config.level=3` -> `-O .level=3`."""
     known = set(_option_strings(parser))
-    out = []
-    for token in argv:
-        if token.startswith("--") and "_" in token:
-            name, eq, value = token.partition("=")
-            dashed = name.replace("_", "-")
-            if dashed in known:
-                token = dashed + eq + value
-        out.append(token)
+    out: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        for prefix in ("-O.", "--compilation-config."):     # vLLM's dotted -O.level=3 / -O.level 3
+            if token.startswith(prefix):
+                key = token[len(prefix) - 1:]
+                if "=" not in key:
+                    key += "=" + next(tokens, "")
+                out += ["-O", key]
+                break
+        else:
+            out.append(_dashed(token, known))
     return out
+
+
+def _dashed(token: str, known: set[str]) -> str:
+    if token.startswith("--") and "_" in token:
+        name, eq, value = token.partition("=")
+        if name.replace("_", "-") in known:
+            return name.replace("_", "-") + eq + value
+    return token
 
 
 def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
