@@ -26,7 +26,8 @@ def error_of(capsys, *argv: str) -> str:
 
 
 HARMLESS = [("--trust-remote-code",), ("--enforce-eager",), ("--disable-log-requests",), ("-O3",), ("-O.level=3",),
-            ("-O.level", "3"), ("--compilation-config.level=3",), ("-O", '{"level": 3}'), ("--uvicorn-log-level", "debug"), ("--max-model-len", "auto"),
+            ("-O.level", "3"), ("--compilation-config.level=3",), ("-O", '{"level": 3}'),
+            ("--uvicorn-log-level", "debug"), ("--max-model-len", "auto"),
             ("--enable-reasoning",), ("--num-scheduler-steps", "5"), ("--pipeline-parallel-size", "1"),
             ("--load-format", "fastsafetensors"), ("--calculate-kv-scales",), ("--enable-eplb",)]
 
