@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.loader.generation_config import check_overrides
+from jaxserve.loader.hf_overrides import merge_overrides
 from jaxserve.models.registry import check_architecture
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 # --quantization values: fp8 quantises on load; the others name an int4 checkpoint's method (vLLM's
@@ -114,12 +115,30 @@ class ModelConfig:
 
     @property
     def derived_max_model_len(self) -> int:
-        """The longest context the model takes: max_position_embeddings, times the factor for
-        dynamic NTK rope scaling (vLLM's rule; its fixed base is made for that length)."""
+        """The longest context the model takes (vLLM's `_get_and_verify_max_len`):
+        max_position_embeddings, times the factor for linear and dynamic NTK rope scaling (the
+        dynamic fixed base is made for that length); for YaRN original_max_position_embeddings
+        times the factor (Qwen3: 32768 x 4)."""
         scaling = self.rope_scaling_dict or {}
-        if scaling.get("rope_type") == "dynamic":
+        if scaling.get("rope_type") in ("linear", "dynamic"):
             return int(self.max_position_embeddings * float(scaling["factor"]))
+        if scaling.get("rope_type") == "yarn":
+            return int(scaling["original_max_position_embeddings"] * float(scaling["factor"]))
         return self.max_position_embeddings
+
+    def resolve_max_model_len(self, requested: int | None) -> int:
+        """--max-model-len (None: the model's own) checked against derived_max_model_len."""
+        limit = self.derived_max_model_len
+        if requested is None:
+            return limit
+        if requested > limit:
+            yarn = (self.rope_scaling_dict or {}).get("rope_type") == "yarn"
+            raise ValueError(f"max_model_len ({requested}) is larger than the model's "
+                             + (f"rope_scaling.original_max_position_embeddings x rope_scaling.factor ({limit})"
+                                if yarn else f"max_position_embeddings ({self.max_position_embeddings})"
+                                + (f" x rope_scaling.factor ({limit})" if limit != self.max_position_embeddings
+                                   else "")))
+        return requested
 
     @property
     def q_per_kv(self) -> int:
@@ -149,7 +168,7 @@ class ModelConfig:
             raise ValueError(f"config.json is missing the required field {e.args[0]!r}") from None
         num_kv = text.get("num_key_value_heads") or num_heads
         head_dim = text.get("head_dim") or hidden // num_heads
-        theta, scaling = _rope_from_hf(text)
+        theta, scaling = _rope_from_hf(text, int(text.get("max_position_embeddings", 2048)))
         eos = text.get("eos_token_id", hf.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         try:
@@ -231,9 +250,11 @@ _FAMILY_FIELDS = {
 }
 
 
-def _rope_from_hf(text: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+def _rope_from_hf(text: dict[str, Any], max_position_embeddings: int = 2048
+                  ) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
     """Read rope settings from either `rope_parameters` (transformers 5) or
-    `rope_theta` + `rope_scaling` (older files)."""
+    `rope_theta` + `rope_scaling` (older files). YaRN's original_max_position_embeddings defaults
+    to max_position_embeddings and its factor to their ratio, as transformers fills them."""
     params = text.get("rope_parameters")
     if isinstance(params, dict) and params:
         theta = float(params.get("rope_theta", text.get("rope_theta", 10000.0)))
@@ -244,6 +265,10 @@ def _rope_from_hf(text: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], .
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
     scaling.pop("type", None)
+    if scaling.get("rope_type") == "yarn":
+        scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
+        if scaling.get("factor") is None and isinstance(scaling["original_max_position_embeddings"], int):
+            scaling["factor"] = max_position_embeddings / scaling["original_max_position_embeddings"]
     _check_rope_scaling(scaling)
     if scaling.get("rope_type", "default") == "default":
         return theta, None
@@ -256,11 +281,20 @@ def _check_rope_scaling(scaling: dict[str, Any]) -> None:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
-    if rope_type in ("linear", "llama3", "dynamic"):
+    if rope_type in ("linear", "llama3", "dynamic", "yarn"):
         factor = scaling.get("factor")
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
             raise ValueError(f"rope_scaling.factor must be a positive number for rope_type "
                              f"{rope_type!r}, got {factor!r}")
+    if rope_type == "yarn":
+        original = scaling.get("original_max_position_embeddings")
+        if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+            raise ValueError("rope_scaling.original_max_position_embeddings must be a positive integer "
+                             f"for rope_type 'yarn', got {original!r}")
+        for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+            value = scaling.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"rope_scaling.{key} must be a number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -357,6 +391,9 @@ class SpeculativeConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         if d.get("model") is not None and "method" not in d:
             d = {**d, "method": "draft_model"}      # vLLM: a model alone means a draft model
+        if d.get("method", "ngram") not in cls.METHODS:    # before the keys: an unknown method has its own
+            raise ValueError(f"speculative_config.method must be one of {', '.join(cls.METHODS)}, got "
+                             f"{d['method']!r}")
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"speculative_config has unknown key(s) {unknown}; allowed: "
@@ -505,6 +542,9 @@ class EngineArgs:
     override_generation_config: dict | None = None
     # vLLM's --structured-outputs-config (StructuredOutputsConfig keys): the JSON whitespace rule.
     structured_outputs_config: dict | None = None
+    # vLLM's --hf-overrides and --rope-scaling: JSON merged into config.json (loader/hf_overrides.py).
+    hf_overrides: dict | None = None
+    rope_scaling: dict | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -538,6 +578,7 @@ class EngineArgs:
             raise ValueError("generation_config must be 'auto', 'vllm' or a folder holding "
                              f"generation_config.json, got {self.generation_config!r}")
         check_overrides(self.override_generation_config)
+        self.model_overrides()
         # The sub-configs validate their own fields; build them once here so errors surface early.
         self.cache_config()
         self.spec_config()
@@ -569,6 +610,10 @@ class EngineArgs:
 
     def spec_config(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.from_dict(self.speculative_config)
+
+    def model_overrides(self) -> dict | None:
+        """hf_overrides with rope_scaling merged in: what load_model merges into config.json."""
+        return merge_overrides(self.hf_overrides, self.rope_scaling)
 
     def structured_config(self) -> StructuredOutputsConfig:
         return StructuredOutputsConfig.from_dict(self.structured_outputs_config)

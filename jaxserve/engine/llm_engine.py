@@ -113,16 +113,12 @@ class LLMEngine:
         self.model_config, weights = load_model(model_path, dtype, gguf_reader=reader,
                                                 mesh=self.mesh, load_format=args.load_format,
                                                 seed=args.seed, quantization=args.quantization,
-                                                expert_parallel=args.enable_expert_parallel)
+                                                expert_parallel=args.enable_expert_parallel,
+                                                hf_overrides=args.model_overrides())
         self.tokenizer = _load_tokenizer(args, model_path, reader, self.model_config)
         del reader
         cfg = self.model_config
-        self.max_model_len = args.max_model_len or cfg.derived_max_model_len
-        if args.max_model_len and args.max_model_len > cfg.derived_max_model_len:
-            raise ValueError(f"max_model_len ({args.max_model_len}) is larger than the model's "
-                             f"max_position_embeddings ({cfg.max_position_embeddings})"
-                             + (" x rope_scaling.factor" if cfg.derived_max_model_len !=
-                                cfg.max_position_embeddings else ""))
+        self.max_model_len = cfg.resolve_max_model_len(args.max_model_len)
         kv_quantize, kv_dtype = _kv_quantization(args.kv_cache_dtype, dtype)
         self.plan = plan_for(cfg, self.mesh, args.enable_expert_parallel)
         # Speculative decoding with a draft model: its own pool of the same blocks.

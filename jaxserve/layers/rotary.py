@@ -1,5 +1,11 @@
-"""Rotary position embeddings: inverse frequencies (with linear / llama3 / dynamic NTK scaling),
-cos/sin, rotation.
+"""Rotary position embeddings: inverse frequencies (with linear / llama3 / dynamic NTK / YaRN
+scaling), cos/sin, rotation.
+
+YaRN follows transformers' `_compute_yarn_parameters` (and vLLM's YaRNScalingRotaryEmbedding):
+frequencies ramp from extrapolated (fast dimensions) to interpolated by `factor` (slow ones)
+between the correction dimensions of beta_fast / beta_slow rotations over
+original_max_position_embeddings, and cos/sin are multiplied by an attention factor (0.1 ln(factor)
++ 1, or DeepSeek's mscale / mscale_all_dim ratio), which scales q.k by its square.
 
 Dynamic NTK ("dynamic") follows vLLM, not transformers. transformers recomputes the base on each
 forward from the longest position seen so far, once it passes max_position_embeddings, so the
@@ -21,8 +27,9 @@ import numpy as np
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
-    """Inverse frequencies [head_dim // 2] (host numpy), with linear, llama3 or dynamic NTK
-    scaling applied."""
+    """Inverse frequencies [head_dim // 2] (host numpy), with linear, llama3, dynamic NTK or YaRN
+    scaling applied (YaRN reads original_max_position_embeddings from `scaling`: ModelConfig
+    fills it in)."""
     rope_type = (scaling or {}).get("rope_type", "default")
     if rope_type == "dynamic":
         # transformers' base for seq_len = max_position_embeddings * factor, where its
@@ -32,6 +39,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarr
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if rope_type == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     elif rope_type == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -45,6 +54,46 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarr
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = np.where(medium, smoothed, scaled)
     return inv_freq.astype(np.float32)
+
+
+def _yarn_inv_freq(inv_freq: np.ndarray, head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001           # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp      # 1: the dimension keeps its frequency, 0: divided by factor
+    return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What cos and sin are multiplied by (1.0 but for YaRN): `attention_factor` when given,
+    else DeepSeek's mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set,
+    else 0.1 ln(factor) + 1, as transformers computes it."""
+    scaling = scaling or {}
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+    return _yarn_mscale(factor)
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.host_memory import release_freed_host_memory
+from jaxserve.loader.hf_overrides import apply_hf_overrides
 from jaxserve.models.registry import get_model
 from jaxserve.sharding.mesh import make_mesh
 from jaxserve.sharding.plan import plan_for
@@ -149,8 +150,9 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
     return model.build(cfg, arrays)
 
 
-def load_hf_config(path: Path) -> ModelConfig:
-    hf = _hf_json(path)
+def load_hf_config(path: Path, hf_overrides: dict | None = None) -> ModelConfig:
+    """`path`/config.json with `hf_overrides` (loader/hf_overrides.py) merged in."""
+    hf = apply_hf_overrides(_hf_json(path), hf_overrides)
     try:
         return ModelConfig.from_hf(hf)
     except ValueError as e:   # unsupported architecture, missing or out-of-range field
@@ -245,7 +247,7 @@ def _fp8_note(scheme, quantization: str | None) -> str:
 
 def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh=None,
                load_format: str = "auto", seed: int = 0, quantization: str | None = None,
-               expert_parallel: bool = False):
+               expert_parallel: bool = False, hf_overrides: dict | None = None):
     """Load a Hugging Face directory or a .gguf file -> (ModelConfig, weights). `dtype` is a name
     or a jnp dtype; `gguf_reader` an already open reader of the file (parsing a GGUF header
     takes seconds); `load_format="dummy"` reads only `config.json` and makes seeded random
@@ -254,10 +256,13 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
     int4 ones (GPTQ, AWQ, compressed-tensors), which `quantization` "gptq", "awq",
     "compressed-tensors" (or vLLM's *_marlin names) may name.
     `expert_parallel`: mixture-of-experts weights are placed whole-expert per device
-    (`sharding.plan.plan_for`)."""
+    (`sharding.plan.plan_for`). `hf_overrides`: merged into config.json (vLLM's --hf-overrides)."""
     path = Path(model)
     if not path.exists():
         raise ModelLoadError(_not_a_local_path(str(model)))
+    if hf_overrides and path.is_file():
+        raise ModelLoadError(f"hf_overrides (or rope_scaling) {sorted(hf_overrides)} merge into a Hugging Face "
+                             f"config.json, but {path} is a GGUF file")
     jdtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
     if load_format == "dummy":
         from jaxserve.loader.dummy import dummy_weights
@@ -265,7 +270,7 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
         if method_of(quantization):
             raise ModelLoadError(f"quantization {quantization!r} reads a checkpoint's int4 weights; "
                                  "--load-format dummy makes full-precision random weights (use fp8 or none)")
-        cfg = gguf_config_of(path, gguf_reader) if path.is_file() else load_hf_config(path)
+        cfg = gguf_config_of(path, gguf_reader) if path.is_file() else load_hf_config(path, hf_overrides)
         logger.info("dummy weights (seed %d) for %s (%s, %d layers, hidden %d) as %s%s", seed,
                     path, cfg.architecture, cfg.num_layers, cfg.hidden_size,
                     jnp.dtype(jdtype).name, _fp8_note(None, quantization))
@@ -282,7 +287,7 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
         cfg, get = gguf_loader.open_gguf(path, gguf_reader)
         scheme = None
     else:
-        cfg = load_hf_config(path)
+        cfg = load_hf_config(path, hf_overrides)
         scheme = fp8_scheme_of(path)
         _check_quantization_flag(quantization, scheme, path)
         get = _safetensors_getter(path)

@@ -27,7 +27,7 @@ from jaxserve.layers import moe
 from jaxserve.layers.experts import ExpertWeight
 from jaxserve.layers.linear import DenseWeight, linear
 from jaxserve.layers.norm import rms_norm
-from jaxserve.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from jaxserve.layers.rotary import apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq
 from jaxserve.models.params import Param
 from jaxserve.sharding.plan import ShardingPlan, embed_lookup, shard_attention, shard_experts
 
@@ -224,6 +224,9 @@ def forward(weights: Weights, cache: kvc.KVCache, tokens: jax.Array, positions: 
     x = embed_lookup(plan, weights.embed, tokens)
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict))
     cos, sin = rope_cos_sin(positions, inv_freq)
+    attention_factor = rope_attention_factor(cfg.rope_scaling_dict)
+    if attention_factor != 1.0:         # YaRN: q.k scaled by its square, as transformers does
+        cos, sin = cos * attention_factor, sin * attention_factor
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     layers, stacks, xs = weights.layers, None, ()
     if layers.router is not None and layers.w_gate is not None:    # dense and MoE layers mixed

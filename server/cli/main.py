@@ -35,6 +35,7 @@ from jaxserve.config import (
     REASONING_PARSERS,
     EngineArgs,
 )
+from jaxserve.server.cli import compat, help_search
 
 logger = logging.getLogger("jaxserve")
 
@@ -69,16 +70,24 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("served_model_name", "ModelConfig",
      dict(nargs="+", help="Model name(s) used in the API; the first is reported back.",
           shown_default="the model's name")),
-    ("dtype", "ModelConfig", dict(choices=DTYPES, help="Weights and activations dtype.")),
-    ("max_model_len", "ModelConfig", dict(type=_bytes, help="Context length (prompt + output).",
-                                          shown_default="the model's")),
+    ("dtype", "ModelConfig", dict(choices=(*DTYPES, *compat.DTYPE_ALIASES), help="Weights and activations "
+                                  "dtype (vLLM's half = float16, float = float32).")),
+    ("max_model_len", "ModelConfig", dict(type=compat.max_model_len, help="Context length (prompt + "
+                                          "output); 'auto': the model's.", shown_default="the model's")),
+    ("hf_overrides", "ModelConfig", dict(type=_json_dict, help="JSON merged into the model's config.json, "
+                                         "e.g. '{\"max_position_embeddings\": 65536}'.", shown_default="none")),
+    ("rope_scaling", "ModelConfig", dict(type=_json_dict, help="JSON replacing config.json's rope_scaling, "
+                                         "e.g. Qwen3's 131K YaRN: '{\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                                         "\"original_max_position_embeddings\": 32768}'.",
+                                         shown_default="the model's")),
     ("quantization", "ModelConfig", dict(choices=[q for q in QUANTIZATIONS if q],
                                          help="Weight quantization: fp8 quantises on load; awq, gptq, "
                                          "compressed-tensors name an int4 checkpoint's format (detected anyway).",
                                          shown_default="none")),
     ("seed", "ModelConfig", dict(type=int, help="Random seed of the engine (and of dummy "
                                  "weights).")),
-    ("load_format", "LoadConfig", dict(choices=LOAD_FORMATS, help="'dummy': seeded random "
+    ("load_format", "LoadConfig", dict(choices=(*LOAD_FORMATS, *compat.LOAD_FORMAT_ALIASES),
+                                       help="'dummy': seeded random "
                                        "weights of the shapes in MODEL/config.json, no "
                                        "checkpoint files (benchmarks).")),
     ("revision", "ModelConfig", dict(help="Hub model revision (branch, tag or commit) to "
@@ -178,6 +187,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         flag = "--" + name.replace("_", "-")
         g.add_argument(*_SHORT.get(name, []), flag, dest=name, default=None,
                        help=f"{help_text} (default: {shown})", **kwargs)
+    compat.add_engine_compat_arguments(parser)
 
 
 def engine_args_from(ns: argparse.Namespace | dict, **overrides) -> EngineArgs:
@@ -211,8 +221,10 @@ def apply_config_file(ns: argparse.Namespace, parser: argparse.ArgumentParser) -
     if not isinstance(data, dict):
         parser.error(f"--config {path}: expected a mapping of flag names to values")
     known = {a.dest: a for a in parser._actions}
+    by_flag = {o: a.dest for a in parser._actions for o in a.option_strings}
     for key, value in data.items():
         dest = str(key).lstrip("-").replace("-", "_")
+        dest = by_flag.get("--" + dest.replace("_", "-"), dest)     # compatibility flags' own dests
         if dest == "model":
             dest = "model_tag" if "model_tag" in known else "model"
         if dest not in known:
@@ -278,6 +290,7 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     fe.add_argument("--config", default=None, help="YAML file of flag values; the command line "
                                                    "wins.")
     add_tool_arguments(p)
+    compat.add_frontend_compat_arguments(p)
 
 
 def _metrics_prefixes(text: str) -> tuple[str, ...]:
@@ -540,7 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for cmd in SUBCOMMANDS.values():
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        # no abbreviations: a mistyped flag must not be taken for a longer one
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, allow_abbrev=False)
         cmd.add_arguments(p)
         p.set_defaults(_subparser=p)
     return parser
@@ -557,12 +571,18 @@ def main(argv: list[str] | None = None) -> int:
     # jax's backend probing ("Unable to initialize backend 'tpu' ... libtpu.so") is INFO noise.
     logging.getLogger("jax").setLevel(logging.WARNING)
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    query = next((t.split("=", 1)[1] for t in argv if t.startswith("--help=")), None)
+    if query is not None and argv and argv[0] in SUBCOMMANDS:      # vLLM's --help=GROUP|FLAG|KEYWORD
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return help_search.print_help(sub.choices[argv[0]], query)
+    ns = compat.parse_command_line(parser, argv)
     if not ns.command:
         parser.print_help()
         return 2
     apply_config_file(ns, ns._subparser)
-    ns._argv = list(sys.argv[1:] if argv is None else argv)    # as typed (run-batch's --resume hint)
+    compat.apply_or_exit(ns)
+    ns._argv = argv    # as typed (run-batch's --resume hint)
     try:
         return int(SUBCOMMANDS[ns.command].run(ns) or 0)
     except ValueError as e:     # EngineArgs validation: a usage error, not a crash
