@@ -14,6 +14,7 @@ from typing import Any
 
 from jaxserve.loader.generation_config import check_overrides
 from jaxserve.models.registry import check_architecture
+from jaxserve.pooling_params import CONVERTS, RUNNERS, PoolerConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -502,6 +503,12 @@ class EngineArgs:
     override_generation_config: dict | None = None
     # vLLM's --structured-outputs-config (StructuredOutputsConfig keys): the JSON whitespace rule.
     structured_outputs_config: dict | None = None
+    # vLLM's --runner / --convert / --pooler-config: "pooling" serves embeddings (LLM.embed,
+    # /v1/embeddings) instead of generating; "auto" picks it for sentence-transformers
+    # checkpoints or --convert embed (jaxserve/loader/pooling_config.py).
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: dict | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -533,6 +540,12 @@ class EngineArgs:
             raise ValueError("generation_config must be 'auto', 'vllm' or a folder holding "
                              f"generation_config.json, got {self.generation_config!r}")
         check_overrides(self.override_generation_config)
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.convert not in CONVERTS:
+            raise ValueError(f"convert must be one of {', '.join(CONVERTS)} (classify and reward "
+                             f"models are not supported), got {self.convert!r}")
+        PoolerConfig.from_dict(self.pooler_config)
         # The sub-configs validate their own fields; build them once here so errors surface early.
         self.cache_config()
         self.spec_config()

@@ -1,0 +1,199 @@
+"""Pooling models (`runner="pooling"`): embeddings through `LLM.embed` / `LLM.encode` and
+`POST /v1/embeddings`, against Hugging Face transformers on a tiny random Qwen3 checkpoint saved
+as a sentence-transformers embedding model (Qwen3-Embedding's layout: `Qwen3ForCausalLM`
+weights, `modules.json`, `1_Pooling/config.json` with last-token pooling, a Normalize module).
+
+The oracle is the final hidden state after the model's last norm (`model.model(...)
+.last_hidden_state`), pooled (last token, or mean over the prompt) and L2-normalized. Prompts
+of several lengths share one batch, and one is longer than the step's token budget
+(`max_num_batched_tokens`) so its prefill spans several chunks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxserve import LLM  # noqa: E402
+from jaxserve.pooling_params import PoolingParams  # noqa: E402
+
+VOCAB, HIDDEN = 96, 64
+CHUNK = 16                  # max_num_batched_tokens: the step's token budget
+ENGINE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=CHUNK, max_num_seqs=4,
+              block_size=4, num_gpu_blocks_override=96)
+# Lengths in one batch: short, block-straddling, and 40 > CHUNK (three prefill chunks).
+LENGTHS = (3, 9, 40, 17)
+COS_TOL, ABS_TOL = 1e-4, 1e-3
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(1, VOCAB, size=n).tolist() for n in LENGTHS]
+
+
+def _write_embedding_model(path, *, matryoshka: bool = False) -> torch.nn.Module:
+    """A random 2-layer Qwen3 saved as a sentence-transformers embedding model; returns the
+    transformers model (f32, eval). Every parameter is randomised (norms too)."""
+    from jaxserve.tokenizer.tokenizer import Tokenizer
+    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=256, rms_norm_eps=1e-5,
+                                      tie_word_embeddings=True, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    if matryoshka:
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(dict(cfg, is_matryoshka=True)))
+    (path / "tokenizer.json").write_text(Tokenizer.synthetic(VOCAB, 2).backend.to_str())
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2", "unk_token": "t0"}))
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"}]))
+    (path / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {}}))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": HIDDEN, "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+        "pooling_mode_lasttoken": True}))
+    return model
+
+
+def _reference(model, ids: list[int], pooling: str) -> np.ndarray:
+    """transformers: hidden states after the final norm, pooled, L2-normalized."""
+    with torch.no_grad():
+        h = model.model(torch.tensor([ids])).last_hidden_state[0].numpy()
+    v = h[-1] if pooling == "LAST" else h.mean(axis=0)
+    return v / np.linalg.norm(v)
+
+
+def _assert_close(got, ref, what: str) -> None:
+    got = np.asarray(got, np.float64)
+    cos = 1.0 - float(got @ ref / (np.linalg.norm(got) * np.linalg.norm(ref)))
+    diff = float(np.abs(got - ref).max())
+    print(f"{what}: cosine distance {cos:.2e}, max |diff| {diff:.2e}")
+    assert cos < COS_TOL and diff < ABS_TOL, (what, cos, diff)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-embedding")
+    return path, _write_embedding_model(path)
+
+
+@pytest.fixture(scope="module")
+def embed_llm(model_dir):
+    """runner "auto": the sentence-transformers files make it a pooling model (LAST)."""
+    with LLM(str(model_dir[0]), **ENGINE) as llm:
+        yield llm
+
+
+def test_sentence_transformers_checkpoint_runs_as_a_last_token_pooling_model(embed_llm):
+    engine = embed_llm.llm_engine
+    assert engine.pooler.pooling_type == "LAST" and engine.pooler.normalize
+    assert engine.cache_config.enable_prefix_caching       # LAST keeps prefix caching
+
+
+def test_embed_matches_transformers_last_token_normalized(embed_llm, model_dir):
+    model = model_dir[1]
+    prompts = _prompts()
+    outs = embed_llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    for n, p, out in zip(LENGTHS, prompts, outs):
+        emb = out.outputs.embedding
+        assert isinstance(emb, list) and len(emb) == HIDDEN == out.outputs.hidden_size
+        assert abs(np.linalg.norm(emb) - 1.0) < 1e-5
+        _assert_close(emb, _reference(model, p, "LAST"), f"LAST, {n} tokens")
+    # Again, now through the prefix cache (the shared prefixes are cached blocks): same vectors.
+    again = embed_llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    assert max(o.num_cached_tokens for o in again) > 0
+    for a, b in zip(outs, again):
+        np.testing.assert_allclose(a.outputs.embedding, b.outputs.embedding, atol=1e-5)
+
+
+def test_encode_text_prompts_and_unnormalized_vectors(embed_llm, model_dir):
+    model = model_dir[1]
+    ids = [5, 17, 42, 8]
+    out, = embed_llm.encode("t5 t17 t42 t8", PoolingParams(normalize=False), use_tqdm=False)
+    assert out.prompt_token_ids == ids
+    with torch.no_grad():
+        raw = model.model(torch.tensor([ids])).last_hidden_state[0, -1].numpy()
+    np.testing.assert_allclose(out.outputs.data, raw, atol=ABS_TOL)
+    assert isinstance(out.outputs.data, np.ndarray) and out.outputs.data.dtype == np.float32
+
+
+def test_embed_truncate_prompt_tokens_keeps_the_last_tokens(embed_llm, model_dir):
+    long = list(range(1, 81))                     # 80 tokens > max_model_len 64
+    with pytest.raises(ValueError, match="maximum model length"):
+        embed_llm.embed({"prompt_token_ids": long}, use_tqdm=False)
+    out, = embed_llm.embed({"prompt_token_ids": long}, truncate_prompt_tokens=10, use_tqdm=False)
+    assert out.prompt_token_ids == long[-10:]
+    _assert_close(out.outputs.embedding, _reference(model_dir[1], long[-10:], "LAST"), "truncated")
+
+
+def test_embed_refuses_dimensions_on_a_model_without_matryoshka(embed_llm):
+    with pytest.raises(ValueError, match="dimensions"):
+        embed_llm.embed("t1 t2", pooling_params=PoolingParams(dimensions=8), use_tqdm=False)
+
+
+def test_a_pooling_model_does_not_generate(embed_llm):
+    with pytest.raises(ValueError, match="pooling model"):
+        embed_llm.generate("t1 t2", use_tqdm=False)
+
+
+def test_mean_pooling_from_pooler_config_matches_transformers(model_dir):
+    model = model_dir[1]
+    prompts = _prompts()
+    with LLM(str(model_dir[0]), runner="pooling",
+             pooler_config={"pooling_type": "MEAN", "normalize": True}, **ENGINE) as llm:
+        # MEAN reads every prompt token: prefix caching is off (a hit would skip tokens)
+        assert not llm.llm_engine.cache_config.enable_prefix_caching
+        outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for n, p, out in zip(LENGTHS, prompts, outs):
+        _assert_close(out.outputs.embedding, _reference(model, p, "MEAN"), f"MEAN, {n} tokens")
+
+
+def test_matryoshka_dimensions_truncate_then_normalize(tmp_path):
+    model = _write_embedding_model(tmp_path, matryoshka=True)
+    ids = _prompts()[2]
+    with LLM(str(tmp_path), **ENGINE) as llm:
+        out, = llm.embed({"prompt_token_ids": ids}, pooling_params=PoolingParams(dimensions=16),
+                         use_tqdm=False)
+        with pytest.raises(ValueError, match="dimensions"):
+            llm.embed("t1", pooling_params=PoolingParams(dimensions=HIDDEN + 1), use_tqdm=False)
+    with torch.no_grad():
+        v = model.model(torch.tensor([ids])).last_hidden_state[0, -1, :16].numpy()
+    _assert_close(out.outputs.embedding, v / np.linalg.norm(v), "matryoshka 16")
+
+
+def test_runner_flags_are_checked():
+    from jaxserve.config import EngineArgs
+    with pytest.raises(ValueError, match="runner"):
+        EngineArgs(runner="embedding")
+    with pytest.raises(ValueError, match="convert"):
+        EngineArgs(convert="classify")
+    with pytest.raises(ValueError, match="pooling_type"):
+        EngineArgs(pooler_config={"pooling_type": "MAX"})
+    with pytest.raises(ValueError, match="unknown key"):
+        EngineArgs(pooler_config={"pooling": "MEAN"})
+
+
+def test_a_generate_model_refuses_embed():
+    tiny = Path(__file__).parent / "data" / "tiny-llama"
+    with LLM(str(tiny), load_format="dummy", warmup=False, max_model_len=64,
+             num_gpu_blocks_override=16) as llm:
+        assert llm.llm_engine.pooler is None
+        with pytest.raises(ValueError, match="runner='pooling'"):
+            llm.embed("t1 t2", use_tqdm=False)
