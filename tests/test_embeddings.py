@@ -11,6 +11,7 @@ of several lengths share one batch, and one is longer than the step's token budg
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -197,3 +198,114 @@ def test_a_generate_model_refuses_embed():
         assert llm.llm_engine.pooler is None
         with pytest.raises(ValueError, match="runner='pooling'"):
             llm.embed("t1 t2", use_tqdm=False)
+
+
+# --- HTTP: /v1/embeddings ------------------------------------------------------------------------
+
+SERVER_ENGINE = ("--dtype", "float32", "--max-model-len", "64", "--max-num-batched-tokens",
+                 str(CHUNK), "--max-num-seqs", "4", "--block-size", "4",
+                 "--num-gpu-blocks-override", "96")
+
+
+def _post(base_url: str, path: str, body: dict) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(base_url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def embed_server(model_dir):
+    from server_fixtures import ServerProcess
+    server = ServerProcess(str(model_dir[0]), "--runner", "pooling", "--served-model-name",
+                           "qwen3-embedding", *SERVER_ENGINE).start()
+    yield server
+    server.stop()
+
+
+def test_openai_client_embeddings_match_transformers(embed_server, model_dir):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=embed_server.base_url + "/v1", api_key="unused")
+    prompts = _prompts()
+    # The client asks for base64 and decodes it: the bytes must be little-endian float32.
+    res = client.embeddings.create(model="qwen3-embedding", input=prompts)
+    assert [d.index for d in res.data] == [0, 1, 2, 3]
+    assert res.usage.prompt_tokens == res.usage.total_tokens == sum(LENGTHS)
+    for n, p, d in zip(LENGTHS, prompts, res.data):
+        _assert_close(d.embedding, _reference(model_dir[1], p, "LAST"), f"HTTP LAST, {n} tokens")
+    one = client.embeddings.create(model="qwen3-embedding", input="t5 t17 t42",
+                                   encoding_format="float")
+    assert one.usage.prompt_tokens == 3
+    _assert_close(one.data[0].embedding, _reference(model_dir[1], [5, 17, 42], "LAST"), "text")
+
+
+def test_float_and_base64_encodings_carry_the_same_vector(embed_server):
+    body = {"input": ["t1 t2 t3", "t4"], "model": "qwen3-embedding"}
+    status, plain = _post(embed_server.base_url, "/v1/embeddings", body)
+    assert status == 200 and plain["object"] == "list" and plain["model"] == "qwen3-embedding"
+    status, b64 = _post(embed_server.base_url, "/v1/embeddings", dict(body, encoding_format="base64"))
+    assert status == 200
+    for a, b in zip(plain["data"], b64["data"]):
+        assert a["object"] == "embedding"
+        decoded = np.frombuffer(base64.b64decode(b["embedding"]), "<f4")
+        np.testing.assert_array_equal(decoded, np.asarray(a["embedding"], np.float32))
+    assert plain["usage"] == {"prompt_tokens": 4, "total_tokens": 4}
+
+
+def test_truncate_prompt_tokens_lets_a_long_input_through(embed_server, model_dir):
+    long = list(range(1, 81))
+    status, err = _post(embed_server.base_url, "/v1/embeddings", {"input": long})
+    assert status == 400 and err["error"]["param"] == "input"
+    assert "maximum context length is 64" in err["error"]["message"]
+    status, ok = _post(embed_server.base_url, "/v1/embeddings",
+                       {"input": long, "truncate_prompt_tokens": 12})
+    assert status == 200 and ok["usage"]["prompt_tokens"] == 12
+    _assert_close(ok["data"][0]["embedding"], _reference(model_dir[1], long[-12:], "LAST"), "trunc")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": ""}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [[]]}, "input"),
+    ({"input": ["t1", ""]}, "input"),
+    ({"input": [1, 2, 999]}, "input"),
+    ({"input": "t1", "encoding_format": "binary"}, "encoding_format"),
+    ({"input": "t1", "dimensions": 8}, "dimensions"),
+    ({"input": "t1", "dimensions": 0}, "dimensions"),
+    ({"input": "t1", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"input": 5}, "input"),
+    ({}, "input"),
+], ids=["empty-string", "empty-list", "empty-token-list", "one-empty-string", "out-of-vocab",
+        "encoding-format", "dimensions-not-matryoshka", "dimensions-zero", "truncate-zero",
+        "not-a-list", "missing"])
+def test_bad_embedding_requests_are_400s_naming_the_field(embed_server, body, param):
+    status, err = _post(embed_server.base_url, "/v1/embeddings", body)
+    assert status == 400, err
+    assert err["error"]["param"] is not None and err["error"]["param"].startswith(param), err
+
+
+def test_a_pooling_server_refuses_completions(embed_server):
+    for path, body in [("/v1/completions", {"prompt": "t1"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "t1"}]})]:
+        status, err = _post(embed_server.base_url, path, body)
+        assert status == 400 and "does not support" in err["error"]["message"], err
+    status, _ = _post(embed_server.base_url, "/v1/embeddings", {"input": "t3"})
+    assert status == 200          # still serving
+
+
+def test_a_generate_server_refuses_embeddings():
+    from server_fixtures import ServerProcess
+    tiny = Path(__file__).parent / "data" / "tiny-llama"
+    server = ServerProcess(str(tiny), "--load-format", "dummy", "--max-model-len", "64",
+                           "--num-gpu-blocks-override", "16", "--max-num-batched-tokens", "16").start()
+    try:
+        status, err = _post(server.base_url, "/v1/embeddings", {"input": "t1 t2"})
+        assert status == 400 and err["error"]["param"] == "model"
+        assert "does not support Embeddings API" in err["error"]["message"]
+    finally:
+        server.stop()
