@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from jaxserve.server.openai.embeddings import EmbeddingRequest
 from jaxserve.server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,6 +57,8 @@ def openapi_document(version: str) -> dict[str, Any]:
     paths = {
         "/v1/completions": post(CompletionRequest, "Create a completion", True),
         "/v1/chat/completions": post(ChatCompletionRequest, "Create a chat completion", True),
+        "/v1/embeddings": post(EmbeddingRequest, "Create embeddings (pooling models: "
+                               "--runner pooling)", False),
         "/tokenize": post(TokenizeRequest, "Tokenize a prompt or chat messages", False),
         "/detokenize": post(DetokenizeRequest, "Turn token ids back into text", False),
         "/v1/models": get("The served model names"),
