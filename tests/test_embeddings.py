@@ -309,3 +309,26 @@ def test_a_generate_server_refuses_embeddings():
         assert "does not support Embeddings API" in err["error"]["message"]
     finally:
         server.stop()
+
+
+def test_run_batch_answers_embedding_lines(tmp_path, model_dir):
+    import subprocess
+    import sys
+    lines = [{"custom_id": "a", "method": "POST", "url": "/v1/embeddings",
+              "body": {"input": ["t5 t17 t42", "t1 t2"], "encoding_format": "float"}},
+             {"custom_id": "b", "method": "POST", "url": "/v1/embeddings", "body": {"input": ""}},
+             {"custom_id": "c", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "t1", "max_tokens": 2}}]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    proc = subprocess.run([sys.executable, "-m", "jaxserve.server.cli", "run-batch", "-i", str(src),
+                           "-o", str(dst), str(model_dir[0]), "--ordered", "--disable-progress-bar",
+                           *SERVER_ENGINE], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]          # two lines fail (400s)
+    out = {r["custom_id"]: r["response"] for r in map(json.loads, dst.read_text().splitlines())}
+    assert out["a"]["status_code"] == 200
+    body = out["a"]["body"]
+    assert body["usage"]["prompt_tokens"] == 5 and len(body["data"]) == 2
+    _assert_close(body["data"][0]["embedding"], _reference(model_dir[1], [5, 17, 42], "LAST"), "batch")
+    assert out["b"]["status_code"] == 400 and out["b"]["body"]["error"]["param"] == "input"
+    assert out["c"]["status_code"] == 400 and "pooling model" in out["c"]["body"]["error"]["message"]

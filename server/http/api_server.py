@@ -259,10 +259,6 @@ class Server:
 
     async def embeddings(self, request):
         serving = self._require_ready()
-        if self.llm.pooler is None:
-            raise OpenAIError(400, "The model does not support Embeddings API: it runs as a "
-                                   "generative model (start it with --runner pooling)",
-                              param="model")
         body = await self._body(request, EmbeddingRequest)
         return await self._respond(request, await create_embedding(
             serving, body, request.headers.get("X-Request-Id")))

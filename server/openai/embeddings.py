@@ -104,6 +104,9 @@ async def create_embedding(serving, request: EmbeddingRequest, request_id: str |
     """The /v1/embeddings answer; `serving` is the server's OpenAIServing (its engine, model
     names, admission helper and tokenizer threads)."""
     engine = serving.engine
+    if engine.pooler is None:
+        raise OpenAIError(400, "The model does not support Embeddings API: it runs as a "
+                               "generative model (start it with --runner pooling)", param="model")
     model = serving.check_model(request.model)
     params = request.to_pooling_params()
     try:
