@@ -166,6 +166,26 @@ def test_mean_pooling_from_pooler_config_matches_transformers(model_dir):
         _assert_close(out.outputs.embedding, _reference(model, p, "MEAN"), f"MEAN, {n} tokens")
 
 
+def test_mean_pooling_starts_over_after_a_preemption(model_dir):
+    """A request preempted between prefill chunks (recompute: its KV is dropped) starts its
+    prompt over; the running sum restarts with it, so the mean is still the prompt's."""
+    model = model_dir[1]
+    prompt = np.random.default_rng(3).integers(1, VOCAB, size=40).tolist()
+    with LLM(str(model_dir[0]), runner="pooling", pooler_config={"pooling_type": "MEAN"},
+             **ENGINE) as llm:
+        engine = llm.llm_engine
+        engine.add_request("r", {"prompt_token_ids": prompt}, PoolingParams())
+        assert engine.step() == []                      # the first chunk of three
+        request = engine.scheduler.get_request("r")
+        assert request.num_computed_tokens == CHUNK
+        engine.scheduler._preempt(request)              # what a full KV pool would do
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert request.num_preemptions == 1 and [o.request_id for o in outs] == ["r"]
+    _assert_close(outs[0].outputs.data, _reference(model, prompt, "MEAN"), "MEAN after preemption")
+
+
 def test_matryoshka_dimensions_truncate_then_normalize(tmp_path):
     model = _write_embedding_model(tmp_path, matryoshka=True)
     ids = _prompts()[2]
