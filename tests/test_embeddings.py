@@ -352,3 +352,29 @@ def test_run_batch_answers_embedding_lines(tmp_path, model_dir):
     _assert_close(body["data"][0]["embedding"], _reference(model_dir[1], [5, 17, 42], "LAST"), "batch")
     assert out["b"]["status_code"] == 400 and out["b"]["body"]["error"]["param"] == "input"
     assert out["c"]["status_code"] == 400 and "pooling model" in out["c"]["body"]["error"]["message"]
+
+
+def test_fuzzed_embedding_requests_never_get_a_5xx(embed_server):
+    """schemathesis, from the server's own /openapi.json: valid and invalid /v1/embeddings
+    bodies on a pooling server get 200 or a 4xx in OpenAI's error shape, never a 5xx."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import not_a_server_error
+    schema = schemathesis.openapi.from_url(embed_server.base_url + "/openapi.json")
+    operation = schema.find_operation_by_path("POST", "/v1/embeddings")
+    seen = set()
+
+    @given(case=operation.as_strategy())
+    @settings(max_examples=40, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    def call(case):
+        response = case.call(base_url=embed_server.base_url, timeout=60)
+        case.validate_response(response, checks=[not_a_server_error])
+        seen.add(response.status_code)
+        if response.status_code >= 400:
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, error
+
+    call()
+    print("statuses seen:", sorted(seen))
+    assert 400 in seen
