@@ -378,3 +378,30 @@ def test_fuzzed_embedding_requests_never_get_a_5xx(embed_server):
     call()
     print("statuses seen:", sorted(seen))
     assert 400 in seen
+
+
+_TP_CHILD = """
+import json, sys
+from jaxserve import LLM
+path, prompts, pooling, engine = json.loads(sys.argv[1])
+with LLM(path, runner="pooling", pooler_config={"pooling_type": pooling}, tensor_parallel_size=2,
+         **engine) as llm:
+    outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+print(json.dumps([o.outputs.embedding for o in outs]))
+"""
+
+
+def test_tensor_parallel_pooling_matches_transformers(model_dir):
+    """Two simulated devices (heads split): the pooled rows come back replicated and equal."""
+    import os
+    import subprocess
+    import sys
+    prompts = _prompts()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _TP_CHILD,
+                           json.dumps([str(model_dir[0]), prompts, "MEAN", ENGINE])],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for p, emb in zip(prompts, got):
+        _assert_close(emb, _reference(model_dir[1], p, "MEAN"), f"tp=2 MEAN, {len(p)} tokens")
