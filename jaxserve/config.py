@@ -15,6 +15,7 @@ from typing import Any
 from jaxserve.loader.generation_config import check_overrides
 from jaxserve.loader.hf_overrides import merge_overrides
 from jaxserve.models.registry import check_architecture
+from jaxserve.pooling_params import CONVERTS, RUNNERS, PoolerConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -545,6 +546,12 @@ class EngineArgs:
     # vLLM's --hf-overrides and --rope-scaling: JSON merged into config.json (loader/hf_overrides.py).
     hf_overrides: dict | None = None
     rope_scaling: dict | None = None
+    # vLLM's --runner / --convert / --pooler-config: "pooling" serves embeddings (LLM.embed,
+    # /v1/embeddings) instead of generating; "auto" picks it for sentence-transformers
+    # checkpoints or --convert embed (jaxserve/loader/pooling_config.py).
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: dict | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -579,6 +586,12 @@ class EngineArgs:
                              f"generation_config.json, got {self.generation_config!r}")
         check_overrides(self.override_generation_config)
         self.model_overrides()
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.convert not in CONVERTS:
+            raise ValueError(f"convert must be one of {', '.join(CONVERTS)} (classify and reward "
+                             f"models are not supported), got {self.convert!r}")
+        PoolerConfig.from_dict(self.pooler_config)
         # The sub-configs validate their own fields; build them once here so errors surface early.
         self.cache_config()
         self.spec_config()

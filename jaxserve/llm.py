@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterable, Sequence
@@ -17,7 +18,8 @@ from jaxserve.config import EngineArgs
 from jaxserve.core.request import InvalidRequestError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.logger import configure_default_logging
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -100,6 +102,56 @@ class LLM:
             self.llm_engine.step()
             raise
         return self._run(ids, use_tqdm)
+
+    def encode(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """A pooling model's (runner "pooling") pooled vector per prompt: a str, a
+        {"prompt_token_ids": [...]} dict, a list of token ids, or a list of those. Returns one
+        PoolingRequestOutput per prompt (`.outputs.data`, numpy float32), in input order."""
+        if self.llm_engine.runner is None:
+            raise RuntimeError("this LLM has been shut down; create a new LLM to encode again")
+        if getattr(self.llm_engine, "pooling", None) is None:
+            raise ValueError("LLM.embed / LLM.encode need a pooling model: create the LLM with "
+                             "runner='pooling' (this one generates text)")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [(pooling_params or PoolingParams(task=pooling_task))] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError("The lengths of prompts and pooling_params must be the same.")
+        ids = []
+        try:
+            for prompt, pp in zip(prompts, params):
+                if truncate_prompt_tokens is not None:
+                    pp = dataclasses.replace(pp, truncate_prompt_tokens=truncate_prompt_tokens)
+                rid = str(next(self._counter))
+                self.llm_engine.add_request(rid, prompt, pp)
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            self.llm_engine.step()
+            raise
+        outs = self._run(ids, use_tqdm)
+        failed = next((o for o in outs if o.outputs is None), None)
+        if failed is not None:
+            raise RuntimeError(f"request {failed.request_id} ended with {failed.finish_reason!r} "
+                               f"(its step failed: {self.llm_engine.last_step_error!r})")
+        return outs
+
+    def embed(self, prompts, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`, a list of floats), vLLM's
+        `LLM.embed`: the model's pooling (LAST for Qwen3-Embedding, or --pooler-config), then
+        `dimensions` and L2 normalization as `pooling_params` say (normalized by default)."""
+        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                           use_tqdm=use_tqdm, pooling_task="embed")
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,

@@ -128,3 +128,69 @@ class RequestOutput:
                 f"prompt_logprobs={self.prompt_logprobs}, outputs={self.outputs}, "
                 f"finished={self.finished}, metrics={self.metrics}, "
                 f"num_cached_tokens={self.num_cached_tokens})")
+
+
+class PoolingOutput:
+    """The pooled vector of one prompt (vLLM's `PoolingOutput`; `data` is a numpy float32
+    array [dimensions] here, a torch tensor there)."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"PoolingOutput(data={self.data!r})"
+
+
+class PoolingRequestOutput:
+    """The output of one pooling request (vLLM's shape). `outputs` is None when the request
+    did not finish with a vector: `finish_reason` is then "abort" or "error" (its step failed);
+    "stop" otherwise."""
+
+    def __init__(self, request_id: str, outputs: PoolingOutput | None, prompt_token_ids: list[int],
+                 finished: bool = True, num_cached_tokens: int = 0, prompt: str | None = None,
+                 finish_reason: str = "stop", metrics: RequestMetrics | None = None) -> None:
+        self.request_id = request_id
+        self.outputs = outputs
+        self.prompt_token_ids = prompt_token_ids
+        self.finished = finished
+        self.num_cached_tokens = num_cached_tokens
+        self.prompt = prompt
+        self.finish_reason = finish_reason
+        self.metrics = metrics
+
+    def add(self, next_output: PoolingRequestOutput, aggregate: bool) -> None:
+        """A pooling request has one output; a later one replaces it (AsyncLLM's slot)."""
+        self.__dict__.update(next_output.__dict__)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(request_id={self.request_id!r}, outputs={self.outputs!r}, "
+                f"prompt_token_ids={self.prompt_token_ids}, finished={self.finished}, "
+                f"finish_reason={self.finish_reason!r})")
+
+
+class EmbeddingOutput:
+    """One embedding (vLLM's `EmbeddingOutput`): `embedding` is a list of floats."""
+
+    def __init__(self, embedding: list[float]):
+        self.embedding = embedding
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> EmbeddingOutput:
+        return cls([float(x) for x in output.data])
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingOutput(hidden_size={self.hidden_size})"
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """`LLM.embed`'s result per prompt: `.outputs.embedding` (vLLM's shape)."""
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, None if out.outputs is None else EmbeddingOutput.from_base(out.outputs),
+                   out.prompt_token_ids, out.finished, out.num_cached_tokens, out.prompt,
+                   out.finish_reason, out.metrics)

@@ -53,7 +53,7 @@ def test_no_5xx_and_openai_error_shape(case):
 
 def test_openapi_document_lists_every_route(server):
     doc = requests.get(server.base_url + "/openapi.json", timeout=10).json()
-    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/tokenize",
+    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize",
                                  "/detokenize", "/tokenizer_info", "/v1/models", "/health",
                                  "/ping", "/version", "/metrics", "/v1/responses",
                                  "/v1/responses/{response_id}"}

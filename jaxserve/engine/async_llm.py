@@ -210,7 +210,7 @@ class AsyncLLM:
         ValueError (the engine's validation, an invalid structured-output grammar),
         EngineOverloadedError or EngineDeadError."""
         self._check_alive()
-        if params.structured_outputs is not None:
+        if getattr(params, "structured_outputs", None) is not None:   # PoolingParams: none
             # Grammars compile in the default thread pool (llguidance drops the GIL), never on
             # the loop; the engine's add then finds the compiled grammar in its cache.
             await asyncio.get_running_loop().run_in_executor(
@@ -248,6 +248,12 @@ class AsyncLLM:
                 yield out
         finally:
             stream.close()
+
+    def encode(self, prompt, pooling_params, request_id: str,
+               priority: int = 0) -> AsyncIterator:
+        """A pooling model's output for one prompt (vLLM's `AsyncLLM.encode`): one
+        PoolingRequestOutput, as `generate` yields for a PoolingParams."""
+        return self.generate(prompt, pooling_params, request_id, priority)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op when it has finished). Applied before the next step."""
@@ -354,6 +360,11 @@ class AsyncLLM:
     def default_sampling_params(self) -> dict:
         """The model's generation-config defaults for unset request fields."""
         return self.engine.default_sampling_params
+
+    @property
+    def pooler(self):
+        """The PoolerConfig of a pooling model (runner "pooling"); None for a generating one."""
+        return getattr(self.engine, "pooler", None)
 
     @property
     def vocab_size(self) -> int:

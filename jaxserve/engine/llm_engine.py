@@ -25,11 +25,14 @@ from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
 from jaxserve.engine import multihost
 from jaxserve.engine.fallback import Choice, build_with_fallback, fallback_plan
 from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.pooling import PoolingRequests, engine_args_for_pooling
 from jaxserve.loader.fp8 import kernels_in, with_kernel
 from jaxserve.loader.generation_config import default_sampling_params, generation_eos_token_ids
 from jaxserve.loader.gguf import read_gguf
 from jaxserve.loader.hub import resolve_model
 from jaxserve.loader.loader import ModelLoadError, load_model, resolve_dtype
+from jaxserve.loader.pooling_config import matryoshka_of, resolve_pooler
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sharding.mesh import make_mesh
 from jaxserve.sharding.plan import plan_for
@@ -39,6 +42,7 @@ from jaxserve.tokenizer.tokenizer import Tokenizer
 from jaxserve.worker.draft_runner import DraftRunner, load_draft
 from jaxserve.worker.kv_sizing import num_kv_blocks, probe_blocks, profile_peak_bytes
 from jaxserve.worker.model_runner import ModelRunner
+from jaxserve.worker.pooling_runner import PoolingRunner
 
 logger = logging.getLogger("jaxserve")
 
@@ -116,6 +120,11 @@ class LLMEngine:
                                                 expert_parallel=args.enable_expert_parallel,
                                                 hf_overrides=args.model_overrides())
         self.tokenizer = _load_tokenizer(args, model_path, reader, self.model_config)
+        # A pooling model (runner "pooling") computes embeddings: prefill-only requests whose
+        # runner pools hidden states instead of sampling (engine/pooling.py).
+        self.pooler = resolve_pooler(args.runner, args.convert, args.pooler_config, model_path)
+        if self.pooler is not None:
+            args = self.args = engine_args_for_pooling(args, self.pooler)
         del reader
         cfg = self.model_config
         self.max_model_len = cfg.resolve_max_model_len(args.max_model_len)
@@ -158,11 +167,13 @@ class LLMEngine:
         def make_runner(num_blocks: int, choice: Choice, weights,
                         drafter: DraftRunner | None = None) -> ModelRunner:
             cache_config = dataclasses.replace(args.cache_config(), num_blocks=num_blocks)
-            return ModelRunner(cfg, weights, cache_config, self.scheduler_config, dtype=dtype,
-                               backend=choice.attention, max_logprobs=args.max_logprobs,
-                               kv_quantize=kv_quantize, kv_dtype=kv_dtype, plan=self.plan,
-                               num_speculative_tokens=self.scheduler_config.num_speculative_tokens,
-                               drafter=drafter)
+            pooling = {} if self.pooler is None else {"pooler": self.pooler}
+            return (ModelRunner if self.pooler is None else PoolingRunner)(
+                cfg, weights, cache_config, self.scheduler_config, **pooling, dtype=dtype,
+                backend=choice.attention, max_logprobs=args.max_logprobs,
+                kv_quantize=kv_quantize, kv_dtype=kv_dtype, plan=self.plan,
+                num_speculative_tokens=self.scheduler_config.num_speculative_tokens,
+                drafter=drafter)
 
         def make_drafter(num_blocks: int, choice: Choice) -> DraftRunner | None:
             if draft is None:
@@ -207,6 +218,8 @@ class LLMEngine:
                                                   whitespace_pattern=so_config.whitespace_pattern,
                                                   disable_any_whitespace=so_config.disable_any_whitespace)
         self.proposer = make_proposer(spec)
+        self.pooling = None if self.pooler is None else PoolingRequests(
+            self, self.pooler, matryoshka_of(model_path))
         self._rng = random.Random(args.seed)
         self._pending = []          # outputs produced outside step() (aborts)
         self._eos_ids = self._eos_token_ids(cfg)
@@ -264,6 +277,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
+        if self.pooling is not None or isinstance(params, PoolingParams):
+            if self.pooling is None:
+                raise InvalidRequestError("This model does not support embeddings: it runs as a "
+                                          "generative model (start it with --runner pooling)",
+                                          "model")
+            return self.pooling.add(request_id, prompt, params, arrival_time, priority)
         params = (params or SamplingParams()).clone()
         if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
             raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater "
@@ -318,6 +337,8 @@ class LLMEngine:
             raise InvalidRequestError(str(e), "structured_outputs") from None
 
     def abort_request(self, request_ids) -> None:
+        if self.pooling is not None:
+            return self.pooling.abort(request_ids)
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
             children = self.processor.child_ids(rid)
@@ -336,6 +357,8 @@ class LLMEngine:
         "error"); the engine keeps serving the rest. An error that leaves the runner unusable
         (its KV cache gone), or any error in the host bookkeeping, is raised: the engine is dead.
         """
+        if self.pooling is not None:
+            return self.pooling.step()
         sched = self.scheduler.schedule()
         sched.grammar_bitmask = self._grammar_bitmask(sched)
         if self.runner.drafter is not None:

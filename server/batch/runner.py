@@ -2,9 +2,9 @@
 
     jaxserve run-batch -i in.jsonl -o out.jsonl [MODEL] [engine flags] [--resume] [--ordered]
 
-Input lines are `{"custom_id", "method": "POST", "url", "body"}` with url `/v1/completions` or
-`/v1/chat/completions`; bodies are validated and answered by the server's own code, so a line
-gets exactly the JSON the HTTP server would have returned. Output lines are
+Input lines are `{"custom_id", "method": "POST", "url", "body"}` with url `/v1/completions`,
+`/v1/chat/completions` or (a pooling model) `/v1/embeddings`; bodies are validated and answered
+by the server's own code, so a line gets exactly the JSON the HTTP server would have returned. Output lines are
 `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`.
 
 Semantics:
@@ -302,7 +302,7 @@ def _take(source: Iterator, n: int) -> list:
     return list(itertools.islice(source, n))
 
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 
 
 # -- the engine side: routes over the server's code -------------------------------------------------
@@ -325,9 +325,13 @@ def engine_routes(serving) -> dict[str, Route]:
             return await endpoint(validate_request(model_cls, body))
         return answer
 
+    from jaxserve.server.openai.embeddings import EmbeddingRequest, create_embedding
+
     return {"/v1/completions": route(CompletionRequest, serving.create_completion),
             "/v1/chat/completions": route(ChatCompletionRequest,
-                                          serving.create_chat_completion)}
+                                          serving.create_chat_completion),
+            "/v1/embeddings": route(EmbeddingRequest,
+                                    lambda request: create_embedding(serving, request, None))}
 
 
 # -- CLI -----------------------------------------------------------------------------------------

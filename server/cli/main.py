@@ -35,6 +35,7 @@ from jaxserve.config import (
     REASONING_PARSERS,
     EngineArgs,
 )
+from jaxserve.pooling_params import CONVERTS, RUNNERS
 from jaxserve.server.cli import compat, help_search
 
 logger = logging.getLogger("jaxserve")
@@ -86,6 +87,15 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                          shown_default="none")),
     ("seed", "ModelConfig", dict(type=int, help="Random seed of the engine (and of dummy "
                                  "weights).")),
+    ("runner", "ModelConfig", dict(choices=RUNNERS, help="'pooling': serve embeddings "
+                                   "(/v1/embeddings, LLM.embed) instead of generating; 'auto': pooling "
+                                   "for sentence-transformers checkpoints or --convert embed.")),
+    ("convert", "ModelConfig", dict(choices=CONVERTS, help="'embed': run a generative checkpoint "
+                                    "as an embedding model (with --runner auto or pooling).")),
+    ("pooler_config", "ModelConfig", dict(type=_json_dict, help="JSON, e.g. '{\"pooling_type\": "
+                                          "\"MEAN\", \"normalize\": true}' (LAST, MEAN or CLS).",
+                                          shown_default="LAST, normalized, or the checkpoint's "
+                                          "sentence-transformers config")),
     ("load_format", "LoadConfig", dict(choices=(*LOAD_FORMATS, *compat.LOAD_FORMAT_ALIASES),
                                        help="'dummy': seeded random "
                                        "weights of the shapes in MODEL/config.json, no "

@@ -20,9 +20,11 @@ from pydantic import BaseModel
 import jaxserve
 from jaxserve.config import EngineArgs
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.outputs import PoolingRequestOutput
 from jaxserve.server.http.docs import add_docs_routes
 from jaxserve.server.http.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.http.openapi import openapi_document
+from jaxserve.server.openai.embeddings import EmbeddingRequest, create_embedding
 from jaxserve.server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -104,7 +106,7 @@ class Server:
         self._stats_task: asyncio.Future | None = None
 
     def _on_output(self, out, arrival):
-        if self.metrics is not None:
+        if self.metrics is not None and not isinstance(out, PoolingRequestOutput):
             self.metrics.observe(out, arrival)
 
     # -- app ----------------------------------------------------------------------------------
@@ -126,6 +128,7 @@ class Server:
         app.router.add_post("/v1/responses", self.create_response)
         app.router.add_get("/v1/responses/{response_id}", self.retrieve_response)
         app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
+        app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
@@ -254,14 +257,28 @@ class Server:
     async def tokenizer_info(self, request):
         return web.json_response(self._require_ready().tokenizer_info())
 
-    async def completions(self, request):
+    def _require_generating(self, api: str) -> OpenAIServing:
+        """A pooling model (--runner pooling) answers only /v1/embeddings (vLLM's 400)."""
         serving = self._require_ready()
+        if self.llm.pooler is not None:
+            raise OpenAIError(400, f"The model does not support {api} API: it runs as a pooling "
+                                   "model (--runner pooling); use /v1/embeddings", param="model")
+        return serving
+
+    async def embeddings(self, request):
+        serving = self._require_ready()
+        body = await self._body(request, EmbeddingRequest)
+        return await self._respond(request, await create_embedding(
+            serving, body, request.headers.get("X-Request-Id")))
+
+    async def completions(self, request):
+        serving = self._require_generating("Completions")
         body = await self._body(request, CompletionRequest)
         return await self._respond(request, await serving.create_completion(
             body, request.headers.get("X-Request-Id")))
 
     async def chat_completions(self, request):
-        serving = self._require_ready()
+        serving = self._require_generating("Chat Completions")
         body = await self._body(request, ChatCompletionRequest)
         return await self._respond(request, await serving.create_chat_completion(
             body, request.headers.get("X-Request-Id")))

@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from jaxserve.server.openai.embeddings import EmbeddingRequest
 from jaxserve.server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -63,6 +64,8 @@ def openapi_document(version: str) -> dict[str, Any]:
         "/v1/responses/{response_id}": {
             **response_id, "get": get("A stored response")["get"],
             "delete": get("Delete a stored response")["get"]},
+        "/v1/embeddings": post(EmbeddingRequest, "Create embeddings (pooling models: "
+                               "--runner pooling)", False),
         "/tokenize": post(TokenizeRequest, "Tokenize a prompt or chat messages", False),
         "/detokenize": post(DetokenizeRequest, "Turn token ids back into text", False),
         "/v1/models": get("The served model names"),
