@@ -22,6 +22,8 @@ LOAD_FORMATS = ("auto", "dummy")
 # names, its *_marlin kernels' included), which is detected from config.json anyway.
 QUANTIZATIONS = (None, "fp8", "awq", "gptq", "compressed-tensors", "awq_marlin", "gptq_marlin")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("sliding_attention", "full_attention")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton", "mosaic")
 # `<think>` markers the engine knows (structured_output/reasoning.py; the server's parsers)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -90,6 +92,18 @@ class ModelConfig:
     moe: MoeConfig | None = None   # sparse MLP (Qwen3-MoE, Mixtral); None: dense MLP
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 2/3: the gated MLP's activation, per-layer attention kinds ("sliding_attention" uses
+    # sliding_window, "full_attention" none; None: every layer as sliding_window says), the
+    # attention scale 1/sqrt(query_pre_attn_scalar) (None: 1/sqrt(head_dim)), tanh soft caps of
+    # the attention scores and of the final logits, and (Gemma 3) the sliding layers' own rope
+    # base, unscaled (rope_theta and rope_scaling are the global layers').
+    hidden_act: str = "silu"
+    layer_types: tuple[str, ...] | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None
+    partial_rotary_factor: float = 1.0   # rope turns the first head_dim * this dims (Phi-4-mini)
 
     def __post_init__(self):
         check_architecture(self.architecture)
@@ -105,6 +119,29 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_scaling is not None:
             _check_rope_scaling(dict(self.rope_scaling))
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {', '.join(HIDDEN_ACTS)}, got {self.hidden_act!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise ValueError(f"layer_types must name one of {', '.join(LAYER_TYPES)} for each of the "
+                                 f"{self.num_layers} layers, got {list(self.layer_types)}")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "rope_local_theta"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"model config field {name} must be a positive number or null, got {v!r}")
+        if not 0 < self.partial_rotary_factor <= 1 or int(self.head_dim * self.partial_rotary_factor) % 2:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1] and turn an even number of the "
+                             f"{self.head_dim} head dims, got {self.partial_rotary_factor}")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: global attention)."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -133,6 +170,7 @@ class ModelConfig:
         arch = archs[0]
         check_architecture(arch)
         text = hf.get("text_config") or hf
+        text = {**_FAMILY_DEFAULTS.get(arch, {}), **text}
         try:
             hidden = int(text["hidden_size"])
             num_heads = int(text["num_attention_heads"])
@@ -220,7 +258,58 @@ def _mixtral_fields(text: dict[str, Any]) -> dict[str, Any]:
     return dict(_mistral_fields(text), moe=moe)
 
 
+def _optional_float(text: dict[str, Any], name: str) -> float | None:
+    v = text.get(name)
+    return None if v is None else float(v)
+
+
+def _gemma_fields(text: dict[str, Any], pattern: int) -> dict[str, Any]:
+    """Gemma 2 (every other layer slides, from the first) and Gemma 3 (every `pattern`-th layer is
+    global): layer_types as config.json lists them, else transformers' default pattern."""
+    n = int(text["num_hidden_layers"])
+    pattern = int(text.get("sliding_window_pattern") or text.get("_sliding_window_pattern") or pattern)
+    types = text.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                        for i in range(n)]
+    head_dim = text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"])
+    return dict(attention_bias=bool(text.get("attention_bias", False)),
+                sliding_window=_window(text, True),
+                hidden_act=text.get("hidden_activation") or text.get("hidden_act") or "gelu_pytorch_tanh",
+                layer_types=tuple(types),
+                query_pre_attn_scalar=float(text.get("query_pre_attn_scalar") or head_dim),
+                attn_logit_softcapping=_optional_float(text, "attn_logit_softcapping"),
+                final_logit_softcapping=_optional_float(text, "final_logit_softcapping"))
+
+
+def _gemma2_fields(text: dict[str, Any]) -> dict[str, Any]:
+    return _gemma_fields(text, 2)
+
+
+def _gemma3_fields(text: dict[str, Any]) -> dict[str, Any]:
+    local = text.get("rope_local_base_freq")
+    params = text.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+        sliding = params["sliding_attention"]          # transformers 5: rope per layer type
+        if sliding.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_parameters.sliding_attention.rope_type {sliding['rope_type']!r} is not "
+                             "supported; Gemma 3's sliding layers use the default rope")
+        local = sliding.get("rope_theta", local)
+    return dict(_gemma_fields(text, 6), qk_norm=True, rope_local_theta=float(local or 10000.0))
+
+
+# transformers' Gemma3TextConfig defaults: Gemma 3's multimodal checkpoints (4B and up) write
+# only what differs from them in text_config
+_GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                             rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                             sliding_window=4096, max_position_embeddings=131072, query_pre_attn_scalar=256,
+                             hidden_activation="gelu_pytorch_tanh", sliding_window_pattern=6)
+_FAMILY_DEFAULTS = {"Gemma3ForCausalLM": _GEMMA3_TEXT_DEFAULTS,
+                    "Gemma3ForConditionalGeneration": _GEMMA3_TEXT_DEFAULTS}
+
+
 _FAMILY_FIELDS = {
+    "Gemma2ForCausalLM": _gemma2_fields,
+    "Gemma3ForCausalLM": _gemma3_fields,
+    "Gemma3ForConditionalGeneration": _gemma3_fields,
     "MistralForCausalLM": _mistral_fields,
     "Qwen2ForCausalLM": _qwen2_fields,
     "Qwen3ForCausalLM": _qwen3_fields,
@@ -233,6 +322,8 @@ def _rope_from_hf(text: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], .
     """Read rope settings from either `rope_parameters` (transformers 5) or
     `rope_theta` + `rope_scaling` (older files)."""
     params = text.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]     # Gemma 3 in transformers 5: the global layers' rope
     if isinstance(params, dict) and params:
         theta = float(params.get("rope_theta", text.get("rope_theta", 10000.0)))
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}

@@ -31,7 +31,10 @@ from jaxserve.models.registry import get_model
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+                "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
+                "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+# what an architecture is exported as: the text model jaxserve serves (its vision tower was not loaded)
+_EXPORTED_AS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
 
 def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
@@ -51,6 +54,13 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     }
     if cfg.sliding_window:
         out.update(sliding_window=cfg.sliding_window, use_sliding_window=True)
+    if cfg.architecture.startswith("Gemma"):
+        out.update(hidden_activation=cfg.hidden_act, layer_types=list(cfg.layer_types),
+                   query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar),   # transformers wants an int
+                   attn_logit_softcapping=cfg.attn_logit_softcapping,
+                   final_logit_softcapping=cfg.final_logit_softcapping)
+        if cfg.rope_local_theta is not None:
+            out.update(rope_local_base_freq=cfg.rope_local_theta)
     if cfg.moe is not None:
         m = cfg.moe
         out.update(num_experts_per_tok=m.num_experts_per_tok, num_local_experts=m.num_experts)
@@ -59,6 +69,10 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
                        norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=m.decoder_sparse_step,
                        mlp_only_layers=list(m.mlp_only_layers))
     return out
+
+
+def _int_if_whole(x: float | None):
+    return int(x) if x is not None and float(x).is_integer() else x
 
 
 def _host_arrays(cfg: ModelConfig, weights, dtype) -> dict[str, np.ndarray]:
@@ -124,6 +138,9 @@ def export_model(directory: str | os.PathLike, cfg: ModelConfig, tokenizer, weig
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     written = []
+    if cfg.architecture in _EXPORTED_AS:
+        import dataclasses
+        cfg = dataclasses.replace(cfg, architecture=_EXPORTED_AS[cfg.architecture])
 
     def dump(name, obj):
         (out / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")

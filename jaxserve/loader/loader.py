@@ -152,9 +152,14 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
 def load_hf_config(path: Path) -> ModelConfig:
     hf = _hf_json(path)
     try:
-        return ModelConfig.from_hf(hf)
+        cfg = ModelConfig.from_hf(hf)
     except ValueError as e:   # unsupported architecture, missing or out-of-range field
         raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
+    if hf.get("vision_config") is not None:     # Gemma3ForConditionalGeneration
+        logger.warning("%s: %s has a vision tower (vision_config); jaxserve serves its text model only, "
+                       "the vision tower and multimodal projector weights are not loaded (no image inputs)",
+                       path, cfg.architecture)
+    return cfg
 
 
 def _hf_json(path: Path) -> dict:
