@@ -15,7 +15,7 @@ from typing import Any
 from jaxserve.loader.generation_config import check_overrides
 from jaxserve.models.registry import check_architecture
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "longrope")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 # --quantization values: fp8 quantises on load; the others name an int4 checkpoint's method (vLLM's
@@ -104,6 +104,9 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     rope_local_theta: float | None = None
     partial_rotary_factor: float = 1.0   # rope turns the first head_dim * this dims (Phi-4-mini)
+    # The longest context served (the engine's max_model_len; None: derived_max_model_len).
+    # LongRoPE picks its short or long factors by it, once (vLLM's rule; layers/rotary.py).
+    max_model_len: int | None = None
 
     def __post_init__(self):
         check_architecture(self.architecture)
@@ -132,6 +135,13 @@ class ModelConfig:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"model config field {name} must be a positive number or null, got {v!r}")
+        scaling = self.rope_scaling_dict or {}
+        if scaling.get("rope_type") == "longrope":
+            half = int(self.head_dim * self.partial_rotary_factor) // 2
+            for name in ("short_factor", "long_factor"):
+                if len(scaling[name]) != half:
+                    raise ValueError(f"rope_scaling.{name} must have one factor per rotary dim pair ({half}), "
+                                     f"got {len(scaling[name])}")
         if not 0 < self.partial_rotary_factor <= 1 or int(self.head_dim * self.partial_rotary_factor) % 2:
             raise ValueError(f"partial_rotary_factor must be in (0, 1] and turn an even number of the "
                              f"{self.head_dim} head dims, got {self.partial_rotary_factor}")
@@ -306,7 +316,14 @@ _FAMILY_DEFAULTS = {"Gemma3ForCausalLM": _GEMMA3_TEXT_DEFAULTS,
                     "Gemma3ForConditionalGeneration": _GEMMA3_TEXT_DEFAULTS}
 
 
+def _phi3_fields(text: dict[str, Any]) -> dict[str, Any]:
+    params = text.get("rope_parameters") if isinstance(text.get("rope_parameters"), dict) else {}
+    factor = text.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    return dict(_llama_fields(text), sliding_window=_window(text, True), partial_rotary_factor=float(factor))
+
+
 _FAMILY_FIELDS = {
+    "Phi3ForCausalLM": _phi3_fields,
     "Gemma2ForCausalLM": _gemma2_fields,
     "Gemma3ForCausalLM": _gemma3_fields,
     "Gemma3ForConditionalGeneration": _gemma3_fields,
@@ -333,10 +350,16 @@ def _rope_from_hf(text: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], .
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
     scaling.pop("type", None)
+    scaling.pop("partial_rotary_factor", None)      # a ModelConfig field of its own
+    if scaling.get("rope_type") == "su":             # LongRoPE's first name (Phi-3 configs)
+        scaling["rope_type"] = "longrope"
+    if scaling.get("rope_type") == "longrope":       # older files keep L0 beside the scaling
+        scaling.setdefault("original_max_position_embeddings", text.get("original_max_position_embeddings"))
     _check_rope_scaling(scaling)
     if scaling.get("rope_type", "default") == "default":
         return theta, None
-    return theta, tuple(sorted(scaling.items()))
+    # lists (LongRoPE's factors) as tuples: the config stays hashable
+    return theta, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items()))
 
 
 def _check_rope_scaling(scaling: dict[str, Any]) -> None:
@@ -345,6 +368,17 @@ def _check_rope_scaling(scaling: dict[str, Any]) -> None:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "longrope":
+        for name in ("short_factor", "long_factor"):
+            f = scaling.get(name)
+            if not isinstance(f, (list, tuple)) or not f or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in f):
+                raise ValueError(f"rope_scaling.{name} must be a list of positive numbers for rope_type "
+                                 f"'longrope', got {f!r}")
+        original = scaling.get("original_max_position_embeddings")
+        if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+            raise ValueError("rope_scaling.original_max_position_embeddings (or the config's "
+                             f"original_max_position_embeddings) must be a positive int, got {original!r}")
     if rope_type in ("linear", "llama3", "dynamic"):
         factor = scaling.get("factor")
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:

@@ -1,4 +1,4 @@
-"""Model families beyond Llama: Gemma 2, Gemma 3 (text) and Phi-3 against transformers.
+"""Model families beyond Llama: Gemma 2, Gemma 3 (text) and Phi-3 / Phi-4-mini against transformers.
 
 Each family is a tiny random checkpoint written here with transformers' own config class (every
 parameter randomised, so a missing norm or offset cannot hide), read by the engine (`LLM`):
@@ -55,6 +55,13 @@ FAMILIES = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}})),
+    # Phi-4-mini's shape of things: fused qkv / gate_up tensors, rope on 3/4 of each head, tied
+    # embeddings, LongRoPE (original context 64 of 512: the 300-token prompt takes the long factors)
+    "phi4-mini-longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
+        _BASE, num_hidden_layers=2, partial_rotary_factor=0.75, tie_word_embeddings=True,
+        original_max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.2, 1.5, 1.1, 1.9, 1.3],
+                      "long_factor": [2.0, 4.5, 3.0, 6.0, 1.5, 5.0]})),
 }
 
 PROMPT_LENGTHS = (7, 40, 130, 300)
@@ -142,13 +149,16 @@ def test_prompt_and_decode_logprobs_equal_transformers(family, budget):
 def test_window_matters(family):
     """The checkpoint's sliding window changes the logits (so the test above covers it)."""
     name, path, model, _ = family
+    if not name.startswith("gemma"):
+        pytest.skip("no sliding window in this family's checkpoint")
     cfg, weights = load_model(path, "float32")
     assert set(cfg.layer_windows) == {WINDOW, None}
     import dataclasses
     ids = PROMPTS[-1][:64]
     runner = PagedRunner(cfg, weights, block_size=16, num_blocks=16, max_blocks_per_seq=8)
     windowed = runner.prefill_logits(ids)
-    runner = PagedRunner(dataclasses.replace(cfg, layer_types=("full_attention",) * cfg.num_layers), weights,
+    # the same layers (Gemma 3's sliding layers keep their rope base) with a window wider than the prompt
+    runner = PagedRunner(dataclasses.replace(cfg, sliding_window=10 ** 6), weights,
                          block_size=16, num_blocks=16, max_blocks_per_seq=8)
     full = runner.prefill_logits(ids)
     assert np.abs(windowed[:WINDOW] - full[:WINDOW]).max() < 1e-5       # inside the window: same
@@ -244,3 +254,34 @@ def test_gemma3_with_a_vision_tower_loads_its_text_model_and_says_so(tmp_path, c
     with torch.no_grad():
         ref = model(input_ids=torch.tensor([ids])).logits[0].numpy()
     assert np.abs(got - ref).max() < 1e-4
+
+
+def test_phi3_longrope_takes_the_short_factors_when_max_model_len_fits_the_original_context(tmp_path):
+    """vLLM's rule: max_model_len <= original_max_position_embeddings (64) -> short factors for
+    every position; transformers agrees on sequences that short."""
+    model = write_checkpoint(tmp_path, "phi4-mini-longrope")
+    ids = _prompt(50, 7)
+    ref = _hf_logprobs(model, ids)
+    with LLM(model=str(tmp_path), dtype="float32", max_model_len=64, max_num_batched_tokens=64,
+             num_gpu_blocks_override=16, warmup=False, compilation_cache_dir="") as llm:
+        assert llm.llm_engine.model_config.max_model_len == 64
+        out = llm.generate([{"prompt_token_ids": ids}],
+                           SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    got = np.array([out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))])
+    assert np.abs(got - ref[np.arange(len(ids) - 1), ids[1:]]).max() < LOGPROB_ATOL
+
+
+def test_phi3_su_rope_and_bad_longrope_factors(tmp_path):
+    from jaxserve.config import ModelConfig
+    hf = dict(architectures=["Phi3ForCausalLM"], vocab_size=96, hidden_size=64, intermediate_size=96,
+              num_hidden_layers=2, num_attention_heads=4, head_dim=16, max_position_embeddings=512,
+              original_max_position_embeddings=64, partial_rotary_factor=0.75,
+              rope_scaling={"type": "su", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6})
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.rope_scaling_dict["rope_type"] == "longrope" and cfg.partial_rotary_factor == 0.75
+    assert cfg.rope_scaling_dict["original_max_position_embeddings"] == 64
+    with pytest.raises(ValueError, match="long_factor"):
+        ModelConfig.from_hf(dict(hf, rope_scaling={"type": "longrope", "short_factor": [1.0] * 6,
+                                                   "long_factor": [2.0] * 8}))
+    with pytest.raises(ValueError, match="short_factor"):
+        ModelConfig.from_hf(dict(hf, rope_scaling={"type": "longrope", "long_factor": [2.0] * 6}))

@@ -90,7 +90,7 @@ def test_dynamic_rope_allows_max_position_times_factor_as_vllm_does(tmp_path):
 
 @pytest.mark.parametrize("scaling,match", [
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, "rope_scaling.rope_type 'yarn'"),
-    ({"type": "su"}, "rope_scaling.rope_type 'su'"),
+    ({"type": "su"}, "rope_scaling.short_factor must be a list"),      # LongRoPE (Phi-3) needs its factors
     ({"rope_type": "dynamic"}, "rope_scaling.factor must be a positive number"),
     ({"rope_type": "dynamic", "factor": "2"}, "rope_scaling.factor must be a positive number"),
 ])

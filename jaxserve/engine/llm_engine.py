@@ -121,6 +121,8 @@ class LLMEngine:
                              f"max_position_embeddings ({cfg.max_position_embeddings})"
                              + (" x rope_scaling.factor" if cfg.derived_max_model_len !=
                                 cfg.max_position_embeddings else ""))
+        # the served length is part of the model for LongRoPE (short or long factors, vLLM's rule)
+        cfg = self.model_config = dataclasses.replace(cfg, max_model_len=self.max_model_len)
         kv_quantize, kv_dtype = _kv_quantization(args.kv_cache_dtype, dtype)
         self.plan = plan_for(cfg, self.mesh, args.enable_expert_parallel)
         # Speculative decoding with a draft model: its own pool of the same blocks.

@@ -84,7 +84,7 @@ def _host_arrays(cfg: ModelConfig, weights, dtype) -> dict[str, np.ndarray]:
         for part in p.path.split("."):
             node = getattr(node, part)
         nodes[p] = node
-    tensors = {}
+    tensors, parts = {}, {}
     for p, node in nodes.items():
         node = node.w if isinstance(node, ExpertWeight) else node     # experts [L, X, in, out]
         if isinstance(node, Fp8Weight):     # e4m3 codes [L, in, out] and their scales, as stored
@@ -99,7 +99,13 @@ def _host_arrays(cfg: ModelConfig, weights, dtype) -> dict[str, np.ndarray]:
             continue
         x = np.asarray(jax.device_get(node.w if hasattr(node, "w") else node)).astype(dtype)
         for pos, name in p.checkpoint_names():
-            tensors[name] = np.ascontiguousarray(x[pos].T if p.transpose else x[pos])
+            t = np.ascontiguousarray(x[pos].T if p.transpose else x[pos])
+            if p.rows is not None:       # a part of a fused tensor: joined below, in row order
+                parts.setdefault(name, []).append((p.rows[0], t))
+            else:
+                tensors[name] = t
+    for name, pieces in parts.items():
+        tensors[name] = np.concatenate([t for _, t in sorted(pieces, key=lambda r: r[0])])
     return tensors
 
 

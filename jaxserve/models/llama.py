@@ -27,7 +27,13 @@ from jaxserve.layers import moe
 from jaxserve.layers.experts import ExpertWeight
 from jaxserve.layers.linear import DenseWeight, linear
 from jaxserve.layers.norm import rms_norm
-from jaxserve.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from jaxserve.layers.rotary import (
+    apply_rope,
+    longrope_attention_factor,
+    longrope_inv_freq,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from jaxserve.models.params import Param
 from jaxserve.sharding.plan import ShardingPlan, embed_lookup, shard_attention, shard_experts
 
@@ -209,6 +215,11 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array, theta: float | None = No
     rot = int(cfg.head_dim * cfg.partial_rotary_factor)
     if theta is None:
         theta, scaling = cfg.rope_theta, cfg.rope_scaling_dict
+    if (scaling or {}).get("rope_type") == "longrope":      # Phi-3: factors chosen by max_model_len
+        long = (cfg.max_model_len or cfg.derived_max_model_len) > scaling["original_max_position_embeddings"]
+        cos, sin = rope_cos_sin(positions, jnp.asarray(longrope_inv_freq(rot, theta, scaling, long)))
+        mscale = longrope_attention_factor(scaling, cfg.max_position_embeddings)
+        return cos * mscale, sin * mscale
     return rope_cos_sin(positions, jnp.asarray(rope_inv_freq(rot, theta, scaling)))
 
 
