@@ -32,7 +32,8 @@ from jaxserve.models.registry import get_model
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                 "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
-                "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+                "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+                "Phi3ForCausalLM": "phi3"}
 # what an architecture is exported as: the text model jaxserve serves (its vision tower was not loaded)
 _EXPORTED_AS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
@@ -54,6 +55,12 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     }
     if cfg.sliding_window:
         out.update(sliding_window=cfg.sliding_window, use_sliding_window=True)
+    if cfg.partial_rotary_factor != 1.0:
+        out.update(partial_rotary_factor=cfg.partial_rotary_factor)
+    if cfg.architecture == "Phi3ForCausalLM":    # Phi3Config's default pad id (32000) may lie past the vocabulary
+        out.update(pad_token_id=None)
+    if (cfg.rope_scaling_dict or {}).get("rope_type") == "longrope":    # transformers reads L0 at the top level
+        out.update(original_max_position_embeddings=cfg.rope_scaling_dict["original_max_position_embeddings"])
     if cfg.architecture.startswith("Gemma"):
         out.update(hidden_activation=cfg.hidden_act, layer_types=list(cfg.layer_types),
                    query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar),   # transformers wants an int
