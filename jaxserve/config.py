@@ -276,6 +276,9 @@ def _optional_float(text: dict[str, Any], name: str) -> float | None:
 def _gemma_fields(text: dict[str, Any], pattern: int) -> dict[str, Any]:
     """Gemma 2 (every other layer slides, from the first) and Gemma 3 (every `pattern`-th layer is
     global): layer_types as config.json lists them, else transformers' default pattern."""
+    if text.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention is not supported: jaxserve serves causal decoders "
+                         "(this is an embedding model's config)")
     n = int(text["num_hidden_layers"])
     pattern = int(text.get("sliding_window_pattern") or text.get("_sliding_window_pattern") or pattern)
     types = text.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"

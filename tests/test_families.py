@@ -285,3 +285,19 @@ def test_phi3_su_rope_and_bad_longrope_factors(tmp_path):
                                                    "long_factor": [2.0] * 8}))
     with pytest.raises(ValueError, match="short_factor"):
         ModelConfig.from_hf(dict(hf, rope_scaling={"type": "longrope", "long_factor": [2.0] * 6}))
+
+
+def test_gemma_configs_jaxserve_cannot_serve_are_refused_naming_the_field():
+    from jaxserve.config import ModelConfig
+    hf = dict(architectures=["Gemma3ForCausalLM"], vocab_size=96, hidden_size=64, intermediate_size=96,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16)
+    cfg = ModelConfig.from_hf(hf)       # transformers' default pattern: every 6th layer global
+    assert cfg.layer_types == ("sliding_attention", "sliding_attention") and cfg.rope_local_theta == 10000.0
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf(dict(hf, use_bidirectional_attention=True))
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf(dict(hf, layer_types=["full_attention"]))
+    with pytest.raises(ValueError, match="rope_parameters.sliding_attention.rope_type"):
+        ModelConfig.from_hf(dict(hf, rope_parameters={
+            "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}))
