@@ -17,13 +17,15 @@ from jaxserve.loader.hf_overrides import merge_overrides
 from jaxserve.models.registry import check_architecture
 from jaxserve.pooling_params import CONVERTS, RUNNERS, PoolerConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 # --quantization values: fp8 quantises on load; the others name an int4 checkpoint's method (vLLM's
 # names, its *_marlin kernels' included), which is detected from config.json anyway.
 QUANTIZATIONS = (None, "fp8", "awq", "gptq", "compressed-tensors", "awq_marlin", "gptq_marlin")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("sliding_attention", "full_attention")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton", "mosaic")
 # The FP8 matmul (jaxserve/layers/fp8.py): "pallas" is the Mosaic GPU kernel ("mosaic" its alias).
 FP8_KERNELS = ("auto", "xla", "pallas", "mosaic")
@@ -94,6 +96,21 @@ class ModelConfig:
     moe: MoeConfig | None = None   # sparse MLP (Qwen3-MoE, Mixtral); None: dense MLP
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 2/3: the gated MLP's activation, per-layer attention kinds ("sliding_attention" uses
+    # sliding_window, "full_attention" none; None: every layer as sliding_window says), the
+    # attention scale 1/sqrt(query_pre_attn_scalar) (None: 1/sqrt(head_dim)), tanh soft caps of
+    # the attention scores and of the final logits, and (Gemma 3) the sliding layers' own rope
+    # base, unscaled (rope_theta and rope_scaling are the global layers').
+    hidden_act: str = "silu"
+    layer_types: tuple[str, ...] | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None
+    partial_rotary_factor: float = 1.0   # rope turns the first head_dim * this dims (Phi-4-mini)
+    # The longest context served (the engine's max_model_len; None: derived_max_model_len).
+    # LongRoPE picks its short or long factors by it, once (vLLM's rule; layers/rotary.py).
+    max_model_len: int | None = None
 
     def __post_init__(self):
         check_architecture(self.architecture)
@@ -109,6 +126,36 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_scaling is not None:
             _check_rope_scaling(dict(self.rope_scaling))
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {', '.join(HIDDEN_ACTS)}, got {self.hidden_act!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise ValueError(f"layer_types must name one of {', '.join(LAYER_TYPES)} for each of the "
+                                 f"{self.num_layers} layers, got {list(self.layer_types)}")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "rope_local_theta"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"model config field {name} must be a positive number or null, got {v!r}")
+        scaling = self.rope_scaling_dict or {}
+        if scaling.get("rope_type") == "longrope":
+            half = int(self.head_dim * self.partial_rotary_factor) // 2
+            for name in ("short_factor", "long_factor"):
+                if len(scaling[name]) != half:
+                    raise ValueError(f"rope_scaling.{name} must have one factor per rotary dim pair ({half}), "
+                                     f"got {len(scaling[name])}")
+        if not 0 < self.partial_rotary_factor <= 1 or int(self.head_dim * self.partial_rotary_factor) % 2:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1] and turn an even number of the "
+                             f"{self.head_dim} head dims, got {self.partial_rotary_factor}")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: global attention)."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -155,6 +202,7 @@ class ModelConfig:
         arch = archs[0]
         check_architecture(arch)
         text = hf.get("text_config") or hf
+        text = {**_FAMILY_DEFAULTS.get(arch, {}), **text}
         try:
             hidden = int(text["hidden_size"])
             num_heads = int(text["num_attention_heads"])
@@ -242,7 +290,68 @@ def _mixtral_fields(text: dict[str, Any]) -> dict[str, Any]:
     return dict(_mistral_fields(text), moe=moe)
 
 
+def _optional_float(text: dict[str, Any], name: str) -> float | None:
+    v = text.get(name)
+    return None if v is None else float(v)
+
+
+def _gemma_fields(text: dict[str, Any], pattern: int) -> dict[str, Any]:
+    """Gemma 2 (every other layer slides, from the first) and Gemma 3 (every `pattern`-th layer is
+    global): layer_types as config.json lists them, else transformers' default pattern."""
+    if text.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention is not supported: jaxserve serves causal decoders "
+                         "(this is an embedding model's config)")
+    n = int(text["num_hidden_layers"])
+    pattern = int(text.get("sliding_window_pattern") or text.get("_sliding_window_pattern") or pattern)
+    types = text.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                        for i in range(n)]
+    head_dim = text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"])
+    return dict(attention_bias=bool(text.get("attention_bias", False)),
+                sliding_window=_window(text, True),
+                hidden_act=text.get("hidden_activation") or text.get("hidden_act") or "gelu_pytorch_tanh",
+                layer_types=tuple(types),
+                query_pre_attn_scalar=float(text.get("query_pre_attn_scalar") or head_dim),
+                attn_logit_softcapping=_optional_float(text, "attn_logit_softcapping"),
+                final_logit_softcapping=_optional_float(text, "final_logit_softcapping"))
+
+
+def _gemma2_fields(text: dict[str, Any]) -> dict[str, Any]:
+    return _gemma_fields(text, 2)
+
+
+def _gemma3_fields(text: dict[str, Any]) -> dict[str, Any]:
+    local = text.get("rope_local_base_freq")
+    params = text.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+        sliding = params["sliding_attention"]          # transformers 5: rope per layer type
+        if sliding.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_parameters.sliding_attention.rope_type {sliding['rope_type']!r} is not "
+                             "supported; Gemma 3's sliding layers use the default rope")
+        local = sliding.get("rope_theta", local)
+    return dict(_gemma_fields(text, 6), qk_norm=True, rope_local_theta=float(local or 10000.0))
+
+
+# transformers' Gemma3TextConfig defaults: Gemma 3's multimodal checkpoints (4B and up) write
+# only what differs from them in text_config
+_GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                             rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                             sliding_window=4096, max_position_embeddings=131072, query_pre_attn_scalar=256,
+                             hidden_activation="gelu_pytorch_tanh", sliding_window_pattern=6)
+_FAMILY_DEFAULTS = {"Gemma3ForCausalLM": _GEMMA3_TEXT_DEFAULTS,
+                    "Gemma3ForConditionalGeneration": _GEMMA3_TEXT_DEFAULTS}
+
+
+def _phi3_fields(text: dict[str, Any]) -> dict[str, Any]:
+    params = text.get("rope_parameters") if isinstance(text.get("rope_parameters"), dict) else {}
+    factor = text.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    return dict(_llama_fields(text), sliding_window=_window(text, True), partial_rotary_factor=float(factor))
+
+
 _FAMILY_FIELDS = {
+    "Phi3ForCausalLM": _phi3_fields,
+    "Gemma2ForCausalLM": _gemma2_fields,
+    "Gemma3ForCausalLM": _gemma3_fields,
+    "Gemma3ForConditionalGeneration": _gemma3_fields,
     "MistralForCausalLM": _mistral_fields,
     "Qwen2ForCausalLM": _qwen2_fields,
     "Qwen3ForCausalLM": _qwen3_fields,
@@ -257,6 +366,8 @@ def _rope_from_hf(text: dict[str, Any], max_position_embeddings: int = 2048
     `rope_theta` + `rope_scaling` (older files). YaRN's original_max_position_embeddings defaults
     to max_position_embeddings and its factor to their ratio, as transformers fills them."""
     params = text.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]     # Gemma 3 in transformers 5: the global layers' rope
     if isinstance(params, dict) and params:
         theta = float(params.get("rope_theta", text.get("rope_theta", 10000.0)))
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -266,6 +377,11 @@ def _rope_from_hf(text: dict[str, Any], max_position_embeddings: int = 2048
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
     scaling.pop("type", None)
+    scaling.pop("partial_rotary_factor", None)      # a ModelConfig field of its own
+    if scaling.get("rope_type") == "su":             # LongRoPE's first name (Phi-3 configs)
+        scaling["rope_type"] = "longrope"
+    if scaling.get("rope_type") == "longrope":       # older files keep L0 beside the scaling
+        scaling.setdefault("original_max_position_embeddings", text.get("original_max_position_embeddings"))
     if scaling.get("rope_type") == "yarn":
         scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
         if scaling.get("factor") is None and isinstance(scaling["original_max_position_embeddings"], int):
@@ -273,7 +389,8 @@ def _rope_from_hf(text: dict[str, Any], max_position_embeddings: int = 2048
     _check_rope_scaling(scaling)
     if scaling.get("rope_type", "default") == "default":
         return theta, None
-    return theta, tuple(sorted(scaling.items()))
+    # lists (LongRoPE's factors) as tuples: the config stays hashable
+    return theta, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items()))
 
 
 def _check_rope_scaling(scaling: dict[str, Any]) -> None:
@@ -282,6 +399,17 @@ def _check_rope_scaling(scaling: dict[str, Any]) -> None:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "longrope":
+        for name in ("short_factor", "long_factor"):
+            f = scaling.get(name)
+            if not isinstance(f, (list, tuple)) or not f or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in f):
+                raise ValueError(f"rope_scaling.{name} must be a list of positive numbers for rope_type "
+                                 f"'longrope', got {f!r}")
+        original = scaling.get("original_max_position_embeddings")
+        if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+            raise ValueError("rope_scaling.original_max_position_embeddings (or the config's "
+                             f"original_max_position_embeddings) must be a positive int, got {original!r}")
     if rope_type in ("linear", "llama3", "dynamic", "yarn"):
         factor = scaling.get("factor")
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:

@@ -1,6 +1,6 @@
 """A small test-side driver that runs a model through the paged KV cache by hand.
 
-Not a fake: it calls the real jitted `llama.forward` + `compute_logits` with `AttentionMetadata`
+Not a fake: it calls the real jitted family `forward` + `compute_logits` with `AttentionMetadata`
 built as docs/internals.md specifies. Blocks come from a plain counter (no prefix caching, no
 scheduler), so a failure here points at the model, the cache or attention, not the engine.
 
@@ -20,7 +20,7 @@ import numpy as np
 from jaxserve.attention import AttentionMetadata
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import ModelConfig
-from jaxserve.models import llama
+from jaxserve.models import get_model
 
 # No 1-token bucket: on XLA:CPU a T=1 step with a large cache ran ~15x slower than T=8
 # (2.3 s vs 0.16 s per decode step with 160 blocks), apparently copying the cache every layer.
@@ -53,9 +53,11 @@ class PagedRunner:
         self.seqs: dict[object, _Seq] = {}
         self._next_block = itertools.count()
 
+        model = get_model(cfg.architecture)      # the family's forward (llama.py, gemma.py, ...)
+
         def step(w, cache, tokens, positions, meta, logit_rows):
-            hidden, cache = llama.forward(w, cache, tokens, positions, meta, cfg=cfg)
-            return llama.compute_logits(w, hidden[logit_rows]), cache
+            hidden, cache = model.forward(w, cache, tokens, positions, meta, cfg=cfg)
+            return model.compute_logits(w, hidden[logit_rows]), cache
 
         self._step = jax.jit(step, donate_argnums=(1,))
 

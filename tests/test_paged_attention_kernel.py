@@ -236,6 +236,37 @@ def test_decode_entry_rejects_prefill_rows():
         ragged_paged_attention_decode(q, k, v, meta, sm_scale=0.1, interpret=True)
 
 
+@pytest.mark.parametrize("window", [24, None], ids=["sliding_layer", "global_layer"])
+@pytest.mark.parametrize("entry", ["ref", "engine_ref", "ragged", "decode"])
+def test_layer_window_in_metadata_equals_the_static_window(entry, window):
+    """A model whose layers differ (Gemma 2/3) sets each layer's window in the metadata, traced
+    inside its layer scan; every path gives what the static window gives (NO_WINDOW: none)."""
+    from jaxserve.attention import ragged_paged_attention_ref
+    from jaxserve.pallas.common import NO_WINDOW
+    decode = entry == "decode"
+    case = Case(q_lens=(1, 1, 1) if decode else (1, 30, 1), ctx=(100, 10, 3), T=32, S=4,
+                soft_cap=3.0, blocks=SMALL)
+    q, k, v, meta, _, _ = make_batch(case, seed=5)
+    fn = {"ref": ref_ragged_paged_attention, "engine_ref": ragged_paged_attention_ref,
+          "ragged": lambda *a, **kw: ragged_paged_attention(*a, **kw, interpret=True, block_sizes=SMALL),
+          "decode": lambda *a, **kw: ragged_paged_attention_decode(*a, **kw, interpret=True,
+                                                                   kv_tokens=16)}[entry]
+    opts = dict(sm_scale=0.125, soft_cap=case.soft_cap)
+    want = fn(q, k, v, meta, sliding_window=window, **opts)
+
+    @jax.jit
+    def per_layer(q, k, v, meta, w):      # the window is traced, as in a layer scan
+        return fn(q, k, v, dataclasses.replace(meta, sliding_window=w), **opts)
+
+    got = per_layer(q, k, v, meta, jnp.asarray([window or NO_WINDOW], jnp.int32))
+    assert max_err(got, want) <= 2e-5
+    if window is not None:      # the window matters on these contexts
+        assert max_err(got, fn(q, k, v, meta, **opts)) > 1e-2
+    with pytest.raises(ValueError, match="not both"):
+        fn(q, k, v, dataclasses.replace(meta, sliding_window=jnp.asarray([8], jnp.int32)),
+           sliding_window=8, **opts)
+
+
 # --- validation --------------------------------------------------------------------------------
 def _valid():
     return make_batch(Case(q_lens=(1, 3), ctx=(4, 0), T=4, S=2))
@@ -336,8 +367,9 @@ def test_kv_storage_dtype_names():
 
 
 # --- GPU lowering without a GPU ------------------------------------------------------------------
+@pytest.mark.parametrize("layer_window", [False, True], ids=["static_window", "layer_window"])
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_kernels_lower_to_triton_for_cuda(kv):
+def test_kernels_lower_to_triton_for_cuda(kv, layer_window):
     """Cross-lower both kernels for CUDA: catches Triton-lowering gaps (non-power-of-two tensors,
     unsupported primitives) on a CPU-only machine, on jax 0.10 and 0.11 (helpers_lowering).
     Triton->PTX compilation is not covered."""
@@ -348,6 +380,9 @@ def test_kernels_lower_to_triton_for_cuda(kv):
     case = Case(q_lens=(1, 13, 1), ctx=(33, 4, 0), T=16, S=3, D=128, G=4, dtype="bfloat16", kv=kv)
     q, k, v, meta, ks, vs = make_batch(case)
     opts = dict(sm_scale=0.1, sliding_window=8, soft_cap=5.0, interpret=False)
+    if layer_window:         # Gemma 2/3: the window is an operand, read in the kernel
+        meta = dataclasses.replace(meta, sliding_window=jnp.asarray([8], jnp.int32))
+        opts["sliding_window"] = None
     for fn, kw in ((_ragged_jit, dict(rows=64, kv_tokens=64)),
                    (_decode_jit, dict(kv_tokens=64, num_splits=4))):
         try:

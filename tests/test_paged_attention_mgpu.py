@@ -116,6 +116,22 @@ def test_interpret_decode_splits_match_reference(name, q_dtype):
     assert not np.asarray(out[int(meta.cu_q_lens[-1]):]).any()
 
 
+@needs_mgpu
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("window", [90, None], ids=["sliding_layer", "global_layer"])
+def test_interpret_layer_window_in_metadata_equals_the_static_window(window, kv):
+    """Gemma 2/3: each layer's window comes in the metadata (traced), NO_WINDOW on global layers."""
+    from jaxserve.pallas.common import NO_WINDOW
+    case = dataclasses.replace(SUPPORTED["long_window_gqa5"], window=None, kv=kv)
+    q, k, v, meta, ks, vs = batch(case, seed=11)
+    args = dict(sm_scale=1.0 / np.sqrt(case.D), soft_cap=case.soft_cap, k_scale=ks, v_scale=vs)
+    layer = dataclasses.replace(meta, sliding_window=jnp.asarray([window or NO_WINDOW], jnp.int32))
+    got = jax.block_until_ready(ragged_paged_attention_mgpu(q, k, v, layer, interpret=True, **args))
+    with jax.default_matmul_precision("highest"):
+        want = ref_ragged_paged_attention(q, k, v, meta, sliding_window=window, **args)
+    assert max_err(got, want) <= TOL["bfloat16"]
+
+
 # --- what the kernel does not do yet, and its own limits -----------------------------------------
 def _batch(**kw):
     return make_batch(Case(q_lens=(1, 3), ctx=(4, 0), T=4, S=2, dtype="bfloat16", **kw))
@@ -207,6 +223,22 @@ def test_shipped_blocks_lower_for_cuda(head_dim, kv, q_dtype):
     bs = dataclasses.replace(bs, num_splits=2)
     text = lower_for_h100(case, bs, sliding_window=8, soft_cap=5.0)
     assert "mosaic_gpu" in text
+
+
+@needs_mgpu
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_layer_window_lowers_for_cuda(kv):
+    """Gemma 2/3's per-layer window (an int32 operand read in the kernel) lowers for Hopper."""
+    case = Case(q_lens=(1, 13, 1), ctx=(33, 4, 0), T=16, S=3, D=128, dtype="bfloat16", kv=kv)
+    q, k, v, meta, ks, vs = batch(case)
+    meta = dataclasses.replace(meta, sliding_window=jnp.asarray([8], jnp.int32))
+    bs = dataclasses.replace(mgpu.DEFAULT_BLOCK_SIZES[128], num_splits=2)
+    kv_chunk, bq, gp, splits = mgpu._plan(q, k, meta, bs)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = mgpu._mgpu_jit.trace(q, k, v, meta, ks, vs, sm_scale=0.1, kv_chunk=kv_chunk, bq=bq, gp=gp,
+                                      num_splits=splits, interpret=False, sliding_window=None, soft_cap=5.0)
+        assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @needs_mgpu

@@ -91,8 +91,7 @@ def test_dynamic_rope_allows_max_position_times_factor_as_vllm_does(tmp_path):
 
 
 @pytest.mark.parametrize("scaling,match", [
-    ({"rope_type": "longrope", "factor": 4.0}, "rope_scaling.rope_type 'longrope'"),
-    ({"type": "su"}, "rope_scaling.rope_type 'su'"),
+    ({"type": "su"}, "rope_scaling.short_factor must be a list"),      # LongRoPE (Phi-3) needs its factors
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": "32k"},
      "rope_scaling.original_max_position_embeddings must be a positive integer"),
     ({"rope_type": "yarn", "factor": 4.0, "mscale": "1"}, "rope_scaling.mscale must be a number"),

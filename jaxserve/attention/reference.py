@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention.metadata import AttentionMetadata
-from jaxserve.pallas.common import token_layout
+from jaxserve.pallas.common import layer_window, token_layout
 
 _MASKED = -1e30
 # CPU tuning of the reference path (measured on the default model, 2 cores; benchmarks/RESULTS.md):
@@ -162,6 +162,7 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
     """
     T, H, D = q.shape
     B, K = k_pages.shape[1], k_pages.shape[2]
+    sliding_window = layer_window(meta, sliding_window)
     chunk = B * max(1, _KV_CHUNK // B)
     tables = meta.block_tables
     tables = jnp.pad(tables, ((0, 0), (0, (-tables.shape[1]) % (chunk // B))))

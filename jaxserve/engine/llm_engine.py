@@ -128,6 +128,8 @@ class LLMEngine:
         del reader
         cfg = self.model_config
         self.max_model_len = cfg.resolve_max_model_len(args.max_model_len)
+        # the served length is part of the model for LongRoPE (short or long factors, vLLM's rule)
+        cfg = self.model_config = dataclasses.replace(cfg, max_model_len=self.max_model_len)
         kv_quantize, kv_dtype = _kv_quantization(args.kv_cache_dtype, dtype)
         self.plan = plan_for(cfg, self.mesh, args.enable_expert_parallel)
         # Speculative decoding with a draft model: its own pool of the same blocks.

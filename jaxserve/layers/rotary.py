@@ -109,3 +109,28 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     x1, x2 = xf[..., :half], xf[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+# --- LongRoPE (Phi-3 / Phi-4-mini: rope_type "longrope", formerly "su") -------------------------
+# One set of factors for every position, chosen once as vLLM does (Phi3LongRoPEScaledRotaryEmbedding:
+# the long factors when the served context, max_model_len, exceeds original_max_position_embeddings,
+# else the short ones), so the keys a paged KV cache holds never need another rotation.
+# transformers picks per forward call by the longest position in it; the two agree whenever the
+# sequence is on the same side of original_max_position_embeddings as max_model_len.
+
+
+def longrope_inv_freq(rotary_dim: int, theta: float, scaling: dict, long: bool) -> np.ndarray:
+    """Inverse frequencies [rotary_dim // 2]: each pair's base frequency divided by its factor."""
+    factors = np.asarray(scaling["long_factor" if long else "short_factor"], np.float64)
+    inv_freq = 1.0 / (factors * theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
+    return inv_freq.astype(np.float32)
+
+
+def longrope_attention_factor(scaling: dict, max_position_embeddings: int) -> float:
+    """The factor cos and sin are multiplied by: `attention_factor`, else sqrt(1 + ln(s) / ln(L0))
+    for s = `factor` (default max_position_embeddings / L0) > 1, L0 = original_max_position_embeddings."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or max_position_embeddings / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))

@@ -31,7 +31,11 @@ from jaxserve.models.registry import get_model
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+                "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
+                "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+                "Phi3ForCausalLM": "phi3"}
+# what an architecture is exported as: the text model jaxserve serves (its vision tower was not loaded)
+_EXPORTED_AS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
 
 def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
@@ -51,6 +55,19 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     }
     if cfg.sliding_window:
         out.update(sliding_window=cfg.sliding_window, use_sliding_window=True)
+    if cfg.partial_rotary_factor != 1.0:
+        out.update(partial_rotary_factor=cfg.partial_rotary_factor)
+    if cfg.architecture == "Phi3ForCausalLM":    # Phi3Config's default pad id (32000) may lie past the vocabulary
+        out.update(pad_token_id=None)
+    if (cfg.rope_scaling_dict or {}).get("rope_type") == "longrope":    # transformers reads L0 at the top level
+        out.update(original_max_position_embeddings=cfg.rope_scaling_dict["original_max_position_embeddings"])
+    if cfg.architecture.startswith("Gemma"):
+        out.update(hidden_activation=cfg.hidden_act, layer_types=list(cfg.layer_types),
+                   query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar),   # transformers wants an int
+                   attn_logit_softcapping=cfg.attn_logit_softcapping,
+                   final_logit_softcapping=cfg.final_logit_softcapping)
+        if cfg.rope_local_theta is not None:
+            out.update(rope_local_base_freq=cfg.rope_local_theta)
     if cfg.moe is not None:
         m = cfg.moe
         out.update(num_experts_per_tok=m.num_experts_per_tok, num_local_experts=m.num_experts)
@@ -59,6 +76,10 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
                        norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=m.decoder_sparse_step,
                        mlp_only_layers=list(m.mlp_only_layers))
     return out
+
+
+def _int_if_whole(x: float | None):
+    return int(x) if x is not None and float(x).is_integer() else x
 
 
 def _host_arrays(cfg: ModelConfig, weights, dtype) -> dict[str, np.ndarray]:
@@ -70,7 +91,7 @@ def _host_arrays(cfg: ModelConfig, weights, dtype) -> dict[str, np.ndarray]:
         for part in p.path.split("."):
             node = getattr(node, part)
         nodes[p] = node
-    tensors = {}
+    tensors, parts = {}, {}
     for p, node in nodes.items():
         node = node.w if isinstance(node, ExpertWeight) else node     # experts [L, X, in, out]
         if isinstance(node, Fp8Weight):     # e4m3 codes [L, in, out] and their scales, as stored
@@ -85,7 +106,13 @@ def _host_arrays(cfg: ModelConfig, weights, dtype) -> dict[str, np.ndarray]:
             continue
         x = np.asarray(jax.device_get(node.w if hasattr(node, "w") else node)).astype(dtype)
         for pos, name in p.checkpoint_names():
-            tensors[name] = np.ascontiguousarray(x[pos].T if p.transpose else x[pos])
+            t = np.ascontiguousarray(x[pos].T if p.transpose else x[pos])
+            if p.rows is not None:       # a part of a fused tensor: joined below, in row order
+                parts.setdefault(name, []).append((p.rows[0], t))
+            else:
+                tensors[name] = t
+    for name, pieces in parts.items():
+        tensors[name] = np.concatenate([t for _, t in sorted(pieces, key=lambda r: r[0])])
     return tensors
 
 
@@ -124,6 +151,9 @@ def export_model(directory: str | os.PathLike, cfg: ModelConfig, tokenizer, weig
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     written = []
+    if cfg.architecture in _EXPORTED_AS:
+        import dataclasses
+        cfg = dataclasses.replace(cfg, architecture=_EXPORTED_AS[cfg.architecture])
 
     def dump(name, obj):
         (out / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")

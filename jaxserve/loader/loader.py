@@ -75,13 +75,18 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
 
     reads: dict[str, np.ndarray] = {}     # this array's checkpoint tensors, by name
 
-    def tensor(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+    def tensor(name: str, shape: tuple[int, ...], transpose: bool, rows=None) -> np.ndarray:
         if name not in reads:
             reads[name] = get(name)
         x = reads[name]
         if x.dtype.name == "float8_e4m3fn":   # casting the codes would drop their scales silently
             raise ModelLoadError(f"tensor {name} is FP8 (F8_E4M3) but no scale for it was found "
                                  f"(quantization_config: {'none' if fp8_scheme is None else fp8_scheme.method})")
+        if rows is not None:                  # this array's part of a fused tensor (Phi-3's qkv_proj)
+            if x.shape[0] < rows[1]:
+                raise ModelLoadError(f"tensor {name} has {x.shape[0]} rows, expected at least {rows[1]} "
+                                     "from the model config")
+            x = x[rows[0]:rows[1]]
         x = x.T if transpose else x
         if x.shape != shape:
             raise ModelLoadError(f"tensor {name} has shape {tuple(x.shape)}, expected {shape} "
@@ -90,7 +95,7 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
 
     def shard(p, index: tuple[slice, ...]) -> np.ndarray:
         if not p.stacked:
-            return np.ascontiguousarray(tensor(p.checkpoint, p.shape, p.transpose)[index],
+            return np.ascontiguousarray(tensor(p.checkpoint, p.shape, p.transpose, p.rows)[index],
                                         dtype=np_dtype)
         # stacked axes (layer, and expert for per-expert tensors): one checkpoint tensor each
         n = p.stacked_dims
@@ -99,7 +104,7 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
         x = None
         for pos in itertools.product(*(range(len(r)) for r in picks)):
             ids = [r[j] for r, j in zip(picks, pos)]
-            part = tensor(p.checkpoint_name(*ids), inner, p.transpose)[index[n:]]
+            part = tensor(p.checkpoint_name(*ids), inner, p.transpose, p.rows)[index[n:]]
             if x is None:
                 x = np.empty(tuple(len(r) for r in picks) + part.shape, np_dtype)
             x[pos] = part
@@ -154,9 +159,14 @@ def load_hf_config(path: Path, hf_overrides: dict | None = None) -> ModelConfig:
     """`path`/config.json with `hf_overrides` (loader/hf_overrides.py) merged in."""
     hf = apply_hf_overrides(_hf_json(path), hf_overrides)
     try:
-        return ModelConfig.from_hf(hf)
+        cfg = ModelConfig.from_hf(hf)
     except ValueError as e:   # unsupported architecture, missing or out-of-range field
         raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
+    if hf.get("vision_config") is not None:     # Gemma3ForConditionalGeneration
+        logger.warning("%s: %s has a vision tower (vision_config); jaxserve serves its text model only, "
+                       "the vision tower and multimodal projector weights are not loaded (no image inputs)",
+                       path, cfg.architecture)
+    return cfg
 
 
 def _hf_json(path: Path) -> dict:

@@ -27,7 +27,14 @@ from jaxserve.layers import moe
 from jaxserve.layers.experts import ExpertWeight
 from jaxserve.layers.linear import DenseWeight, linear
 from jaxserve.layers.norm import rms_norm
-from jaxserve.layers.rotary import apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq
+from jaxserve.layers.rotary import (
+    apply_rope,
+    longrope_attention_factor,
+    longrope_inv_freq,
+    rope_attention_factor,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from jaxserve.models.params import Param
 from jaxserve.sharding.plan import ShardingPlan, embed_lookup, shard_attention, shard_experts
 
@@ -55,6 +62,8 @@ class LayerWeights:
     bv: jax.Array | None = None   # [L, K*D]
     q_norm: jax.Array | None = None  # [L, D]  (Qwen3)
     k_norm: jax.Array | None = None  # [L, D]
+    post_attn_norm: jax.Array | None = None  # [L, E]  (Gemma: norms after attention and MLP too)
+    post_mlp_norm: jax.Array | None = None   # [L, E]
 
 
 DENSE_MLP = ("w_gate", "w_up", "w_down")
@@ -162,49 +171,107 @@ def build(cfg: ModelConfig, arrays: dict[str, jax.Array]) -> Weights:
                    lm_head=get("lm_head"))
 
 
+def self_attention(cfg: ModelConfig, backend: str, kv_quantize, plan: ShardingPlan | None, w,
+                   h: jax.Array, cache, layer, meta, cos: jax.Array, sin: jax.Array, *,
+                   norm_offset: float = 0.0):
+    """One layer's attention: normed input h [T, E] -> (output after wo [T, E], cache).
+
+    Projections (with Qwen2's bias), Qwen3/Gemma 3's per-head q/k norm (scale `norm_offset` + w),
+    rope (the first 2 * cos.shape[-1] dims of each head: partial rotary), the cache write and
+    paged attention with the config's scale (query_pre_attn_scalar), soft cap and window: the
+    static cfg.sliding_window, unless the caller set this layer's own in `meta.sliding_window`."""
+    T = h.shape[0]
+    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = linear(h, w.wq, w.bq).reshape(T, H, D)
+    k = linear(h, w.wk, w.bk).reshape(T, K, D)
+    v = linear(h, w.wv, w.bv).reshape(T, K, D)
+    if cfg.qk_norm:
+        q = rms_norm(q, w.q_norm, cfg.rms_norm_eps, norm_offset)
+        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps, norm_offset)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    scale = (cfg.query_pre_attn_scalar or D) ** -0.5
+    window = cfg.sliding_window if getattr(meta, "sliding_window", None) is None else None
+
+    def attend(q, k, v, cache, layer, meta):     # one device's heads when tensor-parallel
+        cache = kvc.write(cache, layer, k, v, meta.slot_mapping, kv_quantize)
+        return attention.paged_attention(q, cache, layer, meta, backend=backend, sm_scale=scale,
+                                         sliding_window=window, soft_cap=cfg.attn_logit_softcapping)
+
+    o, cache = shard_attention(plan, attend, q, k, v, cache, layer, meta)
+    return linear(o.reshape(T, H * D), w.wo), cache
+
+
+def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate the first 2 * cos.shape[-1] dims of each head, pass the rest (partial rotary)."""
+    rot = 2 * cos.shape[-1]
+    if rot == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array, theta: float | None = None,
+                scaling: dict | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [T, rotary dims / 2] of the config's rope (or of `theta` and `scaling`: Gemma 3's
+    sliding layers)."""
+    rot = int(cfg.head_dim * cfg.partial_rotary_factor)
+    if theta is None:
+        theta, scaling = cfg.rope_theta, cfg.rope_scaling_dict
+    if (scaling or {}).get("rope_type") == "longrope":      # Phi-3: factors chosen by max_model_len
+        long = (cfg.max_model_len or cfg.derived_max_model_len) > scaling["original_max_position_embeddings"]
+        cos, sin = rope_cos_sin(positions, jnp.asarray(longrope_inv_freq(rot, theta, scaling, long)))
+        mscale = longrope_attention_factor(scaling, cfg.max_position_embeddings)
+        return cos * mscale, sin * mscale
+    cos, sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(rot, theta, scaling)))
+    attention_factor = rope_attention_factor(scaling)
+    if attention_factor != 1.0:         # YaRN: q.k scaled by its square, as transformers does
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos, sin
+
+
+def run_layers(body, carry, xs, num_layers: int, each_layer=None):
+    """Scan `body(carry, xs) -> (carry, None)` over the stacked layers `xs` (layer weights
+    first), or with `each_layer` (calibration, eager) run them one at a time in a Python loop,
+    each on what `each_layer(index, layer_weights)` returns. Returns the final carry."""
+    if each_layer is None:
+        return jax.lax.scan(body, carry, xs)[0]
+    for i in range(num_layers):
+        w, *rest = jax.tree.map(lambda a, i=i: a[i], xs)
+        carry, _ = body(carry, (each_layer(i, w), *rest))
+    return carry
+
+
 def _layer(cfg: ModelConfig, backend: str, kv_quantize, plan: ShardingPlan | None, mlp_stacks,
            carry, xs):
     x, cache, cos, sin, meta = carry
     w, layer, *kind = xs
     mixed = (mlp_stacks, kind) if kind else None
-    T = x.shape[0]
-    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-    q = linear(h, w.wq, w.bq).reshape(T, H, D)
-    k = linear(h, w.wk, w.bk).reshape(T, K, D)
-    v = linear(h, w.wv, w.bv).reshape(T, K, D)
-    if cfg.qk_norm:
-        q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-    def attend(q, k, v, cache, layer, meta):     # one device's heads when tensor-parallel
-        cache = kvc.write(cache, layer, k, v, meta.slot_mapping, kv_quantize)
-        return attention.paged_attention(q, cache, layer, meta, backend=backend, sm_scale=D ** -0.5,
-                                         sliding_window=cfg.sliding_window)
-
-    o, cache = shard_attention(plan, attend, q, k, v, cache, layer, meta)
-    x = x + linear(o.reshape(T, H * D), w.wo)
+    o, cache = self_attention(cfg, backend, kv_quantize, plan, w, h, cache, layer, meta, cos, sin)
+    x = x + o
 
     h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
     if mixed is None:
-        x = x + _mlp(cfg, plan, w, h)
+        x = x + mlp(cfg, plan, w, h)
     else:     # this layer's MLP from its kind's stack: (is_sparse, index in that stack)
         (dense, sparse), (is_sparse, index) = mixed
 
         def run(stack, h):
             one = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False),
                                stack)
-            return _mlp(cfg, plan, dataclasses.replace(w, **one), h)
+            return mlp(cfg, plan, dataclasses.replace(w, **one), h)
 
         x = x + jax.lax.cond(is_sparse, partial(run, sparse), partial(run, dense), h)
     return (x, cache, cos, sin, meta), None
 
 
-def _mlp(cfg: ModelConfig, plan: ShardingPlan | None, w: LayerWeights, h: jax.Array):
-    if w.router is None:
-        return linear(jax.nn.silu(linear(h, w.w_gate)) * linear(h, w.w_up), w.w_down)
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": partial(jax.nn.gelu, approximate=True)}
+
+
+def mlp(cfg: ModelConfig, plan: ShardingPlan | None, w: LayerWeights, h: jax.Array):
+    if w.router is None:     # gated: SwiGLU, or GeGLU (Gemma's tanh-approximated gelu)
+        act = ACTIVATIONS[cfg.hidden_act]
+        return linear(act(linear(h, w.w_gate)) * linear(h, w.w_up), w.w_down)
     # the weights say which MLP this layer has; cfg.moe holds the router's settings
     logits = linear(h, w.router, out_dtype=jnp.float32)
     weights, ids = moe.route(logits, cfg.moe.num_experts_per_tok, cfg.moe.norm_topk_prob)
@@ -222,11 +289,7 @@ def forward(weights: Weights, cache: kvc.KVCache, tokens: jax.Array, positions: 
     slice of the stacked weights (FP8 GPTQ swaps in weight types that quantise themselves as
     their inputs arrive, `loader/fp8_calibrate.py`)."""
     x = embed_lookup(plan, weights.embed, tokens)
-    inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict))
-    cos, sin = rope_cos_sin(positions, inv_freq)
-    attention_factor = rope_attention_factor(cfg.rope_scaling_dict)
-    if attention_factor != 1.0:         # YaRN: q.k scaled by its square, as transformers does
-        cos, sin = cos * attention_factor, sin * attention_factor
+    cos, sin = rope_tables(cfg, positions)
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     layers, stacks, xs = weights.layers, None, ()
     if layers.router is not None and layers.w_gate is not None:    # dense and MoE layers mixed
@@ -238,15 +301,10 @@ def forward(weights: Weights, cache: kvc.KVCache, tokens: jax.Array, positions: 
         layers = dataclasses.replace(layers, **{n: None for n in DENSE_MLP + SPARSE_MLP})
         xs = (jnp.asarray(is_sparse), jnp.asarray(index, jnp.int32))
     body = partial(_layer, cfg, backend, kv_quantize, plan, stacks)
-    carry, xs = (x, cache, cos, sin, meta), (layers, layer_ids, *xs)
-    if each_layer is None:
-        carry, _ = jax.lax.scan(body, carry, xs)
-    else:
-        if stacks is not None:
-            raise ValueError("each_layer: models that mix dense and MoE layers are not supported")
-        for i in range(cfg.num_layers):
-            w, *rest = jax.tree.map(lambda a, i=i: a[i], xs)
-            carry, _ = body(carry, (each_layer(i, w), *rest))
+    if each_layer is not None and stacks is not None:
+        raise ValueError("each_layer: models that mix dense and MoE layers are not supported")
+    carry = run_layers(body, (x, cache, cos, sin, meta), (layers, layer_ids, *xs), cfg.num_layers,
+                       each_layer)
     x, cache = carry[:2]
     return rms_norm(x, weights.final_norm, cfg.rms_norm_eps), cache
 

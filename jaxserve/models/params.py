@@ -33,6 +33,9 @@ class Param:
         when per_expert) in the pytree, and what FP8 loading and quantisation apply to.
     layers: (stacked only) the checkpoint layer of each stacked index, when the array holds only
         some layers (a model mixing dense and MoE MLPs); None: layers 0 .. shape[0] - 1.
+    rows: (start, stop) of the checkpoint tensor's first axis (its `out` rows) this array holds,
+        when the checkpoint fuses several arrays into one tensor (Phi-3's qkv_proj, gate_up_proj);
+        None: the whole tensor.
     init: how `--load-format dummy` fills it: normal(0, 0.02), ones or zeros.
     """
 
@@ -46,6 +49,7 @@ class Param:
     dense: bool = False
     init: str = "normal"
     layers: tuple[int, ...] | None = None
+    rows: tuple[int, int] | None = None
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):

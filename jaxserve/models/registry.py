@@ -20,6 +20,10 @@ MODELS: dict[str, str] = {
     "Qwen3ForCausalLM": "jaxserve.models.llama",
     "Qwen3MoeForCausalLM": "jaxserve.models.qwen3_moe",
     "MixtralForCausalLM": "jaxserve.models.mixtral",
+    "Gemma2ForCausalLM": "jaxserve.models.gemma",
+    "Gemma3ForCausalLM": "jaxserve.models.gemma",
+    "Gemma3ForConditionalGeneration": "jaxserve.models.gemma",     # its text model
+    "Phi3ForCausalLM": "jaxserve.models.phi3",                      # Phi-3, Phi-3.5, Phi-4-mini
 }
 SUPPORTED_ARCHITECTURES = tuple(MODELS)
 

@@ -6,6 +6,22 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+# A layer's window when it has none (global attention in a model whose other layers slide): far
+# past any context, so `j > pos - window` holds for every key and no branch is needed.
+NO_WINDOW = 1 << 30
+
+
+def layer_window(meta, sliding_window):
+    """The window attention applies: the call's static `sliding_window` (int or None), or this
+    layer's traced one from `meta.sliding_window` [1] (models whose layers differ: Gemma 2/3).
+    Raises ValueError when both are given."""
+    dynamic = getattr(meta, "sliding_window", None)
+    if dynamic is None:
+        return sliding_window
+    if sliding_window is not None:
+        raise ValueError("sliding_window: give the static argument or meta.sliding_window, not both")
+    return dynamic.reshape(-1)[0]
+
 
 def token_layout(meta, num_tokens: int):
     """Per token: its sequence [T], its absolute position [T], whether it is real [T]."""

@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxserve.pallas.common import token_layout
+from jaxserve.pallas.common import layer_window, token_layout
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -81,6 +81,7 @@ def ref_ragged_paged_attention(q, k_cache, v_cache, meta, *, sm_scale, sliding_w
     N, B, K, _ = k_cache.shape
     G = H // K
     M = meta.block_tables.shape[1]
+    sliding_window = layer_window(meta, sliding_window)
     seq, pos, valid = token_layout(meta, T)
     j = jnp.arange(M * B, dtype=jnp.int32)                              # context positions
     pages = meta.block_tables[seq][:, j // B]                          # [T, M*B]
@@ -168,13 +169,12 @@ def kv_loop(q, seq, kh, row_pos, row_ok, c_lo, c_hi, bt_ref, k_ref, v_ref, ks_re
 
 def _ragged_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv_lens_ref, bt_ref,
                    q_ref, k_ref, v_ref, *rest, sm_scale, block_size, kv_block, gp,
-                   sliding_window, soft_cap, quantized):
+                   sliding_window, soft_cap, quantized, layer_window):
     # q_ref [R, D] (this tile, this kv head); k_ref/v_ref [N*B, K, D] (whole cache, flat slots);
-    # ks_ref/vs_ref [N*B, K] f32; o_ref [R, D].
-    if quantized:
-        ks_ref, vs_ref, o_ref = rest
-    else:
-        (o_ref,), ks_ref, vs_ref = rest, None, None
+    # ks_ref/vs_ref [N*B, K] f32; window_ref [1] int32 (layer_window); o_ref [R, D].
+    ks_ref, vs_ref, window_ref, o_ref = split_refs(rest, quantized, layer_window)
+    if layer_window:
+        sliding_window = window_ref[0]
     kh = pl.program_id(0)
     i = pl.program_id(1)
     seq = tile_seq_ref[i]
@@ -197,6 +197,21 @@ def _ragged_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv_le
                         ks_ref, vs_ref, kv_block=C, block_size=block_size, sm_scale=sm_scale,
                         sliding_window=sliding_window, soft_cap=soft_cap)
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+
+
+def split_refs(rest, quantized: bool, layer_window: bool):
+    """The optional trailing refs of the kernels: (k scales, v scales) when quantized, this
+    layer's window when `layer_window`, then the outputs (one ref, or the tuple of them)."""
+    rest = list(rest)
+    ks_ref, vs_ref = (rest.pop(0), rest.pop(0)) if quantized else (None, None)
+    window_ref = rest.pop(0) if layer_window else None
+    return ks_ref, vs_ref, window_ref, rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def window_operand(meta) -> list:
+    """This layer's window [1] int32 as a kernel operand (meta.sliding_window), or none."""
+    w = getattr(meta, "sliding_window", None)
+    return [] if w is None else [w.reshape(1).astype(jnp.int32)]
 
 
 def _plan_tiles(meta, num_tokens: int, bq: int):
@@ -258,10 +273,13 @@ def _ragged_impl(q, k_cache, v_cache, meta, k_scale, v_scale, *, sm_scale, slidi
     if quantized:
         operands += scale_operands(k_scale, v_scale)
         in_specs += [whole, whole]
+    window = window_operand(meta)
+    operands += window
+    in_specs += [whole] * len(window)
     kernel = functools.partial(
         _ragged_kernel, sm_scale=float(sm_scale), block_size=B, kv_block=C, gp=gp,
         sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap),
-        quantized=quantized)
+        quantized=quantized, layer_window=bool(window))
     out_tiles = pl.pallas_call(
         kernel,
         grid=(K, nt),
@@ -342,6 +360,12 @@ def validate_inputs(q, k_cache, v_cache, meta, *, sm_scale, sliding_window=None,
     if sliding_window is not None and not (isinstance(sliding_window, numbers.Integral)
                                            and sliding_window > 0):
         raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    layer_sw = getattr(meta, "sliding_window", None)
+    if layer_sw is not None:
+        if sliding_window is not None:
+            raise ValueError("sliding_window: give the static argument or meta.sliding_window, not both")
+        if layer_sw.size != 1 or jnp.dtype(layer_sw.dtype) != jnp.int32:
+            raise ValueError(f"meta.sliding_window must be one int32, got {layer_sw.dtype}{list(layer_sw.shape)}")
     if soft_cap is not None and not (isinstance(soft_cap, numbers.Real) and soft_cap > 0):
         raise ValueError(f"soft_cap must be None or a positive float, got {soft_cap!r}")
 

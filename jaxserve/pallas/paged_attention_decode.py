@@ -36,9 +36,11 @@ from jaxserve.pallas.paged_attention import (
     default_interpret,
     kv_loop,
     scale_operands,
+    split_refs,
     triton_params,
     validate_inputs,
     validate_metadata,
+    window_operand,
 )
 
 # Aim for this many programs in flight (H100: 132 SMs, a few programs each) when choosing splits.
@@ -53,13 +55,13 @@ def default_num_splits(num_kv_heads: int, num_seqs: int, max_chunks: int) -> int
 
 
 def _decode_kernel(q_lens_ref, kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *rest, sm_scale,
-                   block_size, kv_block, num_splits, sliding_window, soft_cap, quantized):
-    # q_ref [R, D]; k_ref/v_ref [N*B, K, D]; ks_ref/vs_ref [N*B, K];
+                   block_size, kv_block, num_splits, sliding_window, soft_cap, quantized,
+                   layer_window):
+    # q_ref [R, D]; k_ref/v_ref [N*B, K, D]; ks_ref/vs_ref [N*B, K]; window_ref [1] int32;
     # outputs: acc_ref [R, D] f32, m_ref [R] f32, l_ref [R] f32 (this split's partials)
-    if quantized:
-        ks_ref, vs_ref, acc_ref, m_ref, l_ref = rest
-    else:
-        (acc_ref, m_ref, l_ref), ks_ref, vs_ref = rest, None, None
+    ks_ref, vs_ref, window_ref, (acc_ref, m_ref, l_ref) = split_refs(rest, quantized, layer_window)
+    if layer_window:
+        sliding_window = window_ref[0]
     kh, seq, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     R, D = q_ref.shape
     C = kv_block
@@ -111,10 +113,13 @@ def _decode_impl(q, k_cache, v_cache, meta, k_scale, v_scale, *, sm_scale, slidi
     if quantized:
         operands += scale_operands(k_scale, v_scale)
         in_specs += [whole, whole]
+    window = window_operand(meta)
+    operands += window
+    in_specs += [whole] * len(window)
     kernel = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), block_size=B, kv_block=C,
         num_splits=num_splits, sliding_window=sliding_window, soft_cap=soft_cap,
-        quantized=quantized)
+        quantized=quantized, layer_window=bool(window))
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(K, S, num_splits),

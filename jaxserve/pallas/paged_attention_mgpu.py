@@ -67,6 +67,7 @@ from jaxserve.pallas.paged_attention import (
     _is_concrete,
     validate_inputs,
     validate_metadata,
+    window_operand,
 )
 from jaxserve.pallas.paged_attention_decode import combine_splits
 from jaxserve.pallas.ragged_tiles import gather_q_tiles, plan_tiles, scatter_tiles
@@ -113,14 +114,18 @@ def _widen(x, dtype):
 
 def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv_lens_ref,
                       bt_ref, q_ref, k_ref, v_ref, *refs, sm_scale, block_size, kv_chunk, gp,
-                      num_splits, sliding_window, soft_cap, quantized):
+                      num_splits, sliding_window, soft_cap, quantized, layer_window):
     # GMEM: q_ref [K, NT, Qs, R, D] (Qs = 2 for f32 q: bf16 high and low parts);
     #       k_ref/v_ref [N, B, K, D] (cache dtype); bt_ref [S, M];
-    #       ks_ref/vs_ref [K, N, B] f32 (quantized only);
+    #       ks_ref/vs_ref [K, N, B] f32 (quantized only); window_ref [1] int32 (layer_window only);
     #       acc_out [K, NT, P, R, D] f32; m_out/l_out [K, NT, P, R] f32.
     # SMEM: q_smem [Qs, R, D]; k_smem/v_smem [2, C, D] (cache dtype); p_smem [Qs, R, C];
     #       o_smem [R, min(D, 128)] f32; ml_smem [2, R] f32; quantized only: k_cmp/v_cmp [C, D]
     #       (the chunk widened to the compute dtype), ks_smem/vs_smem [2, C] f32.
+    window_ref = None
+    if layer_window:        # this layer's window follows the inputs (and the scales)
+        refs = list(refs)
+        window_ref = refs.pop(2 if quantized else 0)
     if quantized:
         (ks_ref, vs_ref, acc_out, m_out, l_out, q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem,
          q_bar, k_bar, v_bar, k_cmp, v_cmp, ks_smem, vs_smem) = refs
@@ -139,6 +144,8 @@ def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv
     kv_len = kv_lens_ref[seq]
     p0 = kv_len - q_lens_ref[seq] + tile_qstart_ref[i]      # position of the tile's first query
     hi = jnp.minimum(kv_len, p0 + nq)                       # one past the last visible key
+    if window_ref is not None:
+        sliding_window = window_ref[0]
     c_first = jnp.int32(0)
     if sliding_window is not None:                          # chunks wholly left of the window
         c_first = lax.div(jnp.maximum(p0 - sliding_window + 1, 0), jnp.int32(C))
@@ -301,6 +308,9 @@ def _call_kernel(q_tiles, plan, meta, k_cache, v_cache, k_scale, v_scale, *, sm_
                     plgpu.SMEM((2, kv_chunk), jnp.float32)]
         # [K, N, B]: a page's B scales of one kv head contiguous, as a TMA copy needs
         operands += [k_scale.transpose(2, 0, 1), v_scale.transpose(2, 0, 1)]
+    window = window_operand(meta)
+    operands += window
+    kernel = functools.partial(kernel, layer_window=bool(window))
     out_type = (jax.ShapeDtypeStruct((K, nt, P, R, D), jnp.float32),
                 jax.ShapeDtypeStruct((K, nt, P, R), jnp.float32),
                 jax.ShapeDtypeStruct((K, nt, P, R), jnp.float32))
