@@ -175,7 +175,7 @@ def test_disabled_prefix_caching_never_hashes():
     assert all(b.block_hash is None for b in m.block_pool.blocks)
 
 
-def test_prompt_logprobs_requests_skip_the_cache():
+def test_prompt_logprobs_requests_miss_blocks_without_cached_scores():
     m = KVCacheManager(num_blocks=8, block_size=4)
     admit(m, req("a", range(9)))
     assert admit(m, req("b", range(9), prompt_logprobs=1)) == 0

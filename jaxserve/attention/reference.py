@@ -171,7 +171,7 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
     pages = (k_pages, v_pages, k_scale, v_scale)
     opts = dict(chunk=chunk, sliding_window=sliding_window, soft_cap=soft_cap, page_codes=page_codes)
     out, pages = _attend_rows(qf, out, pages, tables, _token_rows(meta, T),
-                              rows_per_step=_TOKEN_ROWS, **opts)
+                              rows_per_step=min(_TOKEN_ROWS, T), **opts)
     out, pages = _attend_rows(qf, out, pages, tables, _tile_rows(meta, T, min(_TILE, T)),
                               rows_per_step=_TILE_ROWS, **opts)
     out = out.reshape(T, H, D).astype(q.dtype)

@@ -11,7 +11,7 @@ New blocks are taken from the head of the queue, so the head is the next evictio
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class KVCacheBlock:
@@ -85,7 +85,8 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """All KV blocks, the free queue and the hash -> block map of cached full blocks."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 on_evict: Callable[[int], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -95,6 +96,8 @@ class BlockPool:
         # One block per hash: when two requests fill identical blocks concurrently, the second
         # stays unhashed and is simply freed later.
         self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+        # Called with a hash when it leaves the map: what is cached beside the KV goes with it.
+        self.on_evict = on_evict
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -137,6 +140,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_block_hash_to_block.get(block.block_hash) is block:
                 del self.cached_block_hash_to_block[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash)
             block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -8,6 +8,10 @@ and `free` (drop a finished or preempted request's blocks).
 Prefix caching hashes FULL blocks only, as a chain: hash_i = H(hash_{i-1}, tokens of block i), so a
 hash names the whole prefix up to and including its block. Hashes use xxh3-128 over fixed-width
 bytes: deterministic across processes (Python's hash() is salted per process).
+
+Requests asking for prompt logprobs hit a block only where its prompt-logprob entries are cached
+too (`prompt_logprob_cache.py`): the entries of the blocks they compute are recorded after each
+step, and evicting a block's hash drops them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from jaxserve.core.block_pool import BlockPool, KVCacheBlock
+from jaxserve.core.prompt_logprob_cache import Entry, PromptLogprobCache
 from jaxserve.core.request import Request
 
 _ROOT_HASH = 0x6A6178736572766500000000000000   # the parent of the first block ("jaxserve")
@@ -61,7 +66,8 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.prompt_logprobs = PromptLogprobCache(block_size)
+        self.block_pool = BlockPool(num_blocks, enable_caching, on_evict=self.prompt_logprobs.drop)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already registered in the hash map.
         self.num_cached_blocks: dict[str, int] = {}
@@ -96,19 +102,71 @@ class KVCacheManager:
         """The longest cached prefix of the request's tokens: (blocks, num_computed_tokens).
 
         Never covers every token: the last one is always recomputed so the step yields logits to
-        sample from. Requests asking for prompt_logprobs skip the cache (they need every logit).
+        sample from. A request asking for prompt_logprobs hits a block only while the block's
+        prompt-logprob entries (with at least as many top logprobs) are cached or computed in
+        this step (`_scores_cached`).
         Takes no references; pass the blocks to `allocate_slots` in the same step.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching:
             return KVCacheBlocks(), 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
         for block_hash in self._update_block_hashes(request, max_blocks)[:max_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
+            if block is None or not self._scores_cached(request, len(hits)):
                 break
             hits.append(block)
         return KVCacheBlocks(hits), len(hits) * self.block_size
+
+    def _scores_cached(self, request: Request, j: int) -> bool:
+        """Whether block j may be a hit for this request's prompt logprobs: it asks for none,
+        or block j scores no prompt target, or the block's entries are cached / in flight."""
+        k = request.sampling_params.prompt_logprobs
+        bs = self.block_size
+        if k is None or j * bs + 1 >= request.num_prompt_tokens:
+            return True
+        return self.prompt_logprobs.covers(request.block_hashes[j],
+                                           request.all_token_ids[(j + 1) * bs], k)
+
+    def cached_prompt_logprobs(self, request: Request, num_blocks: int) -> list[tuple[int, Entry]]:
+        """[(position, entry)] of the prompt positions 1 .. num_blocks * B (within the prompt)
+        that the request's first num_blocks hit blocks cover, from the cache."""
+        k, bs = request.sampling_params.prompt_logprobs, self.block_size
+        out = []
+        for j in range(num_blocks):
+            if j * bs + 1 >= request.num_prompt_tokens:
+                break
+            entries = self.prompt_logprobs.get(request.block_hashes[j],
+                                               request.all_token_ids[(j + 1) * bs], k)
+            if entries is None:     # get_computed_blocks admitted it only if covered
+                raise RuntimeError(f"prompt logprobs of block {j} of request "
+                                   f"{request.request_id!r} vanished from the cache")
+            out.extend((j * bs + 1 + i, e) for i, e in enumerate(entries)
+                       if j * bs + 1 + i < request.num_prompt_tokens)
+        return out
+
+    def promise_prompt_logprobs(self, request: Request, start: int, end: int) -> None:
+        """A scoring row computes positions [start, end) this step: the entries of the blocks
+        whose last position it computes are in flight (hits for requests admitted after it)."""
+        k, bs = request.sampling_params.prompt_logprobs, self.block_size
+        if not self.enable_caching or k is None:
+            return
+        for j in range(start // bs, end // bs):
+            if (j + 1) * bs >= request.num_prompt_tokens or j >= len(request.block_hashes):
+                break
+            if self.block_pool.get_cached_block(request.block_hashes[j]) is not None:
+                self.prompt_logprobs.promise(request.block_hashes[j],
+                                             request.all_token_ids[(j + 1) * bs], k)
+
+    def record_prompt_logprobs(self, request: Request, entries: list[tuple[int, Entry]]) -> None:
+        """Store the full blocks of prompt-logprob entries a step computed for the request."""
+        k = request.sampling_params.prompt_logprobs
+        if not self.enable_caching or k is None:
+            return
+        pool = self.block_pool.cached_block_hash_to_block
+        self.prompt_logprobs.record(request.request_id, entries, request.block_hashes,
+                                    request.all_token_ids, request.num_prompt_tokens, k,
+                                    pool.__contains__)
 
     # --- mutations ----------------------------------------------------------------------------
 
@@ -179,9 +237,13 @@ class KVCacheManager:
         its (more shareable) head."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self.prompt_logprobs.forget(request.request_id)
         self.block_pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False (nothing done) while blocks are in use. The hit/query
         counters are not reset: they feed monotonic Prometheus counters."""
-        return self.block_pool.reset_prefix_cache()
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self.prompt_logprobs.clear()
+        return True

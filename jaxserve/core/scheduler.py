@@ -131,6 +131,9 @@ class Scheduler:
         self.finished_req_ids: list[str] = []
         self.num_preemptions_total = 0
         self.spec_stats = SpecDecodingStats()
+        # request id -> prefix-cache hit blocks whose prompt logprobs it takes from the cache,
+        # for requests admitted in the step being run (see `prompt_logprobs_of_step`).
+        self._prompt_logprob_hits: dict[str, int] = {}
 
     # --- requests in and out -----------------------------------------------------------------
 
@@ -215,6 +218,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         request.finished_time = time.time()
+        self._prompt_logprob_hits.pop(request.request_id, None)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.append(request.request_id)
@@ -247,6 +251,10 @@ class Scheduler:
     def _row(self, request: Request, num_new: int, drafts: list[int] = (),
              new: bool = False) -> ScheduledRequest:
         start = request.num_computed_tokens
+        scores_prompt = (request.sampling_params.prompt_logprobs is not None
+                         and start < request.num_prompt_tokens)
+        if scores_prompt:
+            self.kv_cache_manager.promise_prompt_logprobs(request, start, start + num_new)
         new_request = NewRequestData(list(request.prompt_token_ids),
                                      list(request.output_token_ids), request.sampling_params,
                                      request.sample_seed) if new else None
@@ -256,8 +264,7 @@ class Scheduler:
             num_computed_tokens=start,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             sample=start + num_new == request.num_tokens,
-            prompt_logprobs=(request.sampling_params.prompt_logprobs is not None
-                             and start < request.num_prompt_tokens),
+            prompt_logprobs=scores_prompt,
             new_request=new_request, spec_token_ids=list(drafts))
 
     def _preemption_victim(self) -> Request:
@@ -283,6 +290,7 @@ class Scheduler:
         rows: dict[str, ScheduledRequest] = {}   # insertion order = batch order
         cost: dict[str, int] = {}
         preempted: list[str] = []
+        self.kv_cache_manager.prompt_logprobs.new_step()
 
         # 1. Running requests: decodes and unfinished prefill chunks, in order.
         for request in list(self.running):
@@ -338,6 +346,8 @@ class Scheduler:
             # after a preemption (the worker dropped it when it was preempted).
             request.spec_token_ids = []
             rows[request.request_id] = self._row(request, num_new, new=True)
+            if rows[request.request_id].prompt_logprobs and hits:
+                self._prompt_logprob_hits[request.request_id] = len(hits)
             budget -= num_new
 
         scheduled = list(rows.values())
@@ -347,6 +357,25 @@ class Scheduler:
                                  finished_request_ids=self.finished_req_ids)
         self.finished_req_ids = []
         return output
+
+    def prompt_logprobs_of_step(self, scheduler_output: SchedulerOutput,
+                                computed: dict[str, list[tuple]]) -> dict[str, list[tuple]]:
+        """Call with the runner's prompt-logprob entries of a step ({request id: [(position,
+        entry)]}, each in position order) before `update_from_output`: records the full blocks
+        in the prefix cache and returns the entries to deliver, the positions that admitted
+        requests took from the cache prepended (all of them in position order)."""
+        for row in scheduler_output.scheduled:
+            request = self.requests.get(row.request_id)
+            if request is not None and row.request_id in computed:
+                self.kv_cache_manager.record_prompt_logprobs(request, computed[row.request_id])
+        out = dict(computed)
+        for rid, num_blocks in self._prompt_logprob_hits.items():
+            request = self.requests.get(rid)
+            if request is not None:
+                cached = self.kv_cache_manager.cached_prompt_logprobs(request, num_blocks)
+                out[rid] = cached + list(computed.get(rid, ()))
+        self._prompt_logprob_hits.clear()
+        return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled: dict[str, list[int]]) -> list[Request]:

@@ -379,11 +379,13 @@ class LLMEngine:
             if sched.is_empty or not self._runner_usable():
                 raise
             return self._fail_step(sched, e)
-        prompt_rows = [self.scheduler.get_request(r) for r in result.prompt_logprobs]
         # Each chunk's entries score the prompt positions after its first token, in order.
         first_pos = {row.request_id: row.num_computed_tokens + 1 for row in sched.scheduled}
         prompt_lps = {rid: [(first_pos[rid] + j, entry) for j, entry in enumerate(entries)]
                       for rid, entries in result.prompt_logprobs.items()}
+        # Cache the full blocks' entries; add the positions prefix-cache hits cover.
+        prompt_lps = self.scheduler.prompt_logprobs_of_step(sched, prompt_lps)
+        prompt_rows = [self.scheduler.get_request(r) for r in prompt_lps]
         updated = self.scheduler.update_from_output(sched, result.sampled)
         if self.proposer is not None:
             self.proposer.model_drafts = result.draft_token_ids

@@ -5,9 +5,10 @@ token ids and logprobs.
 The runner never sees the scheduler's `Request` objects: what it knows about a request comes
 from the SchedulerOutput (`new_request` rows, finished / preempted ids) and from what it sampled
 itself (`InputBatch`). Shapes are padded to a fixed set of token buckets (powers of two up to
-max_num_batched_tokens; the sequence dimension follows the token bucket), and every program a
-step can need (two variants per bucket: with and without prompt logprobs; the penalty-row
-write) is compiled in `warmup()`, so no XLA compilation happens while serving.
+max_num_batched_tokens, after a 2-token bucket for batch-1 decode; the sequence dimension
+follows the token bucket), and every program a step can need (two variants per bucket: with
+and without prompt logprobs, except the 2-token one; the penalty-row write) is compiled in
+`warmup()`, so no XLA compilation happens while serving.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ logger = logging.getLogger(__name__)
 
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
-    buckets, b = [], smallest
+    """2 (a lone decode token: batch 1 does no work for 14 more padding tokens), then powers of
+    two from `smallest` up to max_tokens. Not 1: on XLA:CPU a 1-token step copies the KV cache in
+    its one-element scatter (measured 3 s vs 86 ms for 2 tokens and 149 ms for 16, 256 blocks)."""
+    buckets, b = [2] if max_tokens > 2 else [], smallest
     while b < max_tokens:
         buckets.append(b)
         b *= 2
@@ -176,7 +180,15 @@ class ModelRunner:
     def prepare(self, scheduled, with_prompt_logprobs: bool):
         """Host arrays for one step -> (StepInputs, StepLayout)."""
         T = self.bucket_for(sum(len(s.token_ids) for s in scheduled))
-        return self._build(scheduled, T, with_prompt_logprobs)
+        return self._build(scheduled, self._variant_bucket(T, with_prompt_logprobs),
+                           with_prompt_logprobs)
+
+    def _variant_bucket(self, bucket: int, with_prompt_logprobs: bool) -> int:
+        """The 2-token bucket is compiled for plain decode only: a step of 1-2 tokens that scores
+        a prompt (rare) runs in the next bucket, which saves compiling a program for it."""
+        if bucket == 2 and with_prompt_logprobs and len(self.buckets) > 1:
+            return self.buckets[1]
+        return bucket
 
     def _sample_rows(self, token_bucket: int) -> int:
         """Sampler rows of a bucket: one per sequence, or with speculation one per draft and
@@ -370,7 +382,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         for T in self.buckets:
             for with_prompt_logprobs in (False, True):
-                self._executable(T, with_prompt_logprobs)
+                self._executable(self._variant_bucket(T, with_prompt_logprobs), with_prompt_logprobs)
         # Writing to slot C is dropped: this compiles the write and changes nothing.
         V = self.cfg.vocab_size
         rows = penalties.host_rows([], [], None, (), V)
