@@ -138,13 +138,13 @@ PROMPTS = [f"Once upon a time, in a kingdom by the sea number {i}, there lived" 
 
 def test_default_model_kept_quantized_gives_the_dequantized_greedy_tokens():
     from jaxserve import LLM, SamplingParams
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     tokens = {}
-    # the kept run also goes through chunked prefill (a 16-token budget splits every prompt) and
-    # prefix caching (the prompts share their first words; the second pass hits the cache)
-    for q, budget in ((None, 2048), ("gguf", 16)):
-        with LLM(quantization=q, max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=256,
-                 enable_prefix_caching=True) as llm:
+    # both through chunked prefill (a 32-token budget splits the 8 prompts' ~100 tokens over
+    # steps), the kept one through prefix caching as well (the second pass hits the cache)
+    for q in (None, "gguf"):
+        with LLM(quantization=q, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
+                 num_gpu_blocks_override=128, enable_prefix_caching=True, warmup=False) as llm:
             outs = llm.generate(PROMPTS, sp, use_tqdm=False)
             tokens[q] = [list(o.outputs[0].token_ids) for o in outs]
             if q:
@@ -187,7 +187,7 @@ assert len(jax.devices()) == 8
 res = []
 for tp in (1, 3):
     with LLM(quantization="gguf", tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4, warmup=False,
-             num_gpu_blocks_override=32, compilation_cache_dir="") as llm:
+             max_num_batched_tokens=32, num_gpu_blocks_override=32, compilation_cache_dir="") as llm:
         w = llm.llm_engine.runner.weights
         outs = llm.generate(["The capital of France is", "Once upon a time"],
                             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0), use_tqdm=False)
