@@ -212,3 +212,19 @@ def test_kept_gguf_weights_split_over_tensor_parallel_devices():
     assert (one["down_groups"], three["down_groups"]) == (1536 // 32, 1536 // 32 // 3)
     assert three["tokens"] == one["tokens"]
     np.testing.assert_allclose(np.array(three["logprobs"]), np.array(one["logprobs"]), atol=1e-3)
+
+
+def test_server_serves_the_default_model_kept_quantized():
+    import openai
+    from server_fixtures import ServerProcess
+    srv = ServerProcess("--quantization", "gguf", "--max-num-batched-tokens", "32", "--max-model-len", "128",
+                        "--max-num-seqs", "4").start(timeout=850)
+    try:
+        assert "Q4_0/Q4_1/Q8_0 tensors kept quantized" in srv.log()
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x")
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
+                                        temperature=0)
+        assert out.usage.completion_tokens == 8 and out.choices[0].text
+    finally:
+        srv.stop()
