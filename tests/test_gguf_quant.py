@@ -27,25 +27,32 @@ KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def _quantized(rng, out: int, k: int, kind: str) -> np.ndarray:
+    if kind == "Q4_K":    # the gguf package has no Q4_K quantizer: random blocks with sane d, dmin
+        raw = rng.integers(0, 256, (out, k // 256, 144), dtype=np.uint8)
+        raw[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)
+        raw[..., 2:4] = rng.uniform(0.001, 0.01, (out, k // 256)).astype(np.float16)[..., None].view(np.uint8)
+        return raw.reshape(out, -1)
     return gguf.quants.quantize(rng.normal(0, 0.3, (out, k)).astype(np.float32), Q[kind])
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ("Q4_K",))
 def test_blocks_decode_to_what_gguf_dequantizes(kind):
     rng = np.random.default_rng(0)
-    raw = _quantized(rng, 48, 96, kind)
-    q = gguf_quant.decode("blk.0.ffn_up.weight", kind, raw, (96, 48))
-    assert q.bits == (8 if kind == "Q8_0" else 4) and q.codes.shape == (48, 96)
+    k = 512 if kind == "Q4_K" else 96
+    raw = _quantized(rng, 48, k, kind)
+    q = gguf_quant.decode("blk.0.ffn_up.weight", kind, raw, (k, 48))
+    assert q.bits == (8 if kind == "Q8_0" else 4) and q.codes.shape == (48, k)
     w = gguf_quant.stack([q], (), jax.sharding.NamedSharding(
         jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",)), jax.sharding.PartitionSpec()), "w")
-    assert isinstance(w, Int4Weight) and w.shape == (96, 48) and w.group_size == 32
-    x = rng.normal(size=(5, 96)).astype(np.float32)
+    assert isinstance(w, Int4Weight) and w.shape == (k, 48) and w.group_size == 32
+    x = rng.normal(size=(5, k)).astype(np.float32)
     want = x @ gguf.quants.dequantize(raw, Q[kind]).T
-    np.testing.assert_allclose(np.asarray(ref_int4_matmul(x, w)), want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(linear(x, w)), want, rtol=1e-5, atol=1e-5)
+    tol = 1e-6 * np.abs(want).max() * np.sqrt(k)          # f32 sums of k products, in another order
+    np.testing.assert_allclose(np.asarray(ref_int4_matmul(x, w)), want, rtol=1e-5, atol=tol)
+    np.testing.assert_allclose(np.asarray(linear(x, w)), want, rtol=1e-5, atol=tol)
     # 4-bit codes plus one f32 scale (and Q4_1's offset) per 32: far below f32's 4 bytes a weight
-    per_weight = w.nbytes / (96 * 48)
-    assert per_weight == {"Q4_0": 0.625, "Q4_1": 0.75, "Q8_0": 1.125}[kind]
+    per_weight = w.nbytes / (k * 48)
+    assert per_weight == {"Q4_0": 0.625, "Q4_1": 0.75, "Q8_0": 1.125, "Q4_K": 0.75}[kind]
 
 
 def write_tiny_gguf(path: Path, types: dict[str, str], tied: bool = False, hidden: int = 64, seed: int = 0):
@@ -68,6 +75,8 @@ def write_tiny_gguf(path: Path, types: dict[str, str], tied: bool = False, hidde
         data = rng.normal(0, 0.3, (out, k)).astype(np.float32)
         if t in ("F32", "F16"):
             w.add_tensor(name, data.astype({"F32": np.float32, "F16": np.float16}[t]))
+        elif t == "Q4_K":
+            w.add_tensor(name, _quantized(rng, out, k, t), raw_dtype=Q[t])
         elif t == "TQ2_0":      # no quantizer in the gguf package: any bytes of the right size
             shape = gguf.quants.quant_shape_to_byte_shape((out, k), Q[t])
             w.add_tensor(name, rng.integers(0, 256, shape, dtype=np.uint8), raw_dtype=Q[t])
@@ -101,9 +110,10 @@ def _logits(cfg, weights, ids):
     (dict(attn="Q4_0", ffn="Q4_1", embd="Q8_0", output="Q8_0"), False),
     (dict(attn="Q8_0", ffn="Q4_0", embd="Q4_1", output="Q4_0"), True),
     (dict(attn="Q4_1", ffn="F16", embd="F32", output="Q4_1"), False),    # F16, F32 stay dense
+    (dict(attn="Q4_K", ffn="Q8_0", embd="Q4_K", output="Q4_K"), False),
 ])
 def test_tiny_gguf_kept_quantized_matches_the_dequantized_path(tmp_path, types, tied):
-    path = write_tiny_gguf(tmp_path / "tiny.gguf", types, tied)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", types, tied, hidden=256 if "Q4_K" in types.values() else 64)
     cfg, dense = load_model(path, "float32")
     cfg_q, kept = load_model(path, "float32", quantization="gguf")
     assert cfg_q == cfg
@@ -220,7 +230,7 @@ def test_server_serves_the_default_model_kept_quantized():
     srv = ServerProcess("--quantization", "gguf", "--max-num-batched-tokens", "32", "--max-model-len", "128",
                         "--max-num-seqs", "4").start(timeout=850)
     try:
-        assert "Q4_0/Q4_1/Q8_0 tensors kept quantized" in srv.log()
+        assert "Q4_0/Q4_1/Q8_0/Q4_K tensors kept quantized" in srv.log()
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x")
         model = client.models.list().data[0].id
         out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,

@@ -1,15 +1,18 @@
-"""GGUF Q4_0, Q4_1 and Q8_0 tensors kept quantized: their blocks -> `Int4Weight`s (layers/int4.py)
+"""GGUF Q4_0, Q4_1, Q8_0 and Q4_K tensors kept quantized: their blocks -> `Int4Weight`s (layers/int4.py)
 instead of f32 matrices. Chosen with `quantization="gguf"` (vLLM's name for GGUF weights).
 
 llama.cpp stores a matrix [out, in] row by row, each row in blocks of 32 input elements:
   Q4_0 (18 bytes): f16 d, 16 bytes of nibbles; w = d * (q - 8)       -> bits 4, zero 8, group 32
   Q4_1 (20 bytes): f16 d, f16 m, 16 bytes of nibbles; w = d * q + m  -> bits 4, zero 8, offset m + 8d
   Q8_0 (34 bytes): f16 d, 32 int8; w = d * q                         -> bits 8, group 32
-Byte j of the nibbles holds element j (low nibble) and element j + 16 (high nibble). Scales and
-offsets are widened to f32 (the `Int4Weight` layout); the codes keep 4 or 8 bits.
+Byte j of the nibbles holds element j (low nibble) and element j + 16 (high nibble).
+  Q4_K (144 bytes per 256): f16 d, f16 dmin, 12 bytes of 6-bit (sc, m) for 8 sub-blocks of 32,
+      128 bytes of nibbles (byte j of 32-byte chunk i: element 64i + j low, 64i + 32 + j high);
+      w = d*sc * q - dmin*m                                          -> bits 4, zero 8, group 32
+Scales and offsets are widened to f32 (the `Int4Weight` layout); the codes keep 4 or 8 bits.
 
-Other types (F32/F16, the K-quants, Q5_*, IQ*) stay on gguf/dequantize's f32 path; so does a
-stacked array whose layers do not all share one kept type.
+Other types (F32/F16, Q6_K and the other K-quants, Q5_*, IQ*) stay on gguf/dequantize's f32 path;
+so does a stacked array whose layers do not all share one kept type (a Q4_K_M file's Q6_K layers).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from jaxserve.layers.int4 import Int4Weight, check_groups
 from jaxserve.loader.int4 import pack_np, split_of
 
 GROUP = 32                                         # elements per GGUF block
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-KEPT = tuple(_BLOCK_BYTES)
+_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}   # (elements, bytes)
+KEPT = tuple(_BLOCKS)
 
 
 @dataclasses.dataclass
@@ -58,15 +61,17 @@ def decode(name: str, kind: str, data: np.ndarray, shape: tuple[int, ...]) -> Qu
     if len(shape) != 2:
         raise ValueError(f"tensor {name}: {kind} kept quantized must be a matrix, got shape {tuple(shape)}")
     k, n = int(shape[0]), int(shape[1])
-    if k % GROUP:
-        raise ValueError(f"tensor {name}: {k} input features are not whole {kind} blocks of {GROUP}")
-    size = _BLOCK_BYTES[kind]
+    per, size = _BLOCKS[kind]
+    if k % per:
+        raise ValueError(f"tensor {name}: {k} input features are not whole {kind} blocks of {per}")
     raw = np.asarray(data, np.uint8)
-    if raw.shape != (n, k // GROUP * size):
-        raise ValueError(f"tensor {name}: {kind} data has shape {raw.shape}, expected {(n, k // GROUP * size)} "
+    if raw.shape != (n, k // per * size):
+        raise ValueError(f"tensor {name}: {kind} data has shape {raw.shape}, expected {(n, k // per * size)} "
                          f"for a [{n}, {k}] matrix")
-    blocks = raw.reshape(n, k // GROUP, size)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)   # [out, in / 32]
+    blocks = raw.reshape(n, k // per, size)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)   # [out, in / per]
+    if kind == "Q4_K":
+        return _q4_k(kind, blocks, d, n, k)
     if kind == "Q8_0":
         codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
         return QuantTensor(kind, codes, d, None)
@@ -77,6 +82,18 @@ def decode(name: str, kind: str, data: np.ndarray, shape: tuple[int, ...]) -> Qu
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         offset = m + 8 * d          # d*q + m = d*(q - 8) + (m + 8d): the symmetric zero 8, no zero array
     return QuantTensor(kind, codes, d, offset)
+
+
+def _q4_k(kind: str, blocks: np.ndarray, d: np.ndarray, n: int, k: int) -> QuantTensor:
+    """Q4_K super-blocks [out, in / 256, 144] -> codes with a scale and offset per 32."""
+    from gguf.quants import Q4_K
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))          # 6-bit, [n * in / 256, 8] each
+    scale = (d[..., None] * sc.reshape(n, -1, 8).astype(np.float32)).reshape(n, k // GROUP)
+    low_min = (dmin[..., None] * m.reshape(n, -1, 8).astype(np.float32)).reshape(n, k // GROUP)
+    nibbles = blocks[..., 16:].reshape(n, -1, 4, 1, 32)                    # 4 chunks of 64 elements
+    codes = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=3).reshape(n, k)
+    return QuantTensor(kind, codes, scale, 8 * scale - low_min)      # d*sc*(q - 8) + (8 d*sc - dmin*m)
 
 
 def stack(parts: list[QuantTensor], lead: tuple[int, ...], data_sharding: NamedSharding, what: str) -> Int4Weight:

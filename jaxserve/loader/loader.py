@@ -154,7 +154,7 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
 
 
 def _kept_gguf(p, plan, quantized, names: list[str]):
-    """A matrix (or the embedding) whose GGUF tensors are all one kept type (Q4_0, Q4_1, Q8_0) as
+    """A matrix (or the embedding) whose GGUF tensors are all one kept type (Q4_0, Q4_1, Q8_0, Q4_K) as
     an `Int4Weight` [..., in, out]; None when any is another type (read as f32). The embedding
     [V, E] is stored as the tied head's [E, V]: `layers/embedding.py` gathers its columns."""
     if not (p.dense or p.path == "embed") or p.per_expert:
@@ -266,7 +266,7 @@ def _fp8_note(scheme, quantization: str | None) -> str:
         kind = "int4" if type(scheme).__name__ == "Int4Scheme" else "fp8"
         return f", linear layers {kind} ({scheme.method} checkpoint)"
     if quantization == "gguf":
-        return ", Q4_0/Q4_1/Q8_0 tensors kept quantized"
+        return ", Q4_0/Q4_1/Q8_0/Q4_K tensors kept quantized"
     return ", linear layers quantised to fp8 (per-channel e4m3)" if quantization == "fp8" else ""
 
 
@@ -332,7 +332,7 @@ def _check_quantization_flag(quantization: str | None, scheme, path: Path) -> No
     method = method_of(quantization)
     found = getattr(scheme, "method", None)
     if quantization == "gguf" and not path.is_file():
-        raise ModelLoadError(f"quantization 'gguf' keeps a .gguf file's Q4_0/Q4_1/Q8_0 tensors quantized, "
+        raise ModelLoadError(f"quantization 'gguf' keeps a .gguf file's Q4_0/Q4_1/Q8_0/Q4_K tensors quantized, "
                              f"but {path} is a Hugging Face directory")
     if quantization == "fp8" and isinstance(scheme, Int4Scheme):
         raise ModelLoadError(f"quantization 'fp8' quantises a full-precision checkpoint, but "
