@@ -21,8 +21,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longr
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 # --quantization values: fp8 quantises on load; the others name an int4 checkpoint's method (vLLM's
-# names, its *_marlin kernels' included), which is detected from config.json anyway.
-QUANTIZATIONS = (None, "fp8", "awq", "gptq", "compressed-tensors", "awq_marlin", "gptq_marlin")
+# names, its *_marlin kernels' included), which is detected from config.json anyway; gguf keeps a
+# .gguf file's Q4_0/Q4_1/Q8_0/Q4_K tensors quantized in memory (loader/gguf_quant.py).
+QUANTIZATIONS = (None, "fp8", "awq", "gptq", "compressed-tensors", "awq_marlin", "gptq_marlin", "gguf")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("sliding_attention", "full_attention")

@@ -6,8 +6,10 @@ jitted step one tile of input rows at a time (`TILE_BYTES` of the activation dty
 the full-precision matrix never exists in memory, and accumulates in f32.
 
 Dequantisation of input row k, output column o: `(code[k, o] - zero[k // g, o]) * scale[k // g, o]`
-for group size g; a weight with an act-order permutation multiplies `x[..., perm]` (the loader
-sorts the rows by group so each group is contiguous).
+(`+ offset[k // g, o]` when the weight has one: GGUF's Q4_1 `d * q + m`) for group size g; a
+weight with an act-order permutation multiplies `x[..., perm]` (the loader sorts the rows by
+group so each group is contiguous). `bits=8` (GGUF's Q8_0) holds signed int8 codes unpacked,
+[in, out], zero 0; jaxserve/loader/gguf_quant.py builds those and the Q4_0/Q4_1 ones.
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ TILE_BYTES = 4 << 20          # dequantised rows per tile, at most (one tile whe
 class Int4Weight:
     """A [..., in, out] matrix as 4-bit codes; stacked layers (and experts) lead.
 
-    q: int32 [..., in / 8, out], input row 8 * r + j in bits 4j..4j+3 of word r (GPTQ's packing).
+    q: int32 [..., in / 8, out], input row 8 * r + j in bits 4j..4j+3 of word r (GPTQ's packing);
+      with bits=8 int8 [..., in, out], the signed codes themselves.
     scale: f32 [..., in / g, out], one per group of g input rows and output column.
-    zero: uint8 [..., in / g, out] zero points (0..15), or None: symmetric, zero 8.
+    zero: uint8 [..., in / g, out] zero points (0..15), or None: symmetric, zero 8 (0 with bits=8).
     perm: int32 [..., in] act-order input permutation (rows are stored in this order), or None.
     group_size: g (a multiple of 8 that divides `in`).
+    offset: f32 [..., in / g, out] added after scaling (a float minimum per group), or None.
+    bits: 4 (packed codes) or 8 (int8 codes).
     in_shards: how many devices the input rows are split over (row-parallel tensor parallelism):
       the kernel tiles each shard's rows separately so no tile straddles two devices.
     """
@@ -44,10 +49,17 @@ class Int4Weight:
     perm: jax.Array | None = None
     group_size: int = 128
     in_shards: int = 1
+    offset: jax.Array | None = None
+    bits: int = 4
+
+    @property
+    def pack(self) -> int:
+        """Input rows per element of `q`."""
+        return PACK if self.bits == 4 else 1
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (*self.q.shape[:-2], self.q.shape[-2] * PACK, self.q.shape[-1])
+        return (*self.q.shape[:-2], self.q.shape[-2] * self.pack, self.q.shape[-1])
 
     @property
     def dtype(self):
@@ -55,11 +67,11 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.q, self.scale, self.zero, self.perm) if a is not None)
+        return sum(a.nbytes for a in (self.q, self.scale, self.zero, self.perm, self.offset) if a is not None)
 
 
-jax.tree_util.register_dataclass(Int4Weight, data_fields=["q", "scale", "zero", "perm"],
-                                 meta_fields=["group_size", "in_shards"])
+jax.tree_util.register_dataclass(Int4Weight, data_fields=["q", "scale", "zero", "perm", "offset"],
+                                 meta_fields=["group_size", "in_shards", "bits"])
 
 
 def unpack(q: jax.Array) -> jax.Array:
@@ -76,15 +88,19 @@ def pack(codes: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.sum(c << shifts, axis=-2, dtype=jnp.uint32), jnp.int32)
 
 
-def dequantize(q, scale, zero=None, group_size: int = 128, dtype=jnp.float32) -> jax.Array:
-    """Codes [..., in / 8, out] with their group scales (and zeros) -> [..., in, out] in `dtype`
-    (rows in storage order). The reference; the matmul calls it one tile at a time."""
-    codes = unpack(q)
-    z = jnp.full((), SYMMETRIC_ZERO, jnp.int16) if zero is None else zero.astype(jnp.int16)
+def dequantize(q, scale, zero=None, group_size: int = 128, dtype=jnp.float32, offset=None, bits: int = 4) -> jax.Array:
+    """Codes [..., in / 8, out] (int8 [..., in, out] with bits=8) with their group scales (and
+    zeros, offsets) -> [..., in, out] in `dtype` (rows in storage order). The reference; the matmul
+    calls it one tile at a time."""
+    codes = unpack(q) if bits == 4 else q
+    z0 = SYMMETRIC_ZERO if bits == 4 else 0
+    z = jnp.full((), z0, jnp.int16) if zero is None else zero.astype(jnp.int16)
     g = group_size
     grouped = codes.reshape(*codes.shape[:-2], codes.shape[-2] // g, g, codes.shape[-1]).astype(jnp.int16)
     zg = z if zero is None else z[..., :, None, :]
     w = (grouped - zg).astype(jnp.float32) * scale.astype(jnp.float32)[..., :, None, :]
+    if offset is not None:
+        w = w + offset.astype(jnp.float32)[..., :, None, :]
     return w.reshape(codes.shape).astype(dtype)
 
 
@@ -92,7 +108,7 @@ def ref_int4_matmul(x: jax.Array, w: Int4Weight) -> jax.Array:
     """x [..., in] @ the whole dequantised matrix, f32 (the test oracle)."""
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
-    full = dequantize(w.q, w.scale, w.zero, w.group_size)
+    full = dequantize(w.q, w.scale, w.zero, w.group_size, offset=w.offset, bits=w.bits)
     return jnp.einsum("...k,ko->...o", x.astype(jnp.float32), full, precision="highest")
 
 
@@ -114,7 +130,8 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
     if w.q.ndim != 2:
         raise ValueError(f"int4 linear takes one [in/8, out] matrix, got codes {w.q.shape} "
                          "(stacked layers are sliced off by lax.scan, experts by grouped_linear)")
-    K, N = w.q.shape[0] * PACK, w.q.shape[1]
+    K, N = w.shape
+    P = w.pack
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
     lead = x.shape[:-1]
@@ -133,15 +150,17 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
     # [S, ...] views (bitcasts): a split of the rows over devices stays a split of S. A fori_loop
     # slicing the operands in place, not a scan over them: XLA copies a scan's stacked inputs
     # (the whole code matrix) into the loop state every call.
-    qs = w.q.reshape(S, ks // PACK, N)
+    qs = w.q.reshape(S, ks // P, N)
     ss = w.scale.reshape(S, ks // g, N)
     zs = None if w.zero is None else w.zero.reshape(S, ks // g, N)
+    os_ = None if w.offset is None else w.offset.reshape(S, ks // g, N)
     xs = xm.reshape(M, S, ks)
 
     def tile(t, acc):
         def rows(a, per, axis):
             return jax.lax.dynamic_slice_in_dim(a, t * (tk // per), tk // per, axis)
-        wt = dequantize(rows(qs, PACK, 1), rows(ss, g, 1), None if zs is None else rows(zs, g, 1), g, cdt)
+        wt = dequantize(rows(qs, P, 1), rows(ss, g, 1), None if zs is None else rows(zs, g, 1), g, cdt,
+                        None if os_ is None else rows(os_, g, 1), w.bits)
         return acc + jnp.einsum("msk,skn->smn", rows(xs, 1, 2), wt,       # wt [S, tk, N]: this tile only
                                 preferred_element_type=acc_t or cdt)
 
@@ -156,7 +175,7 @@ def int4_ragged(x: jax.Array, w: Int4Weight, group_sizes: jax.Array) -> jax.Arra
     No grouped int4 kernel: the experts are dequantised into x.dtype for the call (X * in * out
     elements of temporaries), rows put back in checkpoint order (each expert has its own act-order
     permutation, so x cannot be permuted instead). The tiles layout never materialises them."""
-    full = dequantize(w.q, w.scale, w.zero, w.group_size, x.dtype)                 # [X, in, out]
+    full = dequantize(w.q, w.scale, w.zero, w.group_size, x.dtype, offset=w.offset, bits=w.bits)   # [X, in, out]
     if w.perm is not None:
         full = jnp.take_along_axis(full, jnp.argsort(w.perm, axis=-1)[..., None], axis=-2)
     pref = jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else None

@@ -126,8 +126,10 @@ def read_gguf(path):
         raise ModelLoadError(f"cannot read {path}: corrupt or not a GGUF file ({e})") from None
 
 
-def open_gguf(path: Path, reader=None) -> tuple[ModelConfig, Callable[[str], np.ndarray]]:
-    """`reader`: an already open GGUFReader of `path` (the tokenizer shares it)."""
+def open_gguf(path: Path, reader=None, keep_quantized: bool = False) -> tuple[ModelConfig, Callable[[str], np.ndarray]]:
+    """`reader`: an already open GGUFReader of `path` (the tokenizer shares it). `get(hf_name)`
+    returns the tensor dequantized to f32; with `keep_quantized`, `get.quantized(hf_name)` returns
+    a Q4_0/Q4_1/Q8_0/Q4_K tensor's blocks as loader/gguf_quant.py's `QuantTensor` (None for other types)."""
     reader = reader if reader is not None else read_gguf(path)
     try:
         cfg = gguf_config(reader)
@@ -138,7 +140,7 @@ def open_gguf(path: Path, reader=None) -> tuple[ModelConfig, Callable[[str], np.
     tensors = {t.name: t for t in reader.tensors}
     permuted = cfg.architecture == "LlamaForCausalLM"
 
-    def get(hf_name: str) -> np.ndarray:
+    def gguf_name(hf_name: str) -> str:
         if hf_name in _GLOBAL_NAMES:
             name = _GLOBAL_NAMES[hf_name]
         else:
@@ -146,11 +148,35 @@ def open_gguf(path: Path, reader=None) -> tuple[ModelConfig, Callable[[str], np.
             name = f"blk.{layer}.{_GGUF_NAMES[suffix]}"
         if name not in tensors:
             raise ModelLoadError(f"tensor {name} is missing from {path}")
-        w = dequantize(tensors[name])
-        if permuted and name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = cfg.num_heads if name.endswith("attn_q.weight") else cfg.num_kv_heads
-            w = _unpermute(w, heads)
-        return w
+        return name
 
+    def heads(name: str) -> int | None:
+        """The head count whose q/k row permutation `name` carries, None for other tensors."""
+        if permuted and name.endswith(("attn_q.weight", "attn_k.weight")):
+            return cfg.num_heads if name.endswith("attn_q.weight") else cfg.num_kv_heads
+        return None
+
+    def get(hf_name: str) -> np.ndarray:
+        name = gguf_name(hf_name)
+        w = dequantize(tensors[name])
+        return w if heads(name) is None else _unpermute(w, heads(name))
+
+    def quantized(hf_name: str):
+        from jaxserve.loader import gguf_quant
+
+        name = gguf_name(hf_name)
+        t = tensors[name]
+        if t.tensor_type.name not in gguf_quant.KEPT:
+            return None
+        try:
+            q = gguf_quant.decode(name, t.tensor_type.name, t.data, tuple(int(s) for s in t.shape))
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+        if heads(name) is not None:
+            q = q.take_rows(_unpermute(np.arange(q.codes.shape[0]), heads(name)))
+        return q
+
+    if keep_quantized:
+        get.quantized = quantized
     return cfg, get
 

@@ -256,11 +256,8 @@ def stack_int4(scheme: Int4Scheme, get, names, layer_names: list[str], k: int, n
     def stacked(xs):
         return np.stack(xs).reshape(*lead, *xs[0].shape)
 
-    spec = tuple(data_sharding.spec) + (None,) * (len(lead) + 2 - len(data_sharding.spec))
+    spec, shards = split_of(data_sharding, len(lead) + 2)
     mesh = data_sharding.mesh
-    in_axis = spec[-2]
-    shards = 1 if in_axis is None else int(np.prod([mesh.shape[a] for a in
-                                                     ((in_axis,) if isinstance(in_axis, str) else in_axis)]))
     check_groups(k, g, shards, what=layer_names[0])
     if len(lead) > 1:
         # experts run inside `sharding.plan.shard_experts`'s shard_map: the kernel sees each
@@ -284,6 +281,16 @@ def stack_int4(scheme: Int4Scheme, get, names, layer_names: list[str], k: int, n
                    None if zero is None else jax.device_put(zero, place),
                    None if perm is None else jax.device_put(perm, rep), group_size=g, in_shards=shards)
     return to_kernel(w) if pallas and len(lead) == 1 else w
+
+
+def split_of(data_sharding: NamedSharding, ndim: int) -> tuple[tuple, int]:
+    """The full PartitionSpec of an [..., in, out] array of `ndim` axes placed as `data_sharding`,
+    and over how many devices its input rows split (row-parallel: the kernel's `in_shards`)."""
+    spec = tuple(data_sharding.spec) + (None,) * (ndim - len(data_sharding.spec))
+    in_axis = spec[-2]
+    shards = 1 if in_axis is None else int(np.prod([data_sharding.mesh.shape[a] for a in
+                                                     ((in_axis,) if isinstance(in_axis, str) else in_axis)]))
+    return spec, shards
 
 
 def read_dense(scheme: Int4Scheme, get, names, weight_name: str, k: int, n: int) -> np.ndarray:

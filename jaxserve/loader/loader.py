@@ -73,6 +73,7 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
     if int4_scheme is not None:
         from jaxserve.loader import int4
 
+    quantized = getattr(get, "quantized", None)   # a GGUF file's blocks, kept (loader/gguf_quant.py)
     reads: dict[str, np.ndarray] = {}     # this array's checkpoint tensors, by name
 
     def tensor(name: str, shape: tuple[int, ...], transpose: bool, rows=None) -> np.ndarray:
@@ -114,7 +115,10 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
     for p in model.declare(cfg):
         sharding = plan.sharding(p.axes)
         checkpoint_names = [name for _, name in p.checkpoint_names()]
-        if p.dense and int4_scheme is not None and int4.has_int4(int4_scheme, names, checkpoint_names[0]):
+        kept = _kept_gguf(p, plan, quantized, checkpoint_names) if quantized is not None else None
+        if kept is not None:
+            arrays[p.path] = kept
+        elif p.dense and int4_scheme is not None and int4.has_int4(int4_scheme, names, checkpoint_names[0]):
             k, n = p.shape[-2:]
             try:
                 if p.stacked:
@@ -153,6 +157,27 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
         if p.dense and quantization == "fp8" and p.path not in fp8.SKIP_ON_THE_FLY:
             arrays[p.path] = fp8.quantize_array(arrays[p.path])   # the full-precision copy is dropped
     return model.build(cfg, arrays)
+
+
+def _kept_gguf(p, plan, quantized, names: list[str]):
+    """A matrix (or the embedding) whose GGUF tensors are all one kept type (Q4_0, Q4_1, Q8_0, Q4_K) as
+    an `Int4Weight` [..., in, out]; None when any is another type (read as f32). The embedding
+    [V, E] is stored as the tied head's [E, V]: `layers/embedding.py` gathers its columns."""
+    if not (p.dense or p.path == "embed") or p.per_expert:
+        return None
+    from jaxserve.loader import gguf_quant
+    parts = [quantized(name) for name in names]
+    if any(pt is None for pt in parts) or len({pt.kind for pt in parts}) != 1:
+        return None
+    k, n = (p.shape[1], p.shape[0]) if p.path == "embed" else p.shape[-2:]
+    for name, pt in zip(names, parts):
+        if pt.codes.shape != (n, k):
+            raise ModelLoadError(f"tensor {name} has shape {pt.codes.shape}, expected {(n, k)} from the model config")
+    axes, lead = (tuple(reversed(p.axes)), ()) if p.path == "embed" else (p.axes, p.shape[:p.stacked_dims])
+    try:
+        return gguf_quant.stack(parts, lead, plan.sharding(axes), names[0])
+    except ValueError as e:
+        raise ModelLoadError(f"GGUF {parts[0].kind}: {e}") from None
 
 
 def load_hf_config(path: Path, hf_overrides: dict | None = None) -> ModelConfig:
@@ -252,6 +277,8 @@ def _fp8_note(scheme, quantization: str | None) -> str:
     if scheme is not None:
         kind = "int4" if type(scheme).__name__ == "Int4Scheme" else "fp8"
         return f", linear layers {kind} ({scheme.method} checkpoint)"
+    if quantization == "gguf":
+        return ", Q4_0/Q4_1/Q8_0/Q4_K tensors kept quantized"
     return ", linear layers quantised to fp8 (per-channel e4m3)" if quantization == "fp8" else ""
 
 
@@ -277,7 +304,7 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
     if load_format == "dummy":
         from jaxserve.loader.dummy import dummy_weights
         from jaxserve.loader.int4 import method_of
-        if method_of(quantization):
+        if method_of(quantization) or quantization == "gguf":
             raise ModelLoadError(f"quantization {quantization!r} reads a checkpoint's int4 weights; "
                                  "--load-format dummy makes full-precision random weights (use fp8 or none)")
         cfg = gguf_config_of(path, gguf_reader) if path.is_file() else load_hf_config(path, hf_overrides)
@@ -294,7 +321,7 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
             raise ModelLoadError(f"{path} is a file but not a .gguf file")
         from jaxserve.loader import gguf as gguf_loader
         _check_quantization_flag(quantization, None, path)
-        cfg, get = gguf_loader.open_gguf(path, gguf_reader)
+        cfg, get = gguf_loader.open_gguf(path, gguf_reader, keep_quantized=quantization == "gguf")
         scheme = None
     else:
         cfg = load_hf_config(path, hf_overrides)
@@ -319,6 +346,9 @@ def _check_quantization_flag(quantization: str | None, scheme, path: Path) -> No
     from jaxserve.loader.int4 import Int4Scheme, method_of
     method = method_of(quantization)
     found = getattr(scheme, "method", None)
+    if quantization == "gguf" and not path.is_file():
+        raise ModelLoadError(f"quantization 'gguf' keeps a .gguf file's Q4_0/Q4_1/Q8_0/Q4_K tensors quantized, "
+                             f"but {path} is a Hugging Face directory")
     if quantization == "fp8" and isinstance(scheme, Int4Scheme):
         raise ModelLoadError(f"quantization 'fp8' quantises a full-precision checkpoint, but "
                              f"{path / 'config.json'} describes a {found} int4 checkpoint")

@@ -24,6 +24,7 @@ from jaxserve import attention
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import ModelConfig
 from jaxserve.layers import moe
+from jaxserve.layers.embedding import tied_logits
 from jaxserve.layers.experts import ExpertWeight
 from jaxserve.layers.linear import DenseWeight, linear
 from jaxserve.layers.norm import rms_norm
@@ -73,7 +74,7 @@ SPARSE_MLP = ("router", "we_gate", "we_up", "we_down")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Weights:
-    embed: jax.Array              # [V, E]
+    embed: jax.Array              # [V, E]; or a GGUF table kept quantized, Int4Weight [E, V]
     layers: LayerWeights
     final_norm: jax.Array         # [E]
     lm_head: DenseWeight | None   # [E, V]; None when tied to the embedding
@@ -288,7 +289,7 @@ def forward(weights: Weights, cache: kvc.KVCache, tokens: jax.Array, positions: 
     one at a time in a Python loop instead of the scan, each on what `each_layer` returns for its
     slice of the stacked weights (FP8 GPTQ swaps in weight types that quantise themselves as
     their inputs arrive, `loader/fp8_calibrate.py`)."""
-    x = embed_lookup(plan, weights.embed, tokens)
+    x = embed_lookup(plan, weights.embed, tokens).astype(weights.final_norm.dtype)   # a quantized table gives f32
     cos, sin = rope_tables(cfg, positions)
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     layers, stacks, xs = weights.layers, None, ()
@@ -313,6 +314,5 @@ def compute_logits(weights: Weights, hidden: jax.Array) -> jax.Array:
     """hidden [R, E] -> logits [R, V] in f32."""
     # f32 logits whatever the weights' dtype (the head stays unquantised, as in vLLM)
     if weights.lm_head is None:     # tied: the embedding [V, E] is the head
-        return jnp.einsum("re,ve->rv", hidden, weights.embed,
-                          preferred_element_type=jnp.float32)
+        return tied_logits(hidden, weights.embed)
     return linear(hidden, weights.lm_head, out_dtype=jnp.float32)

@@ -208,20 +208,25 @@ def shard_attention(plan: ShardingPlan | None, fn: Callable, q, k, v, cache, *ar
     return mapped(q, k, v, cache, *args)
 
 
-def embed_lookup(plan: ShardingPlan | None, table: jax.Array, tokens: jax.Array) -> jax.Array:
-    """table [V, E] (split on V over tp), tokens [T] -> [T, E] replicated: each device looks up
-    the tokens in its vocabulary slice (zeros elsewhere) and one all-reduce sums them, so the
-    table is never gathered."""
+def embed_lookup(plan: ShardingPlan | None, table, tokens: jax.Array) -> jax.Array:
+    """table [V, E] (split on V over tp; or a quantized [E, V] `Int4Weight`, layers/embedding.py),
+    tokens [T] -> [T, E] replicated: each device looks up the tokens in its vocabulary slice
+    (zeros elsewhere) and one all-reduce sums them, so the table is never gathered."""
+    from jaxserve.layers.embedding import embed_rows, num_rows
+
     axis = None if plan is None else plan.mesh_axis("vocab")
     if axis is None or plan.tp == 1:
-        return table[tokens]
+        return embed_rows(table, tokens)
 
     def local(tab, tok):
-        n = tab.shape[0]
+        n = num_rows(tab)
         idx = tok - jax.lax.axis_index(axis) * n
         mine = (idx >= 0) & (idx < n)
-        rows = jnp.where(mine[:, None], tab[jnp.clip(idx, 0, n - 1)], 0)
+        rows = jnp.where(mine[:, None], embed_rows(tab, jnp.clip(idx, 0, n - 1)), 0)
         return jax.lax.psum(rows, axis)
 
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.spec(("vocab", "embed")), PartitionSpec()),
+    spec = plan.spec(("vocab", "embed"))
+    if not isinstance(table, jax.Array):     # quantized [E, V]: every array of it split on V
+        spec = jax.tree.map(lambda _: plan.spec(("embed", "vocab")), table)
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(spec, PartitionSpec()),
                          out_specs=PartitionSpec(), check_vma=False)(table, tokens)
