@@ -32,3 +32,13 @@ def token_layout(meta, num_tokens: int):
     q_lens = cu[1:] - cu[:-1]
     pos = meta.kv_lens[seq] - q_lens[seq] + (t - cu[seq])
     return seq, pos, t < cu[-1]
+
+
+def pad_to(x, axis: int, multiple: int):
+    """`x` zero-padded at the end of `axis` to a multiple of `multiple` (kernel tiles)."""
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, extra)
+    return jnp.pad(x, pad)

@@ -45,6 +45,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxserve.pallas.common import pad_to
+
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)      # 448
 BLOCK = 128
@@ -347,15 +349,6 @@ def smem_bytes(tiles: Fp8Tiles, out_dtype) -> int:
     return S * (tm + tn) * KSLICE + S * 4 * (tm + tn) + tm * tn * jnp.dtype(out_dtype).itemsize
 
 
-def _pad_to(x, axis: int, multiple: int):
-    extra = -x.shape[axis] % multiple
-    if not extra:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, extra)
-    return jnp.pad(x, pad)
-
-
 def fp8_matmul_mgpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activations: str = "dynamic",
                     input_scale: jax.Array | None = None, block_size: int = BLOCK,
                     k_major: bool = False, tiles: Fp8Tiles | None = None, interpret=None) -> jax.Array:
@@ -403,10 +396,10 @@ def fp8_matmul_mgpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activatio
         cols = w_scale                                                            # [Kb, N] already
     else:
         cols = jnp.broadcast_to(w_scale.astype(jnp.float32), (1, n))
-    a = _pad_to(_pad_to(xq, 0, tiles.tile_m), 1, KSLICE)
-    b = _pad_to(_pad_to(w_nk, 0, tiles.tile_n), 1, KSLICE)                        # [Np, Kp] K-major
-    rows = _pad_to(rows.astype(jnp.float32), 1, tiles.tile_m)
-    cols = _pad_to(cols.astype(jnp.float32), 1, tiles.tile_n)
+    a = pad_to(pad_to(xq, 0, tiles.tile_m), 1, KSLICE)
+    b = pad_to(pad_to(w_nk, 0, tiles.tile_n), 1, KSLICE)                        # [Np, Kp] K-major
+    rows = pad_to(rows.astype(jnp.float32), 1, tiles.tile_m)
+    cols = pad_to(cols.astype(jnp.float32), 1, tiles.tile_n)
     mp, np_ = a.shape[0], b.shape[0]
     tm, tn = tiles.tile_m, tiles.tile_n
     S = tiles.stages

@@ -56,6 +56,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxserve.pallas.common import pad_to
+
 try:  # Mosaic GPU's Pallas API as used here is jax >= 0.11 (plgpu.kernel + GPU interpret mode)
     from jax.experimental.pallas import mosaic_gpu as plgpu
     MGPU_AVAILABLE = hasattr(plgpu, "InterpretGPUParams") and hasattr(plgpu, "kernel")
@@ -233,15 +235,6 @@ def _int4_kernel(w_ref, s_ref, b_ref, x_ref, o_ref, w_smem, s_smem, b_smem, x_sm
     plgpu.wait_smem_to_gmem(0)
 
 
-def _pad_to(x, axis: int, multiple: int):
-    extra = -x.shape[axis] % multiple
-    if not extra:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, extra)
-    return jnp.pad(x, pad)
-
-
 def _check(x: jax.Array, w: Int4KernelWeight) -> None:
     if x.ndim != 2 or w.codes.ndim != 2:
         raise ValueError(f"x must be [M, K] and the codes [N, K], got {x.shape} and {w.codes.shape}")
@@ -282,10 +275,10 @@ def int4_matmul_mgpu(x: jax.Array, w: Int4KernelWeight, *, tiles: Int4Tiles | No
     tm, S = tiles.tile_m, tiles.stages
     tk = k_step(w.group_size)
     gps = max(1, tk // w.group_size)
-    xp = _pad_to(x.astype(cdt), 0, tm)
-    codes = _pad_to(w.codes, 0, TILE_N)
-    scale = _pad_to(w.scale, 1, TILE_N)
-    bias = None if w.bias is None else _pad_to(w.bias, 1, TILE_N)
+    xp = pad_to(x.astype(cdt), 0, tm)
+    codes = pad_to(w.codes, 0, TILE_N)
+    scale = pad_to(w.scale, 1, TILE_N)
+    bias = None if w.bias is None else pad_to(w.bias, 1, TILE_N)
     mp, np_ = xp.shape[0], codes.shape[0]
     scratch = [plgpu.SMEM((S, TILE_N, tk), jnp.int4, transforms=_transforms(jnp.int4, tk)),
                plgpu.SMEM((S, gps, TILE_N), cdt),
