@@ -93,3 +93,26 @@ def test_a_server_scrapes_with_vllm_names():
     assert samples[("vllm:request_prompt_tokens_sum", label)] == 3
     assert samples[("vllm:e2e_request_latency_seconds_count", label)] == 1
     assert samples[("vllm:request_success_total", (("finished_reason", "length"), ("model_name", TINY)))] == 1
+
+
+def test_throughput_gauges_are_token_rates_over_the_last_window_of_scrapes():
+    """vLLM's avg_prompt/avg_generation_throughput_toks_per_s: counter growth per second."""
+    import dataclasses
+    now, stats = [1000.0], [STATS]
+    metrics = ServerMetrics("m", lambda: stats[0], ("jaxserve", "vllm"), clock=lambda: now[0])
+    label = (("model_name", "m"),)
+
+    def rates():
+        samples = _samples(metrics.render().decode())
+        return (samples[("vllm:avg_prompt_throughput_toks_per_s", label)],
+                samples[("vllm:avg_generation_throughput_toks_per_s", label)])
+
+    assert rates() == (0.0, 0.0)                    # one scrape: no rate yet
+    for _ in range(4):                              # 2 s apart: +40 prompt, +10 generated tokens
+        now[0] += 2.0
+        stats[0] = dataclasses.replace(stats[0], prompt_tokens_total=stats[0].prompt_tokens_total + 40,
+                                       generation_tokens_total=stats[0].generation_tokens_total + 10)
+        assert rates() == pytest.approx((20.0, 5.0))
+    now[0] += 30.0                                  # idle: the window forgets the busy part
+    rates()
+    assert rates() == pytest.approx((0.0, 0.0))

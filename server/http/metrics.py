@@ -11,6 +11,8 @@ and engine-wide counters are read from the engine loop's last `EngineStats` snap
 from __future__ import annotations
 
 import re
+import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -29,12 +31,36 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
+THROUGHPUT_WINDOW_S = 10.0     # the throughput gauges average over about this long
+
+
+class _Throughput:
+    """vLLM's avg_prompt/avg_generation_throughput_toks_per_s gauges: token counters' growth per
+    second over the last ~THROUGHPUT_WINDOW_S seconds of scrapes (one sample a scrape, so any
+    number of scrapers read the same rate; 0 until two scrapes are apart in time)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.samples: deque[tuple[float, float, float]] = deque()
+
+    def rates(self, prompt_total: float, generation_total: float) -> tuple[float, float]:
+        now = self.clock()
+        self.samples.append((now, prompt_total, generation_total))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= THROUGHPUT_WINDOW_S:
+            self.samples.popleft()      # keep the newest sample at least a window old as the base
+        t0, p0, g0 = self.samples[0]
+        if now - t0 <= 0:
+            return 0.0, 0.0
+        return (prompt_total - p0) / (now - t0), (generation_total - g0) / (now - t0)
+
+
 class _EngineCollector:
     """Gauges and counters from the latest EngineStats (None before the engine exists)."""
 
-    def __init__(self, model_name: str, get_stats: Callable):
+    def __init__(self, model_name: str, get_stats: Callable, clock: Callable[[], float] = time.monotonic):
         self.model_name = model_name
         self.get_stats = get_stats
+        self.throughput = _Throughput(clock)
 
     def describe(self):
         return []
@@ -63,6 +89,12 @@ class _EngineCollector:
         # vLLM's name before 0.10 (older dashboards and KEDA rules still query it)
         yield gauge("gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage "
                     "(vLLM's older name of kv_cache_usage_perc).", get("kv_cache_usage"))
+        prompt_rate, generation_rate = self.throughput.rates(get("prompt_tokens_total"),
+                                                             get("generation_tokens_total"))
+        yield gauge("avg_prompt_throughput_toks_per_s", "Average prefill throughput in tokens/s.",
+                    prompt_rate)
+        yield gauge("avg_generation_throughput_toks_per_s", "Average generation throughput in "
+                    "tokens/s.", generation_rate)
         yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
                       get("num_preemptions_total"))
         yield counter("prompt_tokens", "Number of prefill tokens processed.",
@@ -120,11 +152,12 @@ def _rename(name: str, prefix: str) -> str:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, get_stats: Callable, prefixes: Iterable[str] = ("jaxserve",)):
+    def __init__(self, model_name: str, get_stats: Callable, prefixes: Iterable[str] = ("jaxserve",),
+                 clock: Callable[[], float] = time.monotonic):
         self.registry = CollectorRegistry()
         self.view = _Prefixed(self.registry, check_prefixes(prefixes))
         self.model_name = model_name
-        self.registry.register(_EngineCollector(model_name, get_stats))
+        self.registry.register(_EngineCollector(model_name, get_stats, clock))
         r, labels = self.registry, ["model_name"]
         self.request_success = Counter(
             "jaxserve:request_success", "Count of successfully processed requests.",
