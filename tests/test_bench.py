@@ -114,7 +114,7 @@ def test_bench_serve_bad_flag_combinations_are_one_clear_error(flags, message, c
     (["--percentile-metrics", "ttft,latency"], "unknown metric(s) latency; choose from ttft,tpot,itl,e2el"),
     (["--metric-percentiles", "50,100"], "percentiles must be in (0, 100)"),
     (["--random-range-ratio", "1.5"], "must be in [0, 1), got 1.5"),
-    (["--num-promts", "5"], "unrecognized arguments: --num-promts 5"),
+    (["--num-promts", "5"], "unrecognized arguments: --num-promts (did you mean --num-prompts?)"),
 ])
 def test_bench_serve_bad_flags_exit_2_naming_the_flag(flags, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -56,7 +56,7 @@ REFUSED = {
     "001_c69dbfc57f34f86b.txt:1170": "--reasoning-parser",                # step3p5
     "002_e2d129ceae207686.txt:75": "--pipeline-parallel-size",
     "002_e2d129ceae207686.txt:151": "--enable-lora",
-    "002_e2d129ceae207686.txt:172": "--quantization",                     # gguf
+    "002_e2d129ceae207686.txt:172": "--gguf-file",                        # a hub repo + file name
 }
 
 _SMALL = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=8, head_dim=16, intermediate_size=256)
