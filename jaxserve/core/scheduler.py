@@ -364,10 +364,12 @@ class Scheduler:
         entry)]}, each in position order) before `update_from_output`: records the full blocks
         in the prefix cache and returns the entries to deliver, the positions that admitted
         requests took from the cache prepended (all of them in position order)."""
-        for row in scheduler_output.scheduled:
-            request = self.requests.get(row.request_id)
-            if request is not None and row.request_id in computed:
-                self.kv_cache_manager.record_prompt_logprobs(request, computed[row.request_id])
+        if not computed and not self._prompt_logprob_hits:     # the common step: no scoring
+            return computed
+        for rid, entries in computed.items():
+            request = self.requests.get(rid)
+            if request is not None:
+                self.kv_cache_manager.record_prompt_logprobs(request, entries)
         out = dict(computed)
         for rid, num_blocks in self._prompt_logprob_hits.items():
             request = self.requests.get(rid)
