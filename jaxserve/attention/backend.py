@@ -142,6 +142,9 @@ def resolve_backend(name: str) -> str:
 def _kernel(backend: str):
     if backend == "reference":
         return ragged_paged_attention_ref
+    if backend == "dense":     # differentiable, for training (jaxserve/training); not a serving choice
+        from jaxserve.attention.dense import dense_paged_attention
+        return dense_paged_attention
     if backend == "mosaic":
         from jaxserve.pallas import paged_attention_mgpu
         return paged_attention_mgpu.ragged_paged_attention_mgpu
