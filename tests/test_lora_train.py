@@ -24,6 +24,7 @@ from jaxserve.training import (
     make_batch,
     make_train_step,
     save_peft,
+    train_state,
 )
 
 torch = pytest.importorskip("torch")
@@ -98,15 +99,15 @@ def _tiny_checkpoint(path, name):
 
 
 def _train(cfg, weights, spec, examples, steps, lr, max_len):
-    adapter = init_adapter(cfg, spec, jax.random.key(1))
     optimizer = optax.adamw(lr, weight_decay=0.0)
-    opt_state = optimizer.init(adapter)
+    adapter, opt_state = train_state(init_adapter(cfg, spec, jax.random.key(1)), optimizer, weights)
     step = make_train_step(cfg, spec, optimizer)
     losses = []
     for i in range(steps):
         batch = make_batch([examples[(i + j) % len(examples)] for j in range(2)], num_seqs=2, max_len=max_len)
         adapter, opt_state, loss = step(adapter, opt_state, weights, batch)
         losses.append(float(loss))
+    assert step._cache_size() == 1      # every step reused the first one's program
     return adapter, losses
 
 

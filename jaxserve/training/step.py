@@ -40,6 +40,18 @@ def completion_loss(adapter: dict[str, LoraAB], weights, batch: TrainBatch, *, c
     return jnp.sum(nll * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
 
 
+def train_state(adapter: dict[str, LoraAB], optimizer: optax.GradientTransformation, weights):
+    """(adapter, optimizer.init(adapter)) placed where the train step's outputs land: replicated
+    on the mesh the loaded weights live on. Placed otherwise, the step's second call would see
+    inputs that differ from its first call's in placement and compile again."""
+    opt_state = optimizer.init(adapter)
+    sharding = getattr(weights.final_norm, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        adapter, opt_state = jax.device_put((adapter, opt_state), replicated)
+    return adapter, opt_state
+
+
 def make_train_step(cfg: ModelConfig, spec: LoraSpec, optimizer: optax.GradientTransformation):
     """A jitted `step(adapter, opt_state, weights, batch) -> (adapter, opt_state, loss)`: one
     optax update of the adapter (adapter and optimizer state donated). The weights are an
