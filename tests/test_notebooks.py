@@ -53,7 +53,7 @@ def test_executes_without_errors(path, kernel, tmp_path):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if o.output_type == "error"]
     assert not errors
-    # the throughput cell drew its plot
+    # a plot was drawn (quickstart: throughput against batch size; lora_finetune: the training loss)
     assert any(o.output_type == "display_data" and "image/png" in o.get("data", {})
                for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     nbformat.write(nb, tmp_path / path.name)     # the executed copy, for a look when it fails
