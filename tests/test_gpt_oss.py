@@ -192,6 +192,26 @@ def test_expert_parallel_over_2_devices_equals_one_device_and_transformers(tmp_p
     assert np.abs(np.array(res["ep2"]) - want).max() < LOGPROB_ATOL
 
 
+def test_gpt_oss_20b_config_reads_as_released():
+    """The released config.json's fields (transformers 4.55 layout: rope_scaling + rope_theta,
+    MXFP4 quantization_config) as ModelConfig."""
+    from jaxserve.config import ModelConfig
+    hf = dict(architectures=["GptOssForCausalLM"], attention_bias=True, eos_token_id=200002, experts_per_token=4,
+              head_dim=64, hidden_act="silu", hidden_size=2880, initial_context_length=4096, intermediate_size=2880,
+              layer_types=["sliding_attention", "full_attention"] * 12, max_position_embeddings=131072,
+              model_type="gpt_oss", num_attention_heads=64, num_experts_per_tok=4, num_hidden_layers=24,
+              num_key_value_heads=8, num_local_experts=32, pad_token_id=199999, rms_norm_eps=1e-05,
+              quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]},
+              rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "rope_type": "yarn",
+                            "original_max_position_embeddings": 4096, "truncate": False},
+              rope_theta=150000, sliding_window=128, swiglu_limit=7.0, tie_word_embeddings=False, vocab_size=201088)
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.layer_windows == (128, None) * 12 and cfg.attention_sinks and cfg.eos_token_ids == (200002,)
+    assert (cfg.moe.num_experts, cfg.moe.num_experts_per_tok, cfg.moe.moe_intermediate_size) == (32, 4, 2880)
+    assert cfg.rope_theta == 150000 and cfg.rope_scaling_dict["truncate"] is False
+    assert cfg.derived_max_model_len == 131072
+
+
 def test_config_defaults_and_bad_fields():
     from jaxserve.config import ModelConfig
     hf = dict(architectures=["GptOssForCausalLM"], vocab_size=96, hidden_size=64, intermediate_size=64,
