@@ -9,7 +9,8 @@ dummy weights, export):
   - attention sinks: the reference path equals a float64 dense softmax with a sink column, the
     sinks and the SwiGLU clamp change the logits (so parity covers them), and backend selection
     keeps sink models off the kernels, naming why;
-  - expert parallelism (experts with biases split over 2 simulated devices) equals one device;
+  - prompt logprobs with the experts (and their biases) split over 2 simulated devices, by TP and
+    by EP, equal one device's and transformers';
   - config.json fields: defaults as transformers fills them, bad values refused naming the field.
 """
 
@@ -167,7 +168,7 @@ _EP_CHILD = textwrap.dedent("""
     from jaxserve import LLM, SamplingParams
     path, ids = sys.argv[1], json.loads(sys.argv[2])
     result = {}
-    for name, kw in (("tp1", dict(tensor_parallel_size=1)),
+    for name, kw in (("tp1", dict(tensor_parallel_size=1)), ("tp2", dict(tensor_parallel_size=2)),
                      ("ep2", dict(tensor_parallel_size=2, enable_expert_parallel=True))):
         with LLM(model=path, dtype="float32", max_model_len=512, max_num_batched_tokens=512,
                  num_gpu_blocks_override=64, warmup=False, compilation_cache_dir="", **kw) as llm:
@@ -178,7 +179,8 @@ _EP_CHILD = textwrap.dedent("""
 """)
 
 
-def test_expert_parallel_over_2_devices_equals_one_device_and_transformers(tmp_path):
+def test_tensor_and_expert_parallel_over_2_devices_equal_one_device_and_transformers(tmp_path):
+    """TP=2 splits each expert's inner dimension (its down bias added once), EP=2 the experts."""
     model = write_checkpoint(tmp_path, "gpt-oss")
     ids = PROMPTS[-1]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
@@ -188,8 +190,9 @@ def test_expert_parallel_over_2_devices_equals_one_device_and_transformers(tmp_p
     assert out.returncode == 0 and lines, out.stderr[-4000:]
     res = json.loads(lines[0][len("RESULT"):])
     want = _hf_logprobs(model, ids)[np.arange(len(ids) - 1), ids[1:]]
-    assert np.abs(np.array(res["ep2"]) - np.array(res["tp1"])).max() < 1e-4
-    assert np.abs(np.array(res["ep2"]) - want).max() < LOGPROB_ATOL
+    for name in ("tp2", "ep2"):
+        assert np.abs(np.array(res[name]) - np.array(res["tp1"])).max() < 1e-4, name
+        assert np.abs(np.array(res[name]) - want).max() < LOGPROB_ATOL, name
 
 
 def test_gpt_oss_20b_config_reads_as_released():

@@ -211,11 +211,8 @@ def shard_attention(plan: ShardingPlan | None, fn: Callable, q, k, v, cache, *ar
     if plan is not None and plan.kv_repeat > 1:
         k, v = jnp.repeat(k, plan.kv_repeat, axis=1), jnp.repeat(v, plan.kv_repeat, axis=1)
     if sinks is not None:
-        fn = _with_sinks(fn)
-        args = (sinks, *args)
-        if plan is None or plan.tp == 1:
-            return fn(q, k, v, cache, *args)
-    elif plan is None or plan.tp == 1:
+        fn, args = _with_sinks(fn), (sinks, *args)
+    if plan is None or plan.tp == 1:
         return fn(q, k, v, cache, *args)
     from jaxserve.attention import kv_cache as kvc
     q_spec = plan.spec(("tokens", "q_heads", "head_dim"))
