@@ -29,6 +29,10 @@ class MoeConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # gpt-oss's experts: a router with a bias, experts with biases and the clamped SwiGLU
+    # (up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g), g = gate.clamp(max=limit); None: SwiGLU
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
     def __post_init__(self):
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -39,6 +43,10 @@ class MoeConfig:
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
                              f"num_experts ({self.num_experts})")
+        if (self.swiglu_alpha is None) != (self.swiglu_limit is None) or not all(
+                v is None or v > 0 for v in (self.swiglu_alpha, self.swiglu_limit)):
+            raise ValueError(f"model config fields swiglu_alpha and swiglu_limit must both be positive numbers, "
+                             f"got {self.swiglu_alpha!r} and {self.swiglu_limit!r}")
         if not all(isinstance(i, int) and i >= 0 for i in self.mlp_only_layers):
             raise ValueError(f"model config field mlp_only_layers must list layer indices >= 0, "
                              f"got {list(self.mlp_only_layers)}")
@@ -90,6 +98,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     rope_local_theta: float | None = None
     partial_rotary_factor: float = 1.0   # rope turns the first head_dim * this dims (Phi-4-mini)
+    attention_sinks: bool = False  # a learned logit per head in every softmax denominator (gpt-oss)
     # The longest context served (the engine's max_model_len; None: derived_max_model_len).
     # LongRoPE picks its short or long factors by it, once (vLLM's rule; layers/rotary.py).
     max_model_len: int | None = None
@@ -329,7 +338,23 @@ def _phi3_fields(text: dict[str, Any]) -> dict[str, Any]:
     return dict(_llama_fields(text), sliding_window=_window(text, True), partial_rotary_factor=float(factor))
 
 
+def _gpt_oss_fields(text: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: experts intermediate_size wide, routed top-k then softmax over the k (with the
+    router's bias), clamped SwiGLU; q/k/v/o biases; attention sinks; every other layer sliding
+    from the first, unless layer_types says otherwise."""
+    n = int(text["num_hidden_layers"])
+    types = text.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    moe = MoeConfig(num_experts=int(text["num_local_experts"]),
+                    num_experts_per_tok=int(text["num_experts_per_tok"]),
+                    moe_intermediate_size=int(text["intermediate_size"]), norm_topk_prob=True,
+                    swiglu_alpha=float(text.get("swiglu_alpha", 1.702)),
+                    swiglu_limit=float(text.get("swiglu_limit", 7.0)))
+    return dict(attention_bias=bool(text.get("attention_bias", True)), sliding_window=_window(text, True),
+                layer_types=tuple(types), moe=moe, attention_sinks=True)
+
+
 _FAMILY_FIELDS = {
+    "GptOssForCausalLM": _gpt_oss_fields,
     "Phi3ForCausalLM": _phi3_fields,
     "Gemma2ForCausalLM": _gemma2_fields,
     "Gemma3ForCausalLM": _gemma3_fields,

@@ -1,4 +1,4 @@
-"""Model families beyond Llama: Gemma 2, Gemma 3 (text) and Phi-3 / Phi-4-mini against transformers.
+"""Model families beyond Llama: Gemma 2, Gemma 3 (text), Phi-3 / Phi-4-mini and gpt-oss against transformers.
 
 Each family is a tiny random checkpoint written here with transformers' own config class (every
 parameter randomised, so a missing norm or offset cannot hide), read by the engine (`LLM`):
@@ -62,6 +62,13 @@ FAMILIES = {
         original_max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         rope_scaling={"type": "longrope", "short_factor": [1.0, 1.2, 1.5, 1.1, 1.9, 1.3],
                       "long_factor": [2.0, 4.5, 3.0, 6.0, 1.5, 5.0]})),
+    # experts with biases (4, top 2) and a SwiGLU clamp low enough to bite; attention sinks; layers
+    # slide, global, slide, global; YaRN x4 over an original context of 128 (untruncated ramp)
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        _BASE, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+        swiglu_limit=1.5, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "truncate": False, "original_max_position_embeddings": 128,
+                                           "rope_theta": 150000.0})),
 }
 
 PROMPT_LENGTHS = (7, 40, 130, 300)
@@ -86,6 +93,8 @@ def write_checkpoint(path, name: str, seed: int = 0):
         for pname, p in model.named_parameters():
             if "norm" in pname:       # Gemma scales by 1 + w: w around 0 there, around 1 elsewhere
                 p.copy_((0.0 if gemma else 1.0) + 0.3 * torch.randn_like(p))
+            elif pname.endswith("sinks"):     # gpt-oss: sink logits on the scale of the scores
+                p.copy_(1.5 * torch.randn_like(p))
             else:
                 p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(path, safe_serialization=True)
@@ -146,7 +155,7 @@ def test_prompt_and_decode_logprobs_equal_transformers(family, budget):
         assert row.max() - row[tok] < LOGPROB_ATOL, i
 
 
-@pytest.mark.parametrize("name", [n for n in FAMILIES if n.startswith("gemma")])   # the windowed ones
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n.startswith(("gemma", "gpt-oss"))])   # the windowed ones
 def test_window_matters(name, tmp_path):
     """The checkpoint's sliding window changes the logits (so the test above covers it)."""
     path = tmp_path

@@ -98,8 +98,9 @@ def make_batch(case: Case, seed: int = 0):
     return q, k, v, meta, ks, vs
 
 
-def naive_attention(q, k, v, meta, *, sm_scale, window=None, soft_cap=None, ks=None, vs=None):
-    """Per-sequence, per-token dense softmax in float64 numpy."""
+def naive_attention(q, k, v, meta, *, sm_scale, window=None, soft_cap=None, ks=None, vs=None, sinks=None):
+    """Per-sequence, per-token dense softmax in float64 numpy (`sinks` [H]: one more logit per
+    head in the denominator, gpt-oss)."""
     q = np.asarray(q, np.float64)
     k = np.asarray(k.astype(jnp.float32), np.float64)
     v = np.asarray(v.astype(jnp.float32), np.float64)
@@ -123,8 +124,10 @@ def naive_attention(q, k, v, meta, *, sm_scale, window=None, soft_cap=None, ks=N
                 sc = ctx_k[lo:pos + 1, h // G] @ q[t, h] * sm_scale
                 if soft_cap is not None:
                     sc = soft_cap * np.tanh(sc / soft_cap)
-                p = np.exp(sc - sc.max())
-                out[t, h] = (p / p.sum()) @ ctx_v[lo:pos + 1, h // G]
+                sink = -np.inf if sinks is None else float(sinks[h])
+                m = max(sc.max(), sink)
+                p = np.exp(sc - m)
+                out[t, h] = (p / (p.sum() + np.exp(sink - m))) @ ctx_v[lo:pos + 1, h // G]
     return out
 
 

@@ -71,11 +71,15 @@ class AttentionCase:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    sinks: bool = False       # a learned logit per head in the softmax denominator (gpt-oss)
 
     @classmethod
     def of(cls, model_config, dtype, kv_dtype, block_size: int) -> AttentionCase:
         return cls(dtype, kv_dtype, model_config.num_heads, model_config.num_kv_heads,
-                   model_config.head_dim, block_size)
+                   model_config.head_dim, block_size, bool(getattr(model_config, "attention_sinks", False)))
+
+
+SINKS_PROBLEM = "does not implement attention sinks (gpt-oss), which only the reference path applies"
 
 
 def mosaic_problem(case: AttentionCase, platform: Platform) -> str | None:
@@ -105,6 +109,12 @@ def select_backend(name: str, case: AttentionCase | None = None,
     if name != "auto" and name not in BACKENDS:
         raise ValueError(f"attention_backend must be 'auto', {', '.join(map(repr, BACKENDS + tuple(ALIASES)))}; "
                          f"got {name!r}")
+    if case is not None and case.sinks and name != "reference":
+        if name != "auto":
+            raise ValueError(f"attention_backend={name!r}: the {name} kernel {SINKS_PROBLEM}; use 'reference' "
+                             "or 'auto'")
+        logger.info("attention_backend auto: the reference path (the kernels %s)", SINKS_PROBLEM)
+        return "reference"
     if name in ("reference", "pallas"):
         return name
     platform = platform or current_platform()
@@ -154,8 +164,10 @@ def _kernel(backend: str):
 
 def paged_attention(q, cache: kvc.KVCache, layer, meta: AttentionMetadata, *, backend: str,
                     sm_scale: float, sliding_window: int | None = None,
-                    soft_cap: float | None = None) -> tuple[jax.Array, kvc.KVCache]:
-    """One layer's attention: q [T, H, D] against layer `layer` of the stacked cache.
+                    soft_cap: float | None = None, sinks: jax.Array | None = None
+                    ) -> tuple[jax.Array, kvc.KVCache]:
+    """One layer's attention: q [T, H, D] against layer `layer` of the stacked cache; `sinks`
+    [H] (gpt-oss; reference path only: `select_backend` refuses the kernels for such models).
     Returns the output and the cache to carry on with (see `return_pages`)."""
     n = cache.num_blocks
     meta = dataclasses.replace(meta, block_tables=meta.block_tables + layer * n)
@@ -165,11 +177,13 @@ def paged_attention(q, cache: kvc.KVCache, layer, meta: AttentionMetadata, *, ba
     args = (q, kvc.layer_view(cache.k), kvc.layer_view(cache.v), meta)
     opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **scales)
     if backend != "reference":
+        if sinks is not None:
+            raise ValueError(f"attention backend {backend!r} {SINKS_PROBLEM}")
         # the kernels take fp8 pages (a uint8 `codes` pool exists only on CPU: interpret mode)
         args = (q, kvc.as_values(args[1], cache.codes), kvc.as_values(args[2], cache.codes), meta)
         return _kernel(backend)(*args, **opts), cache
     out, (k, v, ks, vs) = ragged_paged_attention_ref(*args, **opts, return_pages=True,
-                                                     page_codes=cache.codes)
+                                                     page_codes=cache.codes, sinks=sinks)
     shape, scale_shape = cache.k.shape, cache.k.shape[:-1]
     return out, kvc.KVCache(k.reshape(shape), v.reshape(shape),
                             None if ks is None else ks.reshape(scale_shape),

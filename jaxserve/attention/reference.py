@@ -77,11 +77,13 @@ def _tile_rows(meta: AttentionMetadata, num_tokens: int, tile: int) -> _Rows:
 
 
 def _attend_rows(qf, out, pages, tables, rows: _Rows, *, rows_per_step: int, chunk: int,
-                 sliding_window, soft_cap, page_codes=None):
+                 sliding_window, soft_cap, page_codes=None, sinks=None):
     """Attention of `rows` of queries qf [T, K, G, D] (scaled, f32), written into out [T, K, G,
-    D]. A loop over batches of `rows_per_step` rows (as many as there are real rows), each an
-    online-softmax loop over `chunk` KV positions at a time (as many as its longest row needs):
-    both trip counts are dynamic, so the work follows the batch, not the padded shapes.
+    D]. `sinks` [K, G] f32 or None: each head's sink logit, a key with value zero that every
+    query sees (the online softmax starts from it). A loop over batches of `rows_per_step` rows
+    (as many as there are real rows), each an online-softmax loop over `chunk` KV positions at
+    a time (as many as its longest row needs): both trip counts are dynamic, so the work
+    follows the batch, not the padded shapes.
     Returns (out, pages): the pages are threaded through both loops (see `return_pages`)."""
     T, K, G, D = qf.shape
     B = pages[0].shape[1]
@@ -129,9 +131,11 @@ def _attend_rows(qf, out, pages, tables, rows: _Rows, *, rows_per_step: int, chu
                                                       gather(vp, vs, ids))
             return (m_new, l, acc), (kp, vp, ks, vs)
 
-        init = (jnp.full((K, W, tile, G), _MASKED, jnp.float32),
-                jnp.zeros((K, W, tile, G), jnp.float32),
-                jnp.zeros((K, W, tile, G, D), jnp.float32))
+        if sinks is None:
+            init = (jnp.full((K, W, tile, G), _MASKED, jnp.float32), jnp.zeros((K, W, tile, G), jnp.float32))
+        else:       # the sink as the first key seen: running max its logit, denominator exp(0)
+            init = (jnp.broadcast_to(sinks[:, None, None, :], (K, W, tile, G)), jnp.ones((K, W, tile, G), jnp.float32))
+        init += (jnp.zeros((K, W, tile, G, D), jnp.float32),)
         first = 0
         if sliding_window is not None:   # chunks wholly before every row's window are skipped
             first = jnp.maximum(jnp.min(jnp.where(real, pos, ctx.max())) - sliding_window + 1,
@@ -147,8 +151,10 @@ def _attend_rows(qf, out, pages, tables, rows: _Rows, *, rows_per_step: int, chu
 def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, sm_scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None,
                                k_scale=None, v_scale=None, return_pages: bool = False,
-                               page_codes: str | None = None):
+                               page_codes: str | None = None, sinks=None):
     """q [T, H, D]; k_pages, v_pages [R, B, K, D]; scales [R, B, K] or None -> [T, H, D].
+    `sinks` [H] or None: attention sinks (gpt-oss), a learned logit per head added to every
+    softmax denominator (softmax over [scores, sink], the sink's column dropped).
 
     `return_pages=True` also returns (k_pages, v_pages, k_scale, v_scale) as threaded through the
     loops. Inside the model's layer loop the caller must continue with those: if a loop only
@@ -169,7 +175,10 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
     qf = (q.astype(jnp.float32) * sm_scale).reshape(T, K, H // K, D)
     out = jnp.zeros_like(qf)
     pages = (k_pages, v_pages, k_scale, v_scale)
-    opts = dict(chunk=chunk, sliding_window=sliding_window, soft_cap=soft_cap, page_codes=page_codes)
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32).reshape(K, H // K)
+    opts = dict(chunk=chunk, sliding_window=sliding_window, soft_cap=soft_cap, page_codes=page_codes,
+                sinks=sinks)
     out, pages = _attend_rows(qf, out, pages, tables, _token_rows(meta, T),
                               rows_per_step=min(_TOKEN_ROWS, T), **opts)
     out, pages = _attend_rows(qf, out, pages, tables, _tile_rows(meta, T, min(_TILE, T)),

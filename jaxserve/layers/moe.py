@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a softmax router picks the top-k
+"""The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss): a softmax router picks the top-k
 experts of every token, and the experts run as grouped matmuls (`layers/experts.py`) over the
 (token, expert) assignments: each assignment costs one expert's FLOPs, never all of them.
 
@@ -27,13 +27,27 @@ def route(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.
     return weights, ids.astype(jnp.int32)
 
 
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, *, alpha: float, limit: float) -> jax.Array:
+    """gpt-oss's expert activation: (up + 1) * g * sigmoid(alpha * g), with the gate clamped
+    from above and up on both sides at `limit`."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
+
+
 def expert_mlp(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: ExpertWeight,
                w_up: ExpertWeight, w_down: ExpertWeight, first_expert=0,
-               layout: str | None = None) -> jax.Array:
-    """SwiGLU experts over the tokens routed to them.
+               layout: str | None = None, *, biases=None, act=swiglu) -> jax.Array:
+    """Gated experts (SwiGLU unless `act(gate, up)` says otherwise) over the tokens routed to them.
 
     x [T, E]; weights, ids [T, k] from `route`; w_gate, w_up [X_local, E, F], w_down
-    [X_local, F, E] hold experts first_expert .. first_expert + X_local - 1. Returns [T, E]: each
+    [X_local, F, E] hold experts first_expert .. first_expert + X_local - 1; `biases` (gpt-oss)
+    None or (gate [X_local, F], up [X_local, F], down [X_local, E]), each added to its expert's
+    matmul (the down bias inside the routing weight, as transformers does). Returns [T, E]: each
     token's weighted sum over its experts that lie in this slice (zero for the others).
     `layout` ("tiles" or "ragged", `layers/experts.py`): None picks by backend and weight type."""
     T, k = ids.shape
@@ -42,10 +56,20 @@ def expert_mlp(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: ExpertW
     valid = groups.rows < T * k                                 # padding, other devices' experts
     token = groups.rows // k                                    # T for padding rows
     xs = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[token]      # [M, E]
-    h = (jax.nn.silu(grouped_linear(xs, w_gate, groups)) * grouped_linear(xs, w_up, groups))
-    y = grouped_linear(h.astype(x.dtype), w_down, groups)                       # [M, E]
+    b_gate = b_up = b_down = None
+    if biases is not None:      # each row's local expert (0 for rows that are dropped below)
+        expert = jnp.concatenate([ids.reshape(-1), jnp.zeros((1,), ids.dtype)])[groups.rows] - first_expert
+        expert = jnp.where(valid, expert, 0)
+        b_gate, b_up, b_down = (b[expert] for b in biases)
+    h = act(linear_bias(grouped_linear(xs, w_gate, groups), b_gate),
+            linear_bias(grouped_linear(xs, w_up, groups), b_up))
+    y = linear_bias(grouped_linear(h.astype(x.dtype), w_down, groups), b_down)  # [M, E]
     scale = jnp.concatenate([weights.reshape(-1), jnp.zeros((1,), weights.dtype)])[groups.rows]
     # rows of other devices' experts (ragged: past the groups) are dropped, not trusted
     y = jnp.where(valid[:, None], y.astype(jnp.float32) * scale[:, None], 0.0)
     out = jnp.zeros((T + 1, x.shape[1]), jnp.float32).at[token].add(y)
     return out[:T].astype(x.dtype)
+
+
+def linear_bias(y: jax.Array, b: jax.Array | None) -> jax.Array:
+    return y if b is None else y + b.astype(y.dtype)

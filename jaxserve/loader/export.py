@@ -33,7 +33,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                 "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
-                "Phi3ForCausalLM": "phi3"}
+                "Phi3ForCausalLM": "phi3", "GptOssForCausalLM": "gpt_oss"}
 # what an architecture is exported as: the text model jaxserve serves (its vision tower was not loaded)
 _EXPORTED_AS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
@@ -68,6 +68,11 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
                    final_logit_softcapping=cfg.final_logit_softcapping)
         if cfg.rope_local_theta is not None:
             out.update(rope_local_base_freq=cfg.rope_local_theta)
+    if cfg.architecture == "GptOssForCausalLM":    # without rope_parameters GptOssConfig assumes YaRN x32
+        out.pop("rope_scaling")
+        out.update(layer_types=list(cfg.layer_types), swiglu_alpha=cfg.moe.swiglu_alpha,
+                   swiglu_limit=cfg.moe.swiglu_limit, rope_parameters={
+                       "rope_theta": cfg.rope_theta, **(cfg.rope_scaling_dict or {"rope_type": "default"})})
     if cfg.moe is not None:
         m = cfg.moe
         out.update(num_experts_per_tok=m.num_experts_per_tok, num_local_experts=m.num_experts)
@@ -107,12 +112,18 @@ def _host_arrays(cfg: ModelConfig, weights, dtype) -> dict[str, np.ndarray]:
         x = np.asarray(jax.device_get(node.w if hasattr(node, "w") else node)).astype(dtype)
         for pos, name in p.checkpoint_names():
             t = np.ascontiguousarray(x[pos].T if p.transpose else x[pos])
-            if p.rows is not None:       # a part of a fused tensor: joined below, in row order
-                parts.setdefault(name, []).append((p.rows[0], t))
+            if p.rows is not None:       # a part of a fused tensor: joined below, in its rows
+                parts.setdefault(name, []).append((p, t))
             else:
                 tensors[name] = t
     for name, pieces in parts.items():
-        tensors[name] = np.concatenate([t for _, t in sorted(pieces, key=lambda r: r[0])])
+        axis = pieces[0][0].out_axis % pieces[0][1].ndim
+        shape = list(pieces[0][1].shape)
+        shape[axis] = max(p.rows[1] for p, _ in pieces)
+        fused = np.empty(shape, pieces[0][1].dtype)
+        for p, t in pieces:
+            fused[(slice(None),) * axis + (p.row_slice(),)] = t
+        tensors[name] = fused
     return tensors
 
 

@@ -84,10 +84,11 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
             raise ModelLoadError(f"tensor {name} is FP8 (F8_E4M3) but no scale for it was found "
                                  f"(quantization_config: {'none' if fp8_scheme is None else fp8_scheme.method})")
         if rows is not None:                  # this array's part of a fused tensor (Phi-3's qkv_proj)
-            if x.shape[0] < rows[1]:
-                raise ModelLoadError(f"tensor {name} has {x.shape[0]} rows, expected at least {rows[1]} "
+            axis = 0 if transpose else x.ndim - 1     # the `out` axis (Param.rows)
+            if x.shape[axis] < rows[1]:
+                raise ModelLoadError(f"tensor {name} has {x.shape[axis]} rows, expected at least {rows[1]} "
                                      "from the model config")
-            x = x[rows[0]:rows[1]]
+            x = x[(slice(None),) * axis + (slice(*rows),)]
         x = x.T if transpose else x
         if x.shape != shape:
             raise ModelLoadError(f"tensor {name} has shape {tuple(x.shape)}, expected {shape} "
@@ -209,7 +210,8 @@ def fp8_scheme_of(path: Path):
     """The quantised format of a Hugging Face directory's checkpoint: an FP8 scheme (loader/fp8.py),
     an int4 one (loader/int4.py), or None."""
     hf = _hf_json(path)
-    if not hf.get("quantization_config"):
+    from jaxserve.loader import mxfp4
+    if not hf.get("quantization_config") or mxfp4.is_mxfp4(hf):     # MXFP4: dequantized as read
         return None
     from jaxserve.loader import int4
     from jaxserve.loader.fp8 import scheme_of
@@ -328,6 +330,10 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
         scheme = fp8_scheme_of(path)
         _check_quantization_flag(quantization, scheme, path)
         get = _safetensors_getter(path)
+        from jaxserve.loader import mxfp4
+        if mxfp4.is_mxfp4(_hf_json(path)):     # gpt-oss: MXFP4 experts, dequantized to the model dtype
+            get = mxfp4.dequantizing_getter(get)
+            logger.info("%s: MXFP4 expert weights are dequantized to %s at load", path, jnp.dtype(jdtype).name)
     logger.info("loading %s (%s, %d layers, hidden %d) as %s%s", path, cfg.architecture,
                 cfg.num_layers, cfg.hidden_size, jnp.dtype(jdtype).name, _fp8_note(scheme, quantization))
     int4_scheme = scheme if type(scheme).__name__ == "Int4Scheme" else None

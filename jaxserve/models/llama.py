@@ -65,10 +65,16 @@ class LayerWeights:
     k_norm: jax.Array | None = None  # [L, D]
     post_attn_norm: jax.Array | None = None  # [L, E]  (Gemma: norms after attention and MLP too)
     post_mlp_norm: jax.Array | None = None   # [L, E]
+    bo: jax.Array | None = None              # [L, E]  (gpt-oss: o_proj has a bias too)
+    sinks: jax.Array | None = None           # [L, H]  (gpt-oss: attention sinks, one logit per head)
+    router_bias: jax.Array | None = None     # [L or Ls, X]  (gpt-oss: router and experts with biases)
+    be_gate: jax.Array | None = None         # [L or Ls, X, Fe]
+    be_up: jax.Array | None = None           # [L or Ls, X, Fe]
+    be_down: jax.Array | None = None         # [L or Ls, X, E]
 
 
 DENSE_MLP = ("w_gate", "w_up", "w_down")
-SPARSE_MLP = ("router", "we_gate", "we_up", "we_down")
+SPARSE_MLP = ("router", "we_gate", "we_up", "we_down", "router_bias", "be_gate", "be_up", "be_down")
 
 
 @jax.tree_util.register_dataclass
@@ -179,8 +185,9 @@ def self_attention(cfg: ModelConfig, backend: str, kv_quantize, plan: ShardingPl
 
     Projections (with Qwen2's bias), Qwen3/Gemma 3's per-head q/k norm (scale `norm_offset` + w),
     rope (the first 2 * cos.shape[-1] dims of each head: partial rotary), the cache write and
-    paged attention with the config's scale (query_pre_attn_scalar), soft cap and window: the
-    static cfg.sliding_window, unless the caller set this layer's own in `meta.sliding_window`."""
+    paged attention with the config's scale (query_pre_attn_scalar), soft cap, sinks (gpt-oss)
+    and window: the static cfg.sliding_window, unless the caller set this layer's own in
+    `meta.sliding_window`."""
     T = h.shape[0]
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = linear(h, w.wq, w.bq).reshape(T, H, D)
@@ -193,13 +200,14 @@ def self_attention(cfg: ModelConfig, backend: str, kv_quantize, plan: ShardingPl
     scale = (cfg.query_pre_attn_scalar or D) ** -0.5
     window = cfg.sliding_window if getattr(meta, "sliding_window", None) is None else None
 
-    def attend(q, k, v, cache, layer, meta):     # one device's heads when tensor-parallel
+    def attend(q, k, v, cache, layer, meta, sinks=None):     # one device's heads when tensor-parallel
         cache = kvc.write(cache, layer, k, v, meta.slot_mapping, kv_quantize)
         return attention.paged_attention(q, cache, layer, meta, backend=backend, sm_scale=scale,
-                                         sliding_window=window, soft_cap=cfg.attn_logit_softcapping)
+                                         sliding_window=window, soft_cap=cfg.attn_logit_softcapping,
+                                         sinks=sinks)
 
-    o, cache = shard_attention(plan, attend, q, k, v, cache, layer, meta)
-    return linear(o.reshape(T, H * D), w.wo), cache
+    o, cache = shard_attention(plan, attend, q, k, v, cache, layer, meta, sinks=w.sinks)
+    return linear(o.reshape(T, H * D), w.wo, w.bo), cache
 
 
 def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -274,9 +282,14 @@ def mlp(cfg: ModelConfig, plan: ShardingPlan | None, w: LayerWeights, h: jax.Arr
         act = ACTIVATIONS[cfg.hidden_act]
         return linear(act(linear(h, w.w_gate)) * linear(h, w.w_up), w.w_down)
     # the weights say which MLP this layer has; cfg.moe holds the router's settings
-    logits = linear(h, w.router, out_dtype=jnp.float32)
+    logits = linear(h, w.router, w.router_bias, out_dtype=jnp.float32)
     weights, ids = moe.route(logits, cfg.moe.num_experts_per_tok, cfg.moe.norm_topk_prob)
-    return shard_experts(plan, moe.expert_mlp, h, weights, ids, w.we_gate, w.we_up, w.we_down)
+    fn = moe.expert_mlp
+    if cfg.moe.swiglu_limit is not None:
+        fn = partial(moe.expert_mlp, act=partial(moe.clamped_swiglu, alpha=cfg.moe.swiglu_alpha,
+                                                 limit=cfg.moe.swiglu_limit))
+    biases = None if w.be_gate is None else (w.be_gate, w.be_up, w.be_down)
+    return shard_experts(plan, fn, h, weights, ids, w.we_gate, w.we_up, w.we_down, biases=biases)
 
 
 def forward(weights: Weights, cache: kvc.KVCache, tokens: jax.Array, positions: jax.Array,

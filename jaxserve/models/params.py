@@ -33,9 +33,10 @@ class Param:
         when per_expert) in the pytree, and what FP8 loading and quantisation apply to.
     layers: (stacked only) the checkpoint layer of each stacked index, when the array holds only
         some layers (a model mixing dense and MoE MLPs); None: layers 0 .. shape[0] - 1.
-    rows: (start, stop) of the checkpoint tensor's first axis (its `out` rows) this array holds,
-        when the checkpoint fuses several arrays into one tensor (Phi-3's qkv_proj, gate_up_proj);
-        None: the whole tensor.
+    rows: (start, stop) or (start, stop, step) of the checkpoint tensor's `out` axis (its first
+        axis when `transpose`, its last otherwise) this array holds, when the checkpoint fuses
+        several arrays into one tensor (Phi-3's qkv_proj and gate_up_proj: ranges; gpt-oss's
+        experts' gate_up_proj: gate and up interleaved, step 2); None: the whole tensor.
     init: how `--load-format dummy` fills it: normal(0, 0.02), ones or zeros.
     """
 
@@ -49,7 +50,7 @@ class Param:
     dense: bool = False
     init: str = "normal"
     layers: tuple[int, ...] | None = None
-    rows: tuple[int, int] | None = None
+    rows: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
@@ -61,6 +62,16 @@ class Param:
         if self.layers is not None and (not self.stacked or len(self.layers) != self.shape[0]):
             raise ValueError(f"{self.path}: layers {self.layers} must name one checkpoint layer "
                              f"per stacked index ({self.shape[0] if self.shape else 0})")
+        if self.rows is not None and len(self.rows) not in (2, 3):
+            raise ValueError(f"{self.path}: rows must be (start, stop) or (start, stop, step), got {self.rows}")
+
+    @property
+    def out_axis(self) -> int:
+        """The checkpoint tensor's axis `rows` selects from."""
+        return 0 if self.transpose else -1
+
+    def row_slice(self) -> slice:
+        return slice(*self.rows) if self.rows is not None else slice(None)
 
     def checkpoint_name(self, index: int | None = None, expert: int | None = None) -> str:
         """The checkpoint tensor of stacked index `index` (and `expert`)."""

@@ -24,6 +24,7 @@ MODELS: dict[str, str] = {
     "Gemma3ForCausalLM": "jaxserve.models.gemma",
     "Gemma3ForConditionalGeneration": "jaxserve.models.gemma",     # its text model
     "Phi3ForCausalLM": "jaxserve.models.phi3",                      # Phi-3, Phi-3.5, Phi-4-mini
+    "GptOssForCausalLM": "jaxserve.models.gpt_oss",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODELS)
 

@@ -113,9 +113,12 @@ def plan_for(cfg, mesh: Mesh, expert_parallel: bool = False) -> ShardingPlan:
 
 
 def shard_experts(plan: ShardingPlan | None, fn: Callable, x, weights, ids, w_gate, w_up,
-                  w_down):
+                  w_down, *, biases=None):
     """Run the experts `fn(x, weights, ids, w_gate, w_up, w_down, first_expert) -> [T, E]` on
-    each device's slice of the expert weights and sum the devices' outputs.
+    each device's slice of the expert weights and sum the devices' outputs. `biases` (gpt-oss):
+    None or the experts' (gate [X, F], up [X, F], down [X, E]) biases, passed on as
+    `fn(..., biases=...)`, split like their matrices' outputs; the down bias is added by the
+    first device of the MLP split only, so the sum counts it once.
 
     x [T, E] and the routing (weights, ids [T, k]) are replicated; w_gate, w_up
     [X, E, F] and w_down [X, F, E] (`ExpertWeight`s of any weight type, `expert_specs`) split on
@@ -123,24 +126,36 @@ def shard_experts(plan: ShardingPlan | None, fn: Callable, x, weights, ids, w_ga
     A device computes only the assignments to its own experts (a grouped matmul over its tokens),
     with its slice of F, and one all-reduce sums the partial outputs, as jax-llm-examples'
     qwen3 does: no expert weight ever leaves its device."""
+    extra = {} if biases is None else {"biases": tuple(biases)}
     if plan is None or plan.mesh.size == 1:
-        return fn(x, weights, ids, w_gate, w_up, w_down, 0)
+        return fn(x, weights, ids, w_gate, w_up, w_down, 0, **extra)
     experts_axes = _axes(plan.mesh_axis("experts"))
-    sum_axes = experts_axes + _axes(plan.mesh_axis("moe_mlp"))
+    mlp_axes = _axes(plan.mesh_axis("moe_mlp"))
+    sum_axes = experts_axes + mlp_axes
 
-    def local(x, weights, ids, w_gate, w_up, w_down):
+    def local(x, weights, ids, w_gate, w_up, w_down, *biases):
         first = 0
         for a in experts_axes:                  # this device's place along the expert split
             first = first * plan.mesh.shape[a] + jax.lax.axis_index(a)
-        out = fn(x, weights, ids, w_gate, w_up, w_down, first * w_gate.num_experts)
+        extra = {}
+        if biases:
+            b_gate, b_up, b_down = biases
+            first_of_mlp = sum(jax.lax.axis_index(a) for a in mlp_axes) == 0 if mlp_axes else True
+            extra = {"biases": (b_gate, b_up, jnp.where(first_of_mlp, b_down, 0))}
+        out = fn(x, weights, ids, w_gate, w_up, w_down, first * w_gate.num_experts, **extra)
         return jax.lax.psum(out, sum_axes) if sum_axes else out
 
     up_axes, down_axes = ("experts", "embed", "moe_mlp"), ("experts", "moe_mlp", "embed")
     rep = PartitionSpec()
     specs = (expert_specs(plan, w_gate, up_axes), expert_specs(plan, w_up, up_axes),
              expert_specs(plan, w_down, down_axes))
+    args = (x, weights, ids, w_gate, w_up, w_down)
+    if biases is not None:
+        specs += (plan.spec(("experts", "moe_mlp")), plan.spec(("experts", "moe_mlp")),
+                  plan.spec(("experts", "embed")))
+        args += tuple(biases)
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(rep, rep, rep, *specs),
-                         out_specs=rep, check_vma=False)(x, weights, ids, w_gate, w_up, w_down)
+                         out_specs=rep, check_vma=False)(*args)
 
 
 def expert_specs(plan: ShardingPlan, experts, axes: Sequence[str]):
@@ -185,15 +200,18 @@ def single_device_plan(cfg) -> ShardingPlan:
     return plan_for(cfg, make_mesh(devices=jax.devices()[:1]))
 
 
-def shard_attention(plan: ShardingPlan | None, fn: Callable, q, k, v, cache, *args):
+def shard_attention(plan: ShardingPlan | None, fn: Callable, q, k, v, cache, *args, sinks=None):
     """Run `fn(q, k, v, cache, *args) -> (out, cache)` on each device's heads.
 
     q [T, H, D], k, v [T, K, D] (replicated K heads are repeated here to the cache's count),
-    cache a KVCache split on its heads; `args` (layer index, attention metadata) replicated.
+    cache a KVCache split on its heads; `args` (layer index, attention metadata) replicated;
+    `sinks` [H] (gpt-oss; None: none) split like q's heads, passed on as `fn(..., sinks=...)`.
     XLA does not partition Pallas calls, so the kernel only ever sees one device's heads; the
     reference path goes the same way (no collective is needed: heads are independent)."""
     if plan is not None and plan.kv_repeat > 1:
         k, v = jnp.repeat(k, plan.kv_repeat, axis=1), jnp.repeat(v, plan.kv_repeat, axis=1)
+    if sinks is not None:
+        fn, args = _with_sinks(fn), (sinks, *args)
     if plan is None or plan.tp == 1:
         return fn(q, k, v, cache, *args)
     from jaxserve.attention import kv_cache as kvc
@@ -203,9 +221,19 @@ def shard_attention(plan: ShardingPlan | None, fn: Callable, q, k, v, cache, *ar
     cache_spec = kvc.KVCache(pages, pages, *((scales, scales) if cache.quantized else (None, None)),
                              codes=cache.codes)
     rest = tuple(jax.tree.map(lambda _: PartitionSpec(), a) for a in args)
+    if sinks is not None:
+        rest = (plan.spec(("q_heads",)), *rest[1:])
     mapped = jax.shard_map(fn, mesh=plan.mesh, in_specs=(q_spec, kv_spec, kv_spec, cache_spec, *rest),
                            out_specs=(q_spec, cache_spec), check_vma=False)
     return mapped(q, k, v, cache, *args)
+
+
+def _with_sinks(fn: Callable) -> Callable:
+    """fn(q, k, v, cache, *args, sinks=s) called as g(q, k, v, cache, s, *args): the sinks travel
+    as a positional operand of the shard_map."""
+    def call(q, k, v, cache, sinks, *args):
+        return fn(q, k, v, cache, *args, sinks=sinks)
+    return call
 
 
 def embed_lookup(plan: ShardingPlan | None, table, tokens: jax.Array) -> jax.Array:
