@@ -77,6 +77,12 @@ class BackgroundCompiler:
         return future is not None and future.done() and future.exception() is None
 
     @property
+    def queued(self) -> list[Hashable]:
+        """Keys not started yet, in the order they will be compiled."""
+        with self._cond:
+            return list(self._queue)
+
+    @property
     def pending(self) -> int:
         """Programs queued or compiling."""
         return sum(not f.done() for f in list(self._futures.values()))
