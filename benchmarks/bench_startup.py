@@ -82,7 +82,8 @@ def run_once(cache_dir: str, model: str | None, extra: list[str], tree: str | No
     env = dict(os.environ, PYTHONPATH=tree) if tree else None
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # `python -m` puts the working directory first on sys.path: run in the tree itself
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tree)
     try:
         while _health(f"http://127.0.0.1:{port}/health") != 200:
             if proc.poll() is not None:
@@ -108,10 +109,10 @@ def run_once(cache_dir: str, model: str | None, extra: list[str], tree: str | No
     return {"total": total, "first_request": first, "phases": phases, "command": " ".join(cmd[1:])}
 
 
-def _cold_warm(model, extra, tree=None) -> tuple[dict, dict]:
+def _cold_warm(model, extra, tree=None, wait_background=False) -> tuple[dict, dict]:
     cache = tempfile.mkdtemp(prefix="jaxserve-xla-")
     try:
-        return (run_once(cache, model, extra, tree, wait_background=True),
+        return (run_once(cache, model, extra, tree, wait_background=wait_background),
                 run_once(cache, model, extra, tree))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
@@ -169,7 +170,7 @@ def main() -> None:
     if args.against:
         against(args)
         return
-    cold, warm = _cold_warm(args.model, args.extra)
+    cold, warm = _cold_warm(args.model, args.extra, wait_background=True)
     lines = []
     for name, r in (("cold", cold), ("warm", warm)):
         lines.append(_line(name, r))

@@ -91,11 +91,15 @@ class BackgroundCompiler:
         """Block until every queued program is built (a failure is raised by `get`, not here)."""
         concurrent.futures.wait(list(self._futures.values()), timeout)
 
-    def close(self) -> None:
-        """Stop after the compile under way; queued programs are cancelled."""
+    def close(self, timeout: float | None = 0.0) -> None:
+        """Stop after the compile under way (waiting up to `timeout` seconds for it, None: for
+        as long as it takes; a process that exits mid-compile can crash in XLA's teardown);
+        queued programs are cancelled."""
         with self._cond:
             self._closed = True
             for key in self._queue:
                 self._futures[key].cancel()
             self._queue.clear()
             self._cond.notify()
+        if timeout != 0.0 and self._thread is not threading.current_thread():
+            self._thread.join(timeout)

@@ -479,7 +479,8 @@ class ModelRunner:
         if self._compiler is not None:
             self._compiler.wait(timeout)
 
-    def stop_compiling(self) -> None:
-        """Cancel the background warm-up's queued programs (shutdown)."""
+    def stop_compiling(self, timeout: float | None = 120.0) -> None:
+        """Cancel the background warm-up's queued programs and wait (up to `timeout` s) for the
+        one compiling (shutdown)."""
         if self._compiler is not None:
-            self._compiler.close()
+            self._compiler.close(timeout)
