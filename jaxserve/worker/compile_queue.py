@@ -53,7 +53,7 @@ class BackgroundCompiler:
                 logger.error("background compile of %s failed: %s", key, e)
                 future.set_exception(e)
             with self._cond:
-                idle = not self._queue
+                idle = not self._queue and not self._closed      # done, not stopped
             if idle and self._on_done is not None:
                 self._on_done(time.perf_counter() - t0)
 
