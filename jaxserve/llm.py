@@ -30,6 +30,8 @@ class LLM:
     kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization,
     kv_cache_memory_bytes, enable_prefix_caching, attention_backend, seed, ...
     `warmup=False` compiles each step shape on first use instead of at start-up.
+    `warmup="background"` builds the decode and 16-token programs, the rest on a background
+    thread while it serves (what `jaxserve serve` does; see `LLMEngine`).
     Use as a context manager, or call `shutdown()`, to free the KV pool at once.
     `compilation_cache_dir="~/.cache/jaxserve/xla"` keeps compiled programs in JAX's persistent
     compilation cache so a second start is fast (as `jaxserve serve` does by default). That is
@@ -37,7 +39,7 @@ class LLM:
     the argument `LLM` leaves `jax.config` as the program set it.
     """
 
-    def __init__(self, model: str | None = None, *, warmup: bool = True, **kwargs):
+    def __init__(self, model: str | None = None, *, warmup: bool | str = True, **kwargs):
         unknown = set(kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")

@@ -285,8 +285,12 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.add(request, front=True)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+        """token_budget: a lower cap on this step's tokens than max_num_batched_tokens (the
+        engine's, while larger step programs still compile in the background)."""
         budget = self.config.max_num_batched_tokens
+        if token_budget is not None:
+            budget = min(budget, token_budget)
         rows: dict[str, ScheduledRequest] = {}   # insertion order = batch order
         cost: dict[str, int] = {}
         preempted: list[str] = []

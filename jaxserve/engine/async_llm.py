@@ -115,7 +115,7 @@ class AsyncLLM:
     RequestOutput and its arrival time (the server's metrics hook).
     """
 
-    def __init__(self, engine_args: EngineArgs | None = None, *, engine=None, warmup: bool = True,
+    def __init__(self, engine_args: EngineArgs | None = None, *, engine=None, warmup: bool | str = True,
                  max_waiting_requests: int | None = None,
                  on_output: Callable[[RequestOutput, float], None] | None = None):
         if (engine_args is None) == (engine is None):

@@ -82,7 +82,11 @@ def enable_compilation_cache(directory: str | None) -> str | None:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, *, warmup: bool = True):
+    def __init__(self, args: EngineArgs, *, warmup: bool | str = True):
+        """warmup: True compiles every step program before returning; "background" only those
+        for decode and short prompts, the rest on a background thread while the engine serves
+        (steps stay within the built programs, or wait for the one they need: nothing compiles
+        on the step's thread); False compiles each on first use."""
         t0 = time.perf_counter()
         self.args = args
         model_path = resolve_model(args.model, revision=args.revision, download_dir=args.download_dir,
@@ -199,7 +203,12 @@ class LLMEngine:
             if self.group is not None:      # one pool size for all (profiles differ per process)
                 blocks = self.group.agree_min("kv_blocks", blocks)
             runner = make_runner(blocks, choice, w, make_drafter(blocks, choice))
-            return blocks, runner, (runner.warmup() if warmup else 0.0)
+            if not warmup:
+                return blocks, runner, 0.0
+            # A background warm-up only where one process schedules alone (followers of a
+            # multi-host job must hold the same programs at the same step).
+            background = warmup == "background" and self.group is None and self.pooler is None
+            return blocks, runner, runner.warmup(background=background)
 
         choice, (blocks, self.runner, self.warmup_seconds) = build_with_fallback(
             fallback_plan(selected, fp8), build)
@@ -361,7 +370,7 @@ class LLMEngine:
         """
         if self.pooling is not None:
             return self.pooling.step()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._ready_token_budget())
         sched.grammar_bitmask = self._grammar_bitmask(sched)
         if self.runner.drafter is not None:
             sched.draft_lengths = self._draft_lengths(sched) if self.proposer else {}
@@ -506,6 +515,18 @@ class LLMEngine:
             raise RuntimeError("follow() is for processes with node_rank > 0")
         return multihost.follow(self.group, self.runner.execute)
 
+    def _ready_token_budget(self) -> int | None:
+        """While a background warm-up compiles the larger buckets, steps stay within the built
+        programs (prefills are chunked smaller) instead of waiting for a compile; without
+        chunked prefill a long prompt would wait anyway, so no cap there."""
+        if not self.scheduler_config.enable_chunked_prefill:
+            return None
+        return self.runner.ready_token_budget()
+
+    def wait_for_programs(self, timeout: float | None = None) -> None:
+        """Block until a background warm-up (`warmup="background"`) has built every program."""
+        self.runner.wait_for_programs(timeout)
+
     def shutdown(self) -> None:
         """Free the KV pool and the weights (device memory) now."""
         group = getattr(self, "group", None)
@@ -513,6 +534,7 @@ class LLMEngine:
             group.close()
         runner = getattr(self, "runner", None)
         if runner is not None:
+            runner.stop_compiling()
             if runner.drafter is not None:
                 runner.drafter.release()
             for x in jax.tree_util.tree_leaves((runner.cache, runner.weights, runner.penalties)):

@@ -118,10 +118,10 @@ def dequantize(tensor) -> np.ndarray:
 
 def read_gguf(path):
     """Open (parse the header of) a GGUF file, with a clear error for a corrupt one."""
-    from gguf import GGUFReader
+    from jaxserve.loader.gguf_reader import FastGGUFReader
 
     try:
-        return GGUFReader(str(path))
+        return FastGGUFReader(str(path))
     except Exception as e:  # gguf raises ValueError / struct.error / OSError on bad files
         raise ModelLoadError(f"cannot read {path}: corrupt or not a GGUF file ({e})") from None
 

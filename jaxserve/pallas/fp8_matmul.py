@@ -222,12 +222,34 @@ def fp8_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activations: s
 # ----------------------------------------------------------------------------------------------
 # The Mosaic GPU kernel (Hopper; jax >= 0.11)
 # ----------------------------------------------------------------------------------------------
-try:  # Mosaic GPU's Pallas API as used here is jax >= 0.11 (plgpu.kernel + GPU interpret mode)
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    MGPU_AVAILABLE = hasattr(plgpu, "InterpretGPUParams") and hasattr(plgpu, "kernel")
-except ImportError:  # pragma: no cover - depends on the installed jax
-    plgpu = None
-    MGPU_AVAILABLE = False
+class _LazyMosaicGpu:
+    """`jax.experimental.pallas.mosaic_gpu`, imported on first use: the import costs ~1 s of every
+    start-up (on CPU too), and only this GPU kernel needs it."""
+
+    @functools.cached_property
+    def module(self):
+        try:  # Mosaic GPU's Pallas API as used here is jax >= 0.11 (plgpu.kernel + GPU interpret mode)
+            from jax.experimental.pallas import mosaic_gpu
+        except ImportError:  # pragma: no cover - depends on the installed jax
+            return None
+        return mosaic_gpu
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
+
+
+plgpu = _LazyMosaicGpu()
+
+
+def mgpu_available() -> bool:
+    """Whether the installed jax has the Mosaic GPU API this kernel uses (imports it)."""
+    return hasattr(plgpu.module, "InterpretGPUParams") and hasattr(plgpu.module, "kernel")
+
+
+def __getattr__(name: str):     # MGPU_AVAILABLE, computed (and Mosaic GPU imported) when asked
+    if name == "MGPU_AVAILABLE":
+        return mgpu_available()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 KSLICE = 128                     # K per pipeline step = the scale block: one scale pair per step
 
@@ -361,7 +383,7 @@ def fp8_matmul_mgpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activatio
     per 128-wide K slice (rows [Kb, M], columns [Kb, N]); each slice's wgmma result is scaled
     and added in registers. Per-tensor / per-channel weights: one accumulator over all of K,
     scaled once by the row (token) and column (channel) scales. `k_major`: w is stored [N, K] (no transpose here)."""
-    if not MGPU_AVAILABLE:
+    if not mgpu_available():
         raise ValueError(f"fp8_matmul_mgpu needs jax >= 0.11 (Mosaic GPU plgpu.kernel); this is jax "
                          f"{jax.__version__}")
     w_nk = w if k_major else w.T                                                   # [N, K]

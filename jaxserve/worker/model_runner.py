@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 
 import jax
@@ -30,6 +31,7 @@ from jaxserve.sample.rejection import accept, emitted_mask
 from jaxserve.sample.sampler import sample, score
 from jaxserve.sharding.plan import ShardingPlan, single_device_plan
 from jaxserve.worker.compile_cache import compile_noting_cache_hit, how_obtained
+from jaxserve.worker.compile_queue import BackgroundCompiler
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, kv_cache_sharding
 from jaxserve.worker.step_inputs import StepInputs, build_inputs
@@ -54,6 +56,10 @@ def _pow2_at_least(n: int, smallest: int = 16) -> int:
         b *= 2
     return b
 
+
+# A background warm-up builds the plain programs of buckets up to this many tokens before the
+# engine reports ready (batch-1 decode and short prompts), the rest while it serves.
+FIRST_PROGRAM_TOKENS = 16
 
 PROMPT_LOGPROB_ROWS = 64    # tokens whose logits [rows, V] exist at once in a prompt-logprobs step
 
@@ -153,6 +159,9 @@ class ModelRunner:
                                             rep))
         self._executables: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._from_cache = 0        # how many of them the persistent compilation cache supplied
+        self._lock = threading.Lock()   # the two above, with a background compiler beside us
+        # warmup(background=True): the programs left to build after the first ones, or None.
+        self._compiler: BackgroundCompiler | None = None
         # Structured output: [S, W] bitmask words per sampling row; an unconstrained step passes
         # a device-resident all-ones mask (no transfer; the sampler's cond skips the masking).
         self.mask_words = -(-model_config.vocab_size // 32)
@@ -231,35 +240,62 @@ class ModelRunner:
             src += n
         return mask
 
+    def _program_spec(self, num_tokens: int, with_prompt_logprobs: bool) -> StepInputs:
+        """The StepInputs shapes of one program (built from an empty batch: call it on the
+        engine's thread, the input batch is not the compiler thread's to read)."""
+        x, _ = self._build([], num_tokens, with_prompt_logprobs)   # shapes only
+        spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
+        spec.bitmask = jax.ShapeDtypeStruct(x.bitmask.shape, x.bitmask.dtype,
+                                            sharding=self.plan.replicated)
+        return spec
+
+    def _state_specs(self):
+        """Weights, KV pool and penalty state as shapes and shardings: a program is lowered from
+        these, never from the arrays (the pool and penalties are donated and replaced every step,
+        so a background compile must not read them)."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding,
+                                                           weak_type=a.weak_type),
+                            (self.weights, self.cache, self.penalties))
+
+    def _compile(self, key: tuple[int, bool], spec: StepInputs | None = None, state=None):
+        """Compile one step program ahead of time (no execution); JAX's persistent cache turns
+        a repeat into a load. Runs on the engine's thread or the background compiler's."""
+        t0 = time.perf_counter()
+        spec = spec if spec is not None else self._program_spec(*key)
+        weights, cache, pen = state if state is not None else self._state_specs()
+        exe, from_cache = compile_noting_cache_hit(
+            lambda: self._step.lower(weights, cache, pen, spec).compile())
+        with self._lock:
+            self._executables[key] = exe
+            self._from_cache += int(from_cache)
+            n = len(self._executables)
+        logger.info("step program %d: %d tokens%s, %s (%.1f s)%s", n, key[0],
+                    ", prompt logprobs" if key[1] else "", how_obtained(from_cache),
+                    time.perf_counter() - t0,
+                    " (background)" if threading.current_thread().name.startswith("jaxserve-compile")
+                    else "")
+        return exe
+
     def _executable(self, num_tokens: int, with_prompt_logprobs: bool):
-        """The compiled step for one token bucket and variant, compiled ahead of time (no
-        execution) on first use; JAX's persistent cache turns a repeat into a load."""
+        """The compiled step for one token bucket and variant: built at warm-up, or (a background
+        warm-up) waited for from the compiler thread, or (no warm-up) compiled on first use."""
         key = (num_tokens, with_prompt_logprobs)
         exe = self._executables.get(key)
         if exe is None:
-            t0 = time.perf_counter()
-            x, _ = self._build([], num_tokens, with_prompt_logprobs)   # shapes only
-            spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
-            spec.bitmask = jax.ShapeDtypeStruct(x.bitmask.shape, x.bitmask.dtype,
-                                                sharding=self.plan.replicated)
-            exe, from_cache = compile_noting_cache_hit(
-                lambda: self._step.lower(self.weights, self.cache, self.penalties, spec).compile())
-            self._executables[key] = exe
-            self._from_cache += int(from_cache)
-            logger.info("step program %d: %d tokens%s, %s (%.1f s)", len(self._executables),
-                        num_tokens, ", prompt logprobs" if with_prompt_logprobs else "",
-                        how_obtained(from_cache), time.perf_counter() - t0)
+            exe = self._compiler.get(key) if self._compiler is not None else self._compile(key)
         return exe
 
     @property
     def compiled_programs(self) -> list[tuple[int, bool]]:
         """(token bucket, with prompt logprobs) of every compiled step program."""
-        return sorted(self._executables)
+        with self._lock:
+            return sorted(self._executables)
 
     def programs_obtained(self) -> str:
         """How the step programs came to be: "3 loaded from the compilation cache, 1 compiled"."""
-        loaded = self._from_cache
-        return f"{loaded} loaded from the compilation cache, {len(self._executables) - loaded} compiled"
+        with self._lock:
+            loaded, n = self._from_cache, len(self._executables)
+        return f"{loaded} loaded from the compilation cache, {n - loaded} compiled"
 
     def run_model(self, inputs: StepInputs):
         """Run the compiled step (cache and penalty state replaced by the donated results);
@@ -371,18 +407,34 @@ class ModelRunner:
         for x in jax.tree_util.tree_leaves((self.cache, self.penalties)):
             x.delete()
         self.cache = self.penalties = None
+        self.stop_compiling()
         self._executables.clear()
         self._from_cache = 0
         self._all_allowed.clear()
 
-    def warmup(self):
+    def warmup_keys(self) -> list[tuple[int, bool]]:
+        """Every step program a step can need, in the order warm-up builds them: the plain
+        programs by token bucket, smallest first, then the prompt-logprobs variants (rare)."""
+        keys = [(T, False) for T in self.buckets]
+        keys += [(self._variant_bucket(T, True), True) for T in self.buckets]
+        return list(dict.fromkeys(keys))
+
+    def warmup(self, background: bool = False):
         """Compile every program a step can need: each token bucket with and without prompt
         logprobs, and the penalty-row write. Nothing big is executed; with a warm persistent
-        cache this is loads."""
+        cache this is loads.
+
+        background: build only the plain programs of buckets up to FIRST_PROGRAM_TOKENS now (what
+        decodes and short prompts need) and the rest on a background thread, smallest first
+        (`ready_token_budget` lets the scheduler keep steps within the built ones; a step that
+        needs one still queued waits for it, see `BackgroundCompiler`)."""
         t0 = time.perf_counter()
-        for T in self.buckets:
-            for with_prompt_logprobs in (False, True):
-                self._executable(self._variant_bucket(T, with_prompt_logprobs), with_prompt_logprobs)
+        keys = self.warmup_keys()
+        now = [k for k in keys if not background or (not k[1] and k[0] <= FIRST_PROGRAM_TOKENS)]
+        later = [k for k in keys if k not in now]
+        state = self._state_specs()
+        for key in now:
+            self._compile(key, state=state)
         # Writing to slot C is dropped: this compiles the write and changes nothing.
         V = self.cfg.vocab_size
         rows = penalties.host_rows([], [], None, (), V)
@@ -391,10 +443,44 @@ class ModelRunner:
         jax.block_until_ready(self.penalties)
         if self.drafter is not None:
             self.drafter.warmup(lambda T: self._build([], T, False)[0], self.buckets)
+        if later:
+            specs = {k: self._program_spec(*k) for k in later}     # on this thread (module doc)
+            self._compiler = BackgroundCompiler(
+                lambda k: self._compile(k, specs.get(k), state), later, on_done=self._warmup_done)
         release_freed_host_memory()     # what the compiler freed
         elapsed = time.perf_counter() - t0
-        logger.info("warm-up: %d step programs (%s) for token buckets %s%s in %.1f s",
+        logger.info("warm-up: %d step programs (%s) for token buckets %s%s in %.1f s%s",
                     len(self._executables), self.programs_obtained(), self.buckets,
                     "" if self.drafter is None else
-                    f" and {len(self.drafter.compiled_programs)} draft-model programs", elapsed)
+                    f" and {len(self.drafter.compiled_programs)} draft-model programs", elapsed,
+                    f"; {len(later)} more compiling in the background" if later else "")
         return elapsed
+
+    def _warmup_done(self, seconds: float) -> None:
+        release_freed_host_memory()
+        logger.info("background warm-up done: %d step programs (%s) in %.1f s", len(self._executables),
+                    self.programs_obtained(), seconds)
+
+    def ready_token_budget(self) -> int | None:
+        """While programs compile in the background: the most tokens a step may schedule so
+        that its plain program is built (every bucket up to it is); None when all are."""
+        c = self._compiler
+        if c is None or c.pending == 0:
+            return None
+        budget = None
+        for T in self.buckets:
+            if (T, False) not in self._executables:
+                break
+            budget = T
+        return budget
+
+    def wait_for_programs(self, timeout: float | None = None) -> None:
+        """Block until the background warm-up (if any) has built every program."""
+        if self._compiler is not None:
+            self._compiler.wait(timeout)
+
+    def stop_compiling(self, timeout: float | None = 120.0) -> None:
+        """Cancel the background warm-up's queued programs and wait (up to `timeout` s) for the
+        one compiling (shutdown)."""
+        if self._compiler is not None:
+            self._compiler.close(timeout)

@@ -82,7 +82,7 @@ class Server:
     """One server: an AsyncLLM, its OpenAIServing, metrics and the aiohttp app."""
 
     def __init__(self, engine_args: EngineArgs, server_args: ServerArgs = ServerArgs(), *,
-                 warmup: bool = True, engine=None):
+                 warmup: bool | str = True, engine=None):
         """engine: an already built LLMEngine (or a stand-in with its interface) to serve
         instead of building one from engine_args."""
         names = server_args.served_model_name
@@ -395,7 +395,9 @@ async def serve(engine_args: EngineArgs, server_args: ServerArgs, *, engine=None
     """Run until SIGINT/SIGTERM, then drain: no new requests (503), in-flight ones finish for up
     to `server_args.shutdown_timeout` seconds, the rest are aborted. Returns the exit code (0
     after a graceful shutdown). engine: see `Server`."""
-    server = Server(engine_args, server_args, engine=engine)
+    # /health turns 200 once decode and short prompts can run; the larger step programs
+    # compile in the background while it serves (LLMEngine's warmup="background").
+    server = Server(engine_args, server_args, engine=engine, warmup="background")
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
