@@ -26,9 +26,9 @@ PROMPTS = [[3, 17, 42, 99, 5, 250, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 
 
 
 def _llm(model, **kw):
-    return LLM(model=str(model), dtype="float32", enable_lora=True, max_model_len=128,
-               max_num_seqs=8, num_gpu_blocks_override=64, warmup=False, compilation_cache_dir="",
-               **({"max_loras": 4, "max_lora_rank": 8} | kw))
+    return LLM(model=str(model), dtype="float32", enable_lora=True, max_model_len=128, max_num_seqs=8,
+               warmup=False, compilation_cache_dir="",
+               **({"max_loras": 4, "max_lora_rank": 8, "num_gpu_blocks_override": 64} | kw))
 
 
 def _check(model, out, adapter):
@@ -85,14 +85,21 @@ def test_default_model_with_adapter_matches_peft(tmp_path):
         pytest.skip(str(e))
     model = hf_model(path.parent, path.name)
     a = write_adapter(model, tmp_path / "smol", r=8, alpha=16, targets=ALL_TARGETS, seed=5)
-    # scale the random adapter down: the 135M model's logits are large, keep the delta modest
+    smol = LoRARequest("smol", 1, str(a))
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=0, logprobs=0)
     with LLM(dtype="float32", enable_lora=True, max_lora_rank=8, max_loras=2, max_model_len=256,
              num_gpu_blocks_override=64, warmup=False, compilation_cache_dir="") as llm:
         outs = llm.generate(["The capital of France is", "def add(a, b):"], sp, use_tqdm=False,
-                            lora_request=[LoRARequest("smol", 1, str(a)), None])
+                            lora_request=[smol, None])
         _check(model, outs[0], a)
         _check(model, outs[1], None)
+        # structured output under the adapter: the grammar holds, the chat path takes it too
+        from jaxserve.sampling_params import StructuredOutputsParams
+        so = SamplingParams(temperature=0, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(choice=["Paris", "Lyon"]))
+        got = llm.chat([{"role": "user", "content": "Capital of France?"}], so, use_tqdm=False,
+                       lora_request=smol)[0].outputs[0].text
+        assert got in ("Paris", "Lyon")
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +170,43 @@ def test_lora_request_fields_are_checked_and_need_enable_lora(llm, tmp_path):
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False,
                      lora_request=LoRARequest("x", 1, str(tmp_path)))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tiny")
+    base = write_tiny(tmp / "base")
+    model = hf_model(base)
+    paths = _adapters(model, tmp)
+    return base, model, paths, [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+
+
+def test_chunked_prefill_and_preemption_under_adapters_match_peft(tiny):
+    """16-token steps cut the 20-token prompt into chunks; 10 blocks of 4 tokens cannot hold all
+    four requests' outputs, so some are preempted and recomputed, under their own adapter."""
+    base, model, paths, loras = tiny
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    with _llm(base, max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=10) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False,
+                            lora_request=[loras[0], loras[1], None, loras[2]])
+        assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    for out, adapter in zip(outs, [paths[0], paths[1], None, paths[2]]):
+        _check(model, out, adapter)
+
+
+def test_ngram_drafts_are_verified_under_the_request_adapter(tiny):
+    """Speculative decoding (n-gram drafts) gives the same greedy tokens as plain decoding under
+    each request's adapter, and the logprobs of transformers + peft."""
+    base, model, paths, loras = tiny
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 5}, {"prompt_token_ids": [9, 10, 11] * 6}]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    which = [loras[1], loras[0]]
+    with _llm(base) as llm:
+        plain = llm.generate(prompts, sp, use_tqdm=False, lora_request=which)
+    with _llm(base, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                        "prompt_lookup_max": 3, "prompt_lookup_min": 1}) as llm:
+        spec = llm.generate(prompts, sp, use_tqdm=False, lora_request=which)
+        assert llm.llm_engine.stats().spec_num_draft_tokens > 0
+    for p, s, adapter in zip(plain, spec, [paths[1], paths[0]]):
+        assert p.outputs[0].token_ids == s.outputs[0].token_ids
+        _check(model, s, adapter)
