@@ -347,6 +347,10 @@ class LLMEngine:
         except ValueError as e:
             raise InvalidRequestError(str(e), "lora_request") from None
 
+    def remove_lora(self, lora_name: str) -> bool:
+        """Drop an adapter's host copy (False: none was loaded); thread-safe."""
+        return self.lora is not None and self.lora.remove(lora_name)
+
     def compile_structured(self, params: SamplingParams) -> None:
         """Compile (or find cached) the grammar of `params.structured_outputs`; raises
         InvalidRequestError naming the field when it is invalid. Thread-safe: AsyncLLM calls it

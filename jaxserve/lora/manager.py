@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections import OrderedDict
 
 import jax
@@ -37,6 +38,9 @@ class LoraManager:
         self._slot_request: dict[int, LoRARequest] = {}
         self._write = None
         self.num_device_loads = 0
+        # load() runs on request threads (AsyncLLM reads adapters off the engine loop) while
+        # the engine thread activates; the host cache and slot map change under this lock.
+        self._lock = threading.RLock()
 
     # -- host copies ---------------------------------------------------------------------------
     def load(self, request: LoRARequest) -> LoraAdapter:
@@ -44,24 +48,26 @@ class LoraManager:
         the field when the checkpoint cannot be served."""
         if not isinstance(request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
-        have = self._host.get(request.lora_name)
-        if have is not None and have.request.lora_path == request.lora_path:
-            self._host.move_to_end(request.lora_name)
-            return have
-        adapter = load_adapter(request, self.params, self.max_rank)
-        if have is not None or request.lora_name in self._slots:   # same name, new checkpoint
-            self._forget_slot(request.lora_name)
-        self._host[request.lora_name] = adapter
-        while len(self._host) > self.max_cpu_loras:
-            self._host.popitem(last=False)
+        with self._lock:
+            have = self._host.get(request.lora_name)
+            if have is not None and have.request.lora_path == request.lora_path:
+                self._host.move_to_end(request.lora_name)
+                return have
+        adapter = load_adapter(request, self.params, self.max_rank)   # disk, outside the lock
+        with self._lock:
+            slot = self._slots.get(request.lora_name)
+            if slot is not None and self._slot_request[slot].lora_path != request.lora_path:
+                self._forget_slot(request.lora_name)       # same name, another checkpoint
+            self._host[request.lora_name] = adapter
+            while len(self._host) > self.max_cpu_loras:
+                self._host.popitem(last=False)
         return adapter
 
     def remove(self, name: str) -> bool:
-        """Forget `name` (host copy and slot). False when it was not loaded."""
-        known = name in self._host or name in self._slots
-        self._host.pop(name, None)
-        self._forget_slot(name)
-        return known
+        """Drop `name`'s host copy (False when there was none). Its device slot stays until
+        another adapter needs it, so requests still running under it finish unchanged."""
+        with self._lock:
+            return self._host.pop(name, None) is not None
 
     def _forget_slot(self, name: str) -> None:
         slot = self._slots.pop(name, None)
@@ -79,6 +85,10 @@ class LoraManager:
     # -- device slots --------------------------------------------------------------------------
     def activate(self, weights, requests) -> tuple[object, dict[str, int]]:
         """(weights with every adapter of `requests` in a slot, lora_name -> slot)."""
+        with self._lock:
+            return self._activate(weights, requests)
+
+    def _activate(self, weights, requests):
         wanted = list(dict.fromkeys(r.lora_name for r in requests if r is not None))
         if len(wanted) > self.max_loras:
             raise ValueError(f"a step holds {len(wanted)} adapters, more than max_loras "
