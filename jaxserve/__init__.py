@@ -13,6 +13,7 @@ _LAZY = {
     "RequestOutput": ("jaxserve.outputs", "RequestOutput"),
     "CompletionOutput": ("jaxserve.outputs", "CompletionOutput"),
     "EngineArgs": ("jaxserve.config", "EngineArgs"),
+    "LoRARequest": ("jaxserve.lora.request", "LoRARequest"),
 }
 
 __all__ = list(_LAZY) + ["__version__"]

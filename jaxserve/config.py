@@ -77,6 +77,8 @@ class SchedulerConfig:
     # KV slots allocated past a sampling row's tokens (a draft model writes its proposals'
     # K/V there before the next step; 0 = none).
     num_lookahead_tokens: int = 0
+    # Distinct LoRA adapters one step may hold (the device slots); 0: LoRA disabled.
+    max_loras: int = 0
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -290,6 +292,12 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: dict | None = None
+    # Multi-LoRA (jaxserve/lora/): adapters in max_loras device slots of rank up to
+    # max_lora_rank, max_cpu_loras host copies (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -330,6 +338,7 @@ class EngineArgs:
             raise ValueError(f"convert must be one of {', '.join(CONVERTS)} (classify and reward "
                              f"models are not supported), got {self.convert!r}")
         PoolerConfig.from_dict(self.pooler_config)
+        self.lora_limits()
         # The sub-configs validate their own fields; build them once here so errors surface early.
         self.cache_config()
         self.spec_config()
@@ -357,7 +366,19 @@ class EngineArgs:
                                num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                                num_lookahead_tokens=(spec.num_speculative_tokens
                                                      if spec and spec.method == "draft_model"
-                                                     else 0))
+                                                     else 0),
+                               max_loras=self.max_loras if self.enable_lora else 0)
+
+    def lora_limits(self) -> tuple[int, int, int]:
+        """(max_loras, max_lora_rank, max_cpu_loras), checked (vLLM's rules)."""
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        cpu = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+        if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({cpu!r}) must be an int >= max_loras ({self.max_loras})")
+        return self.max_loras, self.max_lora_rank, cpu
 
     def spec_config(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.from_dict(self.speculative_config)

@@ -18,6 +18,7 @@ from jaxserve.config import EngineArgs
 from jaxserve.core.request import InvalidRequestError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.logger import configure_default_logging
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -73,10 +74,12 @@ class LLM:
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None
-                 = None, use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 = None, use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """prompts: a str, a {"prompt_token_ids": [...]} dict, or a list of those.
-        Returns one RequestOutput per prompt, in input order."""
+        `lora_request`: one adapter for every prompt, or one per prompt (None: the base model);
+        needs `LLM(enable_lora=True)`. Returns one RequestOutput per prompt, in input order."""
         if self.llm_engine.runner is None:
             raise RuntimeError("this LLM has been shut down (shutdown() freed its model and KV "
                                "cache); create a new LLM to generate again")
@@ -89,6 +92,7 @@ class LLM:
         params = self._params_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError("priority must have one entry per prompt")
+        loras = _per_prompt_loras(lora_request, len(prompts))
         ids = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
@@ -97,7 +101,8 @@ class LLM:
                 sp.output_kind = RequestOutputKind.FINAL_ONLY
                 prompt = self._checked_prompt(prompt, sp)
                 self.llm_engine.add_request(rid, prompt, sp,
-                                            priority=0 if priority is None else priority[i])
+                                            priority=0 if priority is None else priority[i],
+                                            lora_request=loras[i])
                 ids.append(rid)
         except Exception:
             self.llm_engine.abort_request(ids)   # leave the engine clean for the next call
@@ -158,7 +163,8 @@ class LLM:
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of conversations.
         `tools` (OpenAI function definitions) go to the chat template, as do assistant
         messages with `tool_calls` and `role: "tool"` results; the outputs are text (parse
@@ -176,7 +182,7 @@ class LLM:
                 raise ValueError(f"could not apply the chat template to {where}: "
                                  f"{type(e).__name__}: {e}") from None
             prompts.append({"prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _checked_prompt(self, prompt, sp: SamplingParams) -> dict:
         """The prompt tokenized and checked, with max_tokens: prompt + max_tokens must fit in
@@ -281,6 +287,22 @@ class _Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def _per_prompt_loras(lora_request, n: int) -> list:
+    """One LoRARequest (or None) per prompt from generate's `lora_request` argument."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if isinstance(lora_request, (str, dict)) or not isinstance(lora_request, Iterable):
+        raise TypeError("lora_request must be a LoRARequest or a list of them (None for the base "
+                        f"model), got {type(lora_request).__name__}")
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"lora_request: {len(loras)} entries for {n} prompts")
+    bad = next((i for i, r in enumerate(loras) if r is not None and not isinstance(r, LoRARequest)), None)
+    if bad is not None:
+        raise TypeError(f"lora_request[{bad}] must be a LoRARequest or None, got {type(loras[bad]).__name__}")
+    return loras
 
 
 def _conversations(messages) -> list[tuple[str, list[dict]]]:

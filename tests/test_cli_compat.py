@@ -72,7 +72,7 @@ def test_unknown_flag_fails_and_suggests_the_close_match(capsys, typo, suggestio
 
 
 @pytest.mark.parametrize("argv,reason", [
-    (("--enable-lora",), "argument --enable-lora: LoRA adapters are not supported"),
+    (("--limit-mm-per-prompt", "{}"), "argument --limit-mm-per-prompt: multimodal inputs are not supported"),
     (("--cpu-offload-gb", "10"), "argument --cpu-offload-gb: weights are not offloaded"),
     (("--pipeline-parallel-size", "2"), "pipeline parallelism is not supported"),
     (("--preemption-mode", "swap"), "never swapped"),
@@ -93,8 +93,8 @@ def test_config_file_takes_vllm_flags_too(tmp_path, caplog, capsys):
     assert args.max_model_len is None and args.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert sum("--trust-remote-code" in r.getMessage() for r in caplog.records) == 1
     bad = tmp_path / "bad.yaml"
-    bad.write_text("enable-lora: true\n")
-    assert "argument --enable-lora: LoRA adapters are not supported" in error_of(capsys, "--config", str(bad))
+    bad.write_text("cpu-offload-gb: 10\n")
+    assert "argument --cpu-offload-gb: weights are not offloaded" in error_of(capsys, "--config", str(bad))
 
 
 def _help(capsys, query: str) -> str:

@@ -35,6 +35,15 @@ def hash_block_tokens(parent_hash: int, block_token_ids: list[int]) -> int:
     return xxhash.xxh3_128_intdigest(data)
 
 
+def _root_hash(request: Request) -> int:
+    """The chain's parent of a request's first block: keyed on its LoRA adapter's name, so
+    requests under different adapters (or none) never share cached blocks."""
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return _ROOT_HASH
+    return xxhash.xxh3_128_intdigest(_ROOT_HASH.to_bytes(16, "little") + b"lora:" + lora.lora_name.encode())
+
+
 @dataclass
 class KVCacheBlocks:
     """A list of blocks crossing the scheduler / cache-manager border."""
@@ -94,7 +103,7 @@ class KVCacheManager:
         hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else _root_hash(request)
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
         return hashes
 

@@ -72,8 +72,10 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float | None = None,
                  priority: int = 0, max_model_len: int | None = None,
-                 sample_seed: int | None = None) -> None:
+                 sample_seed: int | None = None, lora_request=None) -> None:
         self.request_id = request_id
+        # The LoRA adapter it runs under (jaxserve.lora.LoRARequest), or None: the base model.
+        self.lora_request = lora_request
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = time.time() if arrival_time is None else arrival_time

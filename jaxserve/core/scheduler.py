@@ -29,6 +29,7 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from jaxserve.core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.core.request_queue import WaitingQueue
+from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class NewRequestData:
     output_token_ids: list[int]
     sampling_params: SamplingParams
     sample_seed: int
+    lora_request: LoRARequest | None = None     # the adapter it runs under (None: base model)
 
 
 @dataclass
@@ -257,7 +259,7 @@ class Scheduler:
             self.kv_cache_manager.promise_prompt_logprobs(request, start, start + num_new)
         new_request = NewRequestData(list(request.prompt_token_ids),
                                      list(request.output_token_ids), request.sampling_params,
-                                     request.sample_seed) if new else None
+                                     request.sample_seed, request.lora_request) if new else None
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:start + num_new] + list(drafts),
@@ -266,6 +268,18 @@ class Scheduler:
             sample=start + num_new == request.num_tokens,
             prompt_logprobs=scores_prompt,
             new_request=new_request, spec_token_ids=list(drafts))
+
+    def _lora_admissible(self) -> Request | None:
+        """The first waiting request (queue order) whose adapter fits: the base model, an
+        adapter a running request already uses, or a new one while fewer than max_loras are in
+        use. Running requests are all that a step schedules besides the admitted ones, so no step
+        holds more than max_loras distinct adapters."""
+        active = {r.lora_request.lora_name for r in self.running if r.lora_request is not None}
+        for request in self.waiting:
+            lora = request.lora_request
+            if lora is None or lora.lora_name in active or len(active) < self.config.max_loras:
+                return request
+        return None
 
     def _preemption_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -329,7 +343,9 @@ class Scheduler:
         # only thrash.
         while (not preempted and len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting.peek()
+            request = self.waiting.peek() if not self.config.max_loras else self._lora_admissible()
+            if request is None:
+                break       # every waiting request needs an adapter slot that is taken
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -339,7 +355,10 @@ class Scheduler:
                     request, num_new, hits,
                     self._lookahead(request, num_hit_tokens + num_new)) is None:
                 break
-            self.waiting.pop()
+            if self.config.max_loras:       # not always the head (`_lora_admissible`)
+                self.waiting.remove(request)
+            else:
+                self.waiting.pop()
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens

@@ -46,6 +46,7 @@ class _Add:
     priority: int
     arrival_time: float
     accepted: asyncio.Future
+    lora_request: object = None
 
 
 class RequestStream:
@@ -205,7 +206,7 @@ class AsyncLLM:
         return (self.stats.num_waiting if self.stats else 0) + len(self._adds)
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, lora_request=None) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it. Raises
         ValueError (the engine's validation, an invalid structured-output grammar),
         EngineOverloadedError or EngineDeadError."""
@@ -215,6 +216,8 @@ class AsyncLLM:
             # the loop; the engine's add then finds the compiled grammar in its cache.
             await asyncio.get_running_loop().run_in_executor(
                 None, self.engine.compile_structured, params)
+        if lora_request is not None:        # the adapter is read off the loop and off the step
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.load_lora, lora_request)
         self._check_alive()
         if self.max_waiting_requests is not None and \
                 self.num_waiting() >= self.max_waiting_requests:
@@ -226,7 +229,8 @@ class AsyncLLM:
         stream = RequestStream(self, request_id, params.output_kind)
         self._streams[request_id] = stream
         accepted = asyncio.get_running_loop().create_future()
-        self._adds.append(_Add(request_id, prompt, params, priority, time.time(), accepted))
+        self._adds.append(_Add(request_id, prompt, params, priority, time.time(), accepted,
+                               lora_request))
         self._wake.set()
         try:
             await accepted
@@ -277,7 +281,8 @@ class AsyncLLM:
                 continue
             try:
                 self.engine.add_request(add.request_id, add.prompt, add.params,
-                                        arrival_time=add.arrival_time, priority=add.priority)
+                                        arrival_time=add.arrival_time, priority=add.priority,
+                                        **({"lora_request": add.lora_request} if add.lora_request else {}))
             except Exception as e:
                 self._streams.pop(add.request_id, None)
                 add.accepted.set_exception(e)

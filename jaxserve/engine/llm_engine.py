@@ -32,6 +32,7 @@ from jaxserve.loader.gguf import read_gguf
 from jaxserve.loader.hub import resolve_model
 from jaxserve.loader.loader import ModelLoadError, load_model, resolve_dtype
 from jaxserve.loader.pooling_config import matryoshka_of, resolve_pooler
+from jaxserve.lora.manager import setup_lora
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sharding.mesh import make_mesh
@@ -135,6 +136,9 @@ class LLMEngine:
         # the served length is part of the model for LongRoPE (short or long factors, vLLM's rule)
         cfg = self.model_config = dataclasses.replace(cfg, max_model_len=self.max_model_len)
         kv_quantize, kv_dtype = _kv_quantization(args.kv_cache_dtype, dtype)
+        if args.enable_lora and self.pooler is not None:
+            raise ValueError("enable_lora: LoRA adapters are not supported with a pooling model")
+        weights, self.lora = setup_lora(args, cfg, weights, dtype, self.mesh)
         self.plan = plan_for(cfg, self.mesh, args.enable_expert_parallel)
         # Speculative decoding with a draft model: its own pool of the same blocks.
         spec = args.spec_config()
@@ -179,7 +183,7 @@ class LLMEngine:
                 backend=choice.attention, max_logprobs=args.max_logprobs,
                 kv_quantize=kv_quantize, kv_dtype=kv_dtype, plan=self.plan,
                 num_speculative_tokens=self.scheduler_config.num_speculative_tokens,
-                drafter=drafter)
+                drafter=drafter, **({} if self.lora is None else {"lora": self.lora}))
 
         def make_drafter(num_blocks: int, choice: Choice) -> DraftRunner | None:
             if draft is None:
@@ -287,7 +291,11 @@ class LLMEngine:
                              "`max_model_len` is no smaller than the number of text tokens.")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0, lora_request=None) -> None:
+        """Queue a request; `lora_request` (a jaxserve.LoRARequest) runs it under that adapter,
+        read from disk here (not in a step) and refused with a ValueError naming the field."""
+        if lora_request is not None:
+            self.load_lora(lora_request)
         if self.pooling is not None or isinstance(params, PoolingParams):
             if self.pooling is None:
                 raise InvalidRequestError("This model does not support embeddings: it runs as a "
@@ -320,7 +328,7 @@ class LLMEngine:
                             for i in range(params.n)]
         requests = [Request(cid, token_ids, p, arrival_time=arrival_time, priority=priority,
                             max_model_len=self.max_model_len,
-                            sample_seed=self._rng.getrandbits(32))
+                            sample_seed=self._rng.getrandbits(32), lora_request=lora_request)
                     for cid, p in zip(ids, child_params)]
         if params.structured_outputs is not None:
             self.compile_structured(params)     # a cache hit when AsyncLLM compiled it already
@@ -335,6 +343,22 @@ class LLMEngine:
         for req in requests:
             self.scheduler.add_request(req)
         self.processor.add_request(request_id, text, token_ids, params, ids, child_params)
+
+    def load_lora(self, lora_request) -> None:
+        """Read and check an adapter's host copy (InvalidRequestError naming the field)."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA adapters are not enabled: start the engine with "
+                                      "enable_lora=True (--enable-lora)", "lora_request")
+        try:
+            self.lora.load(lora_request)
+        except InvalidRequestError:
+            raise
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "lora_request") from None
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Drop an adapter's host copy (False: none was loaded); thread-safe."""
+        return self.lora is not None and self.lora.remove(lora_name)
 
     def compile_structured(self, params: SamplingParams) -> None:
         """Compile (or find cached) the grammar of `params.structured_outputs`; raises

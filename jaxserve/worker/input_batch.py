@@ -29,6 +29,7 @@ class CachedRequestState:
     output_token_ids: list[int]     # known outputs: from the scheduler on add, then sampled here
     sampling_params: SamplingParams
     sample_seed: int
+    lora_request: object = None     # jaxserve.lora.LoRARequest, or None: the base model
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -89,7 +90,8 @@ class InputBatch:
         s = self._free.pop()
         sp = new.sampling_params
         state = CachedRequestState(request_id, s, list(new.prompt_token_ids),
-                                   list(new.output_token_ids), sp, new.sample_seed)
+                                   list(new.output_token_ids), sp, new.sample_seed,
+                                   getattr(new, "lora_request", None))
         self.requests[request_id] = state
         greedy = sp.is_greedy
         self.temperature[s] = 0.0 if greedy else sp.temperature

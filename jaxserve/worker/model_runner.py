@@ -25,6 +25,7 @@ import numpy as np
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.host_memory import release_freed_host_memory
+from jaxserve.lora.weight import bind_token_slots
 from jaxserve.models import get_model
 from jaxserve.sample import penalties
 from jaxserve.sample.rejection import accept, emitted_mask
@@ -100,8 +101,11 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, *, dtype, backend: str, max_logprobs: int,
                  kv_quantize=None, kv_dtype=None, plan: ShardingPlan | None = None,
-                 num_speculative_tokens: int = 0, drafter=None):
+                 num_speculative_tokens: int = 0, drafter=None, lora=None):
         self.cfg = model_config
+        # Multi-LoRA: a jaxserve.lora.LoraManager (weights already wrapped in LoraWeights), or None.
+        self.lora = lora
+        self._lora_slots: dict[str, int] = {}     # this step's adapter name -> device slot
         # How weights, KV pool and the step split over the devices (default: one device).
         self.plan = plan = plan or single_device_plan(model_config)
         self.weights = weights
@@ -129,6 +133,8 @@ class ModelRunner:
         k = max_logprobs
 
         def step(weights, cache, pen, x: StepInputs):
+            if x.lora_slots is not None:      # each token's adapter slot reaches every LoraWeight
+                weights = bind_token_slots(weights, x.lora_slots)
             hidden, cache = model.forward(weights, cache, x.tokens, x.positions, x.meta,
                                           cfg=model_config, backend=backend,
                                           kv_quantize=kv_quantize, plan=plan)
@@ -212,7 +218,8 @@ class ModelRunner:
                                       max_blocks_per_seq=self.max_blocks_per_seq,
                                       with_prompt_logprobs=with_prompt_logprobs,
                                       num_sample_rows=self._sample_rows(num_tokens),
-                                      speculative=self.num_spec > 0)
+                                      speculative=self.num_spec > 0,
+                                      lora_slots=None if self.lora is None else self._lora_slots)
         # One mask row per sampler row (S, or S x (k + 1) rows with speculation).
         inputs.bitmask = self._all_allowed_mask(self._sample_rows(num_tokens))
         return inputs, layout
@@ -322,6 +329,9 @@ class ModelRunner:
             return out
         want_prompt_lp = any(s.prompt_logprobs for s in scheduled)
         t0 = time.perf_counter()
+        if self.lora is not None:       # this step's adapters into device slots
+            self.weights, self._lora_slots = self.lora.activate(
+                self.weights, [batch.requests[s.request_id].lora_request for s in scheduled])
         inputs, layout = self.prepare(scheduled, want_prompt_lp)
         drafts = {s.request_id: s.spec_token_ids for s in scheduled}
         grammar = getattr(scheduler_output, "grammar_bitmask", None)
@@ -441,6 +451,8 @@ class ModelRunner:
         self.penalties = penalties.write_row(self.penalties, np.asarray(self.max_seqs, np.int32),
                                              *rows)
         jax.block_until_ready(self.penalties)
+        if self.lora is not None:       # the adapter slot write
+            self.weights = self.lora.warmup(self.weights)
         if self.drafter is not None:
             self.drafter.warmup(lambda T: self._build([], T, False)[0], self.buckets)
         if later:

@@ -38,6 +38,9 @@ class StepInputs:
     # per draft position and bonus position of each sampling request, packed in schedule order.
     draft_ids: jax.Array | None = None        # [R] i32, draft the row's sample verifies; -1 none
     group_start: jax.Array | None = None      # [R] i32, row of its request's first sampling row
+    # Multi-LoRA only (else None): the device slot of each token's adapter, 0 for the base model
+    # and padding (jaxserve/lora/weight.py).
+    lora_slots: jax.Array | None = None       # [T] i32
 
 
 @dataclasses.dataclass
@@ -50,9 +53,11 @@ class StepLayout:
 
 def build_inputs(scheduled, batch, *, num_tokens: int, num_seqs: int, num_blocks: int,
                  block_size: int, max_blocks_per_seq: int, with_prompt_logprobs: bool,
-                 num_sample_rows: int | None = None, speculative: bool = False):
+                 num_sample_rows: int | None = None, speculative: bool = False,
+                 lora_slots: dict[str, int] | None = None):
     """Host arrays (numpy) for one step -> (StepInputs, StepLayout). `scheduled`: the step's
-    ScheduledRequests; `batch`: the InputBatch already updated from this SchedulerOutput."""
+    ScheduledRequests; `batch`: the InputBatch already updated from this SchedulerOutput.
+    `lora_slots` (multi-LoRA; None: disabled): adapter name -> device slot of this step."""
     T, S, B, N = num_tokens, num_seqs, block_size, num_blocks
     tokens = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
@@ -70,6 +75,7 @@ def build_inputs(scheduled, batch, *, num_tokens: int, num_seqs: int, num_blocks
     prompt_rows = np.full(T, T, np.int32) if with_prompt_logprobs else None
     num_prompt_rows = 0
     offsets, sample_rows, sample_slots = [], {}, []
+    token_lora = np.zeros(T, np.int32) if lora_slots is not None else None
     start = 0
     for i, s in enumerate(scheduled):
         n = len(s.token_ids)
@@ -81,6 +87,9 @@ def build_inputs(scheduled, batch, *, num_tokens: int, num_seqs: int, num_blocks
         tables[i, :len(blocks)] = blocks
         kv_lens[i] = s.num_computed_tokens + n
         offsets.append(start)
+        if token_lora is not None:
+            lora = batch.requests[s.request_id].lora_request
+            token_lora[start:start + n] = 0 if lora is None else lora_slots[lora.lora_name]
         if s.sample:
             d = len(s.spec_token_ids)
             first = start + n - 1 - d                # the last known token's logits
@@ -116,6 +125,7 @@ def build_inputs(scheduled, batch, *, num_tokens: int, num_seqs: int, num_blocks
         min_tokens = batch.min_tokens_of(arrays["slots"])
         arrays["min_tokens_active"] = arrays["positions"] < min_tokens
     sampling = SamplingTensors(**arrays)
-    inputs = StepInputs(tokens, positions, meta, logit_rows, sampling, targets, prompt_rows,
-                        draft_ids, group_start)
+    inputs = StepInputs(tokens, positions, meta, logit_rows, sampling, prompt_targets=targets,
+                        prompt_rows=prompt_rows, draft_ids=draft_ids, group_start=group_start,
+                        lora_slots=token_lora)
     return inputs, StepLayout(offsets, sample_rows)

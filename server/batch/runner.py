@@ -46,6 +46,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 
 from jaxserve.server.batch import jsonl as batch_io
 from jaxserve.server.batch.jsonl import DUPLICATE_CODE, JsonlWriter, ResumeState, error_body, output_line
+from jaxserve.server.openai.lora import lora_models_at_start, parse_lora_module
 
 logger = logging.getLogger("jaxserve")
 
@@ -349,6 +350,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="most lines read but not yet written (default: 2 x max_num_seqs)")
     p.add_argument("--disable-progress-bar", action="store_true", help="no progress bar on stderr")
     p.add_argument("--config", default=None, help="YAML file of flag values.")
+    p.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",
+                   help="LoRA adapters a line's body.model may name (with --enable-lora)")
     add_engine_args(p)
     add_tool_arguments(p)
 
@@ -409,6 +412,12 @@ async def _run(ns, engine_args) -> int:
                             enable_auto_tools=bool(ns.enable_auto_tool_choice),
                             tool_parser=ns.tool_call_parser,
                             reasoning_parser=ns.reasoning_parser, chat_template=chat_template)
+    try:
+        serving.lora = await lora_models_at_start(llm, serving.model_name, ns.lora_modules)
+    except ValueError as e:
+        print(f"run-batch: {e}", file=sys.stderr)
+        await llm.shutdown(graceful=False)
+        return 2
     limit = ns.max_concurrency or 2 * engine_args.max_num_seqs
     progress = None
     if not ns.disable_progress_bar:

@@ -65,10 +65,6 @@ FRONTEND_NOOP_FLAGS: list[tuple[tuple[str, ...], dict[str, Any], str]] = [
 ]
 # flag -> (value check or None: any value is refused, reason)
 REFUSED_FLAGS: dict[str, tuple[Any, str]] = {
-    "--enable-lora": (None, "LoRA adapters are not supported yet"),
-    "--lora-modules": (None, "LoRA adapters are not supported yet"),
-    "--max-loras": (None, "LoRA adapters are not supported yet"),
-    "--max-lora-rank": (None, "LoRA adapters are not supported yet"),
     "--limit-mm-per-prompt": (None, "multimodal inputs are not supported; jaxserve serves text-only decoders"),
     "--cpu-offload-gb": (None, "weights are not offloaded to host memory; use --quantization or more devices "
                                "(--tensor-parallel-size)"),

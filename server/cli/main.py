@@ -37,6 +37,7 @@ from jaxserve.config import (
 )
 from jaxserve.pooling_params import CONVERTS, RUNNERS
 from jaxserve.server.cli import compat, help_search
+from jaxserve.server.openai.lora import parse_lora_module
 
 logger = logging.getLogger("jaxserve")
 
@@ -159,6 +160,13 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
           "JSON outputs) or '{\"whitespace_pattern\": REGEX}' (whitespace allowed between JSON "
           "tokens; vLLM's unbounded rule is \"[\\\\x20\\\\x0A\\\\x0D\\\\x09]+\").",
           shown_default="one space, or a line break and up to 32 spaces of indentation")),
+    ("enable_lora", "LoRAConfig", dict(action="store_true", help="Serve LoRA adapters (PEFT "
+                                       "checkpoints) beside the base model.")),
+    ("max_loras", "LoRAConfig", dict(type=int, help="Distinct adapters one step may hold (device "
+                                     "slots).")),
+    ("max_lora_rank", "LoRAConfig", dict(type=int, help="Largest adapter rank served.")),
+    ("max_cpu_loras", "LoRAConfig", dict(type=int, help="Adapters kept in host memory.",
+                                         shown_default="--max-loras")),
     ("attention_backend", "CompilationConfig", dict(choices=ATTENTION_BACKENDS,
                                                     help="Attention implementation (auto: on a GPU, "
                                                     "only kernels measured on that GPU class).")),
@@ -297,6 +305,13 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     fe.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                     help="Accepted for vLLM command lines: GET /tokenizer_info is always served "
                          "(behind --api-key when one is set).")
+    fe.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
+                    metavar="NAME=PATH",
+                    help="LoRA adapters served as models (with --enable-lora): name=path or "
+                         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'.")
+    fe.add_argument("--allow-runtime-lora-updating", action="store_true",
+                    help="Answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind "
+                         "--api-key; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).")
     fe.add_argument("--config", default=None, help="YAML file of flag values; the command line "
                                                    "wins.")
     add_tool_arguments(p)
@@ -375,6 +390,8 @@ def _serve(ns: argparse.Namespace) -> int:
                              tool_call_parser=ns.tool_call_parser,
                              reasoning_parser=ns.reasoning_parser,
                              metrics_prefix=ns.metrics_prefix or ("jaxserve",),
+                             lora_modules=tuple(ns.lora_modules or ()),
+                             allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
                              **({} if ns.max_request_body_bytes is None else
                                 {"max_request_body_bytes": ns.max_request_body_bytes}),
                              **({} if ns.shutdown_timeout is None else

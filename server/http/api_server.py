@@ -25,6 +25,7 @@ from jaxserve.server.http.docs import add_docs_routes
 from jaxserve.server.http.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.http.openapi import openapi_document
 from jaxserve.server.openai.embeddings import EmbeddingRequest, create_embedding
+from jaxserve.server.openai.lora import lora_models_at_start
 from jaxserve.server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -72,6 +73,10 @@ class ServerArgs:
     reasoning_parser: str | None = None
     # /metrics name prefixes: ("jaxserve", "vllm") serves every metric under both
     metrics_prefix: tuple[str, ...] = ("jaxserve",)
+    # --lora-modules: (name, path, base_model_name) adapters served from the start (--enable-lora)
+    lora_modules: tuple[tuple[str, str, str | None], ...] = ()
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter answer (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = False
 
 
 def _error_response(err: OpenAIError) -> web.Response:
@@ -129,6 +134,8 @@ class Server:
         app.router.add_get("/v1/responses/{response_id}", self.retrieve_response)
         app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
@@ -227,7 +234,8 @@ class Server:
 
     # -- handlers -----------------------------------------------------------------------------
     async def health(self, request):
-        if self.llm.is_ready and not self.stopping:
+        # ready once the endpoints are too (--lora-modules adapters are read after the engine)
+        if self.llm.is_ready and not self.stopping and self.serving is not None:
             return web.Response(status=200)
         return web.Response(status=503)
 
@@ -264,6 +272,28 @@ class Server:
             raise OpenAIError(400, f"The model does not support {api} API: it runs as a pooling "
                                    "model (--runner pooling); use /v1/embeddings", param="model")
         return serving
+
+    async def _lora_models(self, request):
+        serving = self._require_generating("LoRA adapter")
+        if serving.lora is None:
+            raise OpenAIError(400, "LoRA adapters are not enabled: start the server with --enable-lora",
+                              param="lora_name")
+        raw = await request.read()
+        try:
+            body = json.loads(raw or b"{}")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise OpenAIError(400, f"Invalid JSON body: {e}") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "The request body must be a JSON object")
+        return serving.lora, body
+
+    async def load_lora_adapter(self, request):
+        lora, body = await self._lora_models(request)
+        return web.Response(text=await lora.load(body))
+
+    async def unload_lora_adapter(self, request):
+        lora, body = await self._lora_models(request)
+        return web.Response(text=await lora.unload(body))
 
     async def embeddings(self, request):
         serving = self._require_ready()
@@ -339,7 +369,9 @@ class Server:
                                      enable_auto_tools=self.args.enable_auto_tool_choice,
                                      tool_parser=self.args.tool_call_parser,
                                      reasoning_parser=self.args.reasoning_parser,
-                                     chat_template=self.chat_template)
+                                     chat_template=self.chat_template,
+                                     lora=await lora_models_at_start(self.llm, names[0], self.args.lora_modules,
+                                                                     self.args.allow_runtime_lora_updating))
         self.responses = ResponsesServing(self.serving)
         cfg = engine.model_config
         blocks, bs = engine.cache_config.num_blocks, engine.cache_config.block_size

@@ -104,7 +104,7 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str] | None = None,
                  response_role: str = "assistant", model_root: str | None = None, *,
                  enable_auto_tools: bool = False, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None, chat_template: str | None = None):
+                 reasoning_parser: str | None = None, chat_template: str | None = None, lora=None):
         """enable_auto_tools, tool_parser, reasoning_parser, chat_template: the server's
         --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser and --chat-template
         (the template text)."""
@@ -117,6 +117,8 @@ class OpenAIServing:
         self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser \
             else None
         self.chat_template = chat_template
+        # LoRA adapters served as models (server/openai/lora.py's LoraModels), or None
+        self.lora = lora
         # tokenizers releases the GIL while it encodes, so these threads leave the loop free
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxserve-tokenize",
                                        initializer=_lower_thread_priority)
@@ -152,6 +154,8 @@ class OpenAIServing:
         names = self.served_model_names or [self.engine.model_name]
         if name is None or name in names:
             return name or names[0]
+        if self.lora is not None and name in self.lora:     # an adapter's name
+            return name
         raise OpenAIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
 
     def _check_prompt(self, token_ids: list[int], max_tokens: int | None) -> int:
@@ -200,23 +204,25 @@ class OpenAIServing:
         return params
 
     async def _add(self, request_id: str, prompt: _Prompt, params: SamplingParams,
-                   priority: int) -> RequestStream:
+                   priority: int, lora=None) -> RequestStream:
         try:
             return await self.engine.add_request(
                 request_id, {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
-                params, priority)
+                params, priority, **({} if lora is None else {"lora_request": lora}))
         except ValueError as e:
             raise OpenAIError(400, str(e), param=getattr(e, "param", None)) from None
         except (EngineOverloadedError, EngineDeadError) as e:
             raise OpenAIError(503, str(e)) from None
 
     async def _add_all(self, base_id: str, prompts: list[_Prompt], params: list[SamplingParams],
-                       priority: int) -> list[RequestStream]:
+                       priority: int, model: str | None = None) -> list[RequestStream]:
+        """Queue the prompts; `model` (the checked name) runs them under its LoRA adapter."""
+        lora = self.lora.get(model) if self.lora is not None else None
         streams: list[RequestStream] = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self._add(rid, prompt, sp, priority))
+                streams.append(await self._add(rid, prompt, sp, priority, lora))
         except BaseException:
             for s in streams:
                 s.close()
@@ -278,7 +284,7 @@ class OpenAIServing:
                                               self._prepare_completion, request)
         params = [self._params(request.to_sampling_params, room) for room in rooms]
         base_id = request_id or request.request_id or random_id("cmpl")
-        streams = await self._add_all(base_id, prompts, params, request.priority)
+        streams = await self._add_all(base_id, prompts, params, request.priority, model)
         created = int(time.time())
         if request.stream:
             usage_out: dict = {}
@@ -430,7 +436,7 @@ class OpenAIServing:
         if parser is not None and parser.tools is not None and parser.tools.keeps_special_tokens:
             params.skip_special_tokens = False    # the call markers may be special tokens
         base_id = request_id or request.request_id or random_id("chatcmpl")
-        streams = await self._add_all(base_id, [prompt], [params], request.priority)
+        streams = await self._add_all(base_id, [prompt], [params], request.priority, model)
         created = int(time.time())
         if request.stream:
             usage_out: dict = {}
@@ -548,8 +554,10 @@ class OpenAIServing:
     def show_models(self) -> dict:
         names = self.served_model_names or [self.engine.model_name]
         root = self.model_root or names[0]
-        return {"object": "list",
-                "data": [model_card(name, root, self.engine.max_model_len) for name in names]}
+        cards = [model_card(name, root, self.engine.max_model_len) for name in names]
+        if self.lora is not None:
+            cards += self.lora.cards(root, self.engine.max_model_len)
+        return {"object": "list", "data": cards}
 
     async def tokenize(self, request: TokenizeRequest) -> dict:
         self.check_model(request.model)
