@@ -59,8 +59,10 @@ def main() -> None:
     a = ap.parse_args()
     engines = {}
     for name, q in (("f32 (dequantized at load)", None), ("kept quantized (--quantization gguf)", "gguf")):
+        # KV blocks for the largest batch at max_model_len, not the 2 GiB default: two engines and
+        # llama.cpp share one machine's memory
         llm = LLM(quantization=q, max_num_seqs=max(a.batches), max_model_len=256, max_num_batched_tokens=1024,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, num_gpu_blocks_override=max(a.batches) * 256 // 16 + 16)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(llm.llm_engine.runner.weights))
         for b in a.batches:
             jaxserve_tok_s(llm, b, 4)                      # warm-up: every bucket this batch uses

@@ -60,6 +60,30 @@ def test_int4_linear_matches_dequantised_reference(monkeypatch, asym, act_order,
     assert float(jnp.abs(yb.astype(jnp.float32) - ref).max()) < 0.02 * float(jnp.abs(ref).max())
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shards", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_int4_linear_tiles_columns_of_a_wide_matrix(monkeypatch, bits, shards):
+    """Column tiles (a wide matrix: the tied head), with a remainder tile, two-way tiles, and
+    per-device column blocks (`out_shards`) give the reference's numbers."""
+    rng = np.random.default_rng(3)
+    k, n, g = 256, 148, 32                       # 148 = 2 * 2 * 37: column tiles of 24 leave a remainder
+    codes = rng.integers(0, 16, (k, n)) if bits == 4 else rng.integers(-127, 128, (k, n))
+    q = pack(jnp.asarray(codes, jnp.uint8)) if bits == 4 else jnp.asarray(codes, jnp.int8)
+    w = Int4Weight(q, jnp.asarray(rng.random((k // g, n)) * 0.02, jnp.float32), None, None, g, shards[0],
+                   offset=jnp.asarray(rng.random((k // g, n)) * 0.01, jnp.float32) if bits == 4 else None,
+                   bits=bits, out_shards=shards[1])
+    x = jnp.asarray(rng.standard_normal((3, k)), jnp.float32)
+    ref = ref_int4_matmul(x, w)
+    monkeypatch.setattr(int4_layer, "MIN_TILE_COLS", 8)
+    ks, ns = k // shards[0], n // shards[1]
+    for tile_bytes, want in ((ks * 30 * 4, (ks, 24)),                        # no divisor of 148 or 74: a remainder
+                             (g * 8 * 4, (g, 8)),                            # under 8 columns: rows split too
+                             (ks * ns * 4, (ks, ns))):                       # one tile
+        monkeypatch.setattr(int4_layer, "TILE_BYTES", tile_bytes)
+        assert int4_layer.tile_shape(ks, ns, g) == want
+        np.testing.assert_allclose(jax.jit(linear)(x, w), ref, rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+
+
 def test_int4_matmul_never_materialises_the_whole_matrix():
     """Compiled temporaries stay a few tiles: far below the f32 matrix a whole dequantisation needs."""
     k, n = 8192, 2048

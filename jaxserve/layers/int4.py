@@ -2,7 +2,7 @@
 
 Built by the loader from GPTQ, AWQ and compressed-tensors `pack-quantized` checkpoints
 (jaxserve/loader/int4.py converts all three to this one layout). The matmul dequantizes inside the
-jitted step one tile of input rows at a time (`TILE_BYTES` of the activation dtype at most), so
+jitted step one tile at a time (`TILE_BYTES` of the activation dtype at most, `tile_shape`), so
 the full-precision matrix never exists in memory, and accumulates in f32.
 
 Dequantisation of input row k, output column o: `(code[k, o] - zero[k // g, o]) * scale[k // g, o]`
@@ -24,7 +24,8 @@ from jaxserve.layers.linear import register_linear
 
 PACK = 8                      # int4 codes per int32 word
 SYMMETRIC_ZERO = 8            # the zero point of symmetric (signed int4 + 8) codes
-TILE_BYTES = 4 << 20          # dequantised rows per tile, at most (one tile when the matrix is smaller)
+TILE_BYTES = 4 << 20          # dequantised bytes per tile, at most (one tile when the matrix is smaller)
+MIN_TILE_COLS = 256           # narrowest column tile before the tile splits the input rows too
 
 
 @dataclasses.dataclass
@@ -41,6 +42,7 @@ class Int4Weight:
     bits: 4 (packed codes) or 8 (int8 codes).
     in_shards: how many devices the input rows are split over (row-parallel tensor parallelism):
       the kernel tiles each shard's rows separately so no tile straddles two devices.
+    out_shards: the same for the output columns (column-parallel, a vocabulary-split head).
     """
 
     q: jax.Array
@@ -51,6 +53,7 @@ class Int4Weight:
     in_shards: int = 1
     offset: jax.Array | None = None
     bits: int = 4
+    out_shards: int = 1
 
     @property
     def pack(self) -> int:
@@ -71,7 +74,7 @@ class Int4Weight:
 
 
 jax.tree_util.register_dataclass(Int4Weight, data_fields=["q", "scale", "zero", "perm", "offset"],
-                                 meta_fields=["group_size", "in_shards", "bits"])
+                                 meta_fields=["group_size", "in_shards", "bits", "out_shards"])
 
 
 def unpack(q: jax.Array) -> jax.Array:
@@ -91,16 +94,32 @@ def pack(codes: jax.Array) -> jax.Array:
 def dequantize(q, scale, zero=None, group_size: int = 128, dtype=jnp.float32, offset=None, bits: int = 4) -> jax.Array:
     """Codes [..., in / 8, out] (int8 [..., in, out] with bits=8) with their group scales (and
     zeros, offsets) -> [..., in, out] in `dtype` (rows in storage order). The reference; the matmul
-    calls it one tile at a time."""
-    codes = unpack(q) if bits == 4 else q
-    z0 = SYMMETRIC_ZERO if bits == 4 else 0
-    z = jnp.full((), z0, jnp.int16) if zero is None else zero.astype(jnp.int16)
+    calls it one tile at a time.
+
+    Computed as `code * scale + bias` with the per-group `bias = offset - zero * scale` (1/g of the
+    elements): one multiply-add a weight, not a subtract, multiply and add. Exact where the
+    factored form is (GGUF Q4_0, Q8_0: f16 scales times small integers); otherwise within an f32
+    rounding of `(code - zero) * scale + offset`."""
+    if bits == 4:
+        # int32 shifts: the nibble is the same as with unsigned ones, and int32 -> f32 is one instruction
+        shifts = jnp.arange(PACK, dtype=jnp.int32)[:, None] * 4
+        codes = (q.astype(jnp.int32)[..., :, None, :] >> shifts) & 0xF            # [..., r, 8, out]
+        codes = codes.reshape(*q.shape[:-2], q.shape[-2] * PACK, q.shape[-1])
+    else:
+        codes = q
     g = group_size
-    grouped = codes.reshape(*codes.shape[:-2], codes.shape[-2] // g, g, codes.shape[-1]).astype(jnp.int16)
-    zg = z if zero is None else z[..., :, None, :]
-    w = (grouped - zg).astype(jnp.float32) * scale.astype(jnp.float32)[..., :, None, :]
+    s = scale.astype(jnp.float32)
+    bias = None
+    if zero is not None:
+        bias = -zero.astype(jnp.float32) * s
+    elif bits == 4:
+        bias = -float(SYMMETRIC_ZERO) * s
     if offset is not None:
-        w = w + offset.astype(jnp.float32)[..., :, None, :]
+        bias = offset.astype(jnp.float32) if bias is None else bias + offset.astype(jnp.float32)
+    grouped = codes.reshape(*codes.shape[:-2], codes.shape[-2] // g, g, codes.shape[-1]).astype(jnp.float32)
+    w = grouped * s[..., :, None, :]
+    if bias is not None:
+        w = w + bias[..., :, None, :]
     return w.reshape(codes.shape).astype(dtype)
 
 
@@ -121,12 +140,32 @@ def tile_rows(in_rows: int, out: int, group_size: int, itemsize: int = 4) -> int
     return per_tile * group_size
 
 
+def tile_shape(in_rows: int, out: int, group_size: int, itemsize: int = 4) -> tuple[int, int]:
+    """(input rows, output columns) of one dequantised tile of an [in_rows, out] matrix.
+
+    The tile keeps every input row when a slice of at least MIN_TILE_COLS columns fits in
+    TILE_BYTES: each output column is then computed by one dot with the full depth and written
+    once. Splitting the depth instead costs a read and write of the whole [rows, out] f32
+    accumulator per tile, which for a wide matrix (a 49152-word tied head over 576 features, one
+    32-row group per tile) cost more than the dot. Deeper matrices (K x MIN_TILE_COLS over the
+    budget) tile both ways; the accumulator then is [rows, MIN_TILE_COLS]. Column counts prefer
+    a divisor of `out` (no remainder tile) no smaller than half the budget's."""
+    if in_rows * out * itemsize <= TILE_BYTES:
+        return in_rows, out
+    fit = TILE_BYTES // (in_rows * itemsize)
+    if fit < MIN_TILE_COLS:
+        cols = min(out, MIN_TILE_COLS)
+        return tile_rows(in_rows, cols, group_size, itemsize), cols
+    div = [d for d in range(fit // 2, fit + 1) if out % d == 0]
+    return in_rows, max(div) if div else fit - fit % 8
+
+
 @register_linear(Int4Weight)
 def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
-    """x [..., in] @ w [in, out] -> [..., out], the weight dequantised one tile of rows at a time
-    into x.dtype (f32 accumulation; f32 tiles for bf16/f16 on CPU). Under row-parallel TP each of
-    the `in_shards` slices of the rows is tiled on its own and the per-shard partial sums are added
-    once at the end."""
+    """x [..., in] @ w [in, out] -> [..., out], the weight dequantised one `tile_shape` tile at a
+    time into x.dtype (f32 accumulation; f32 tiles for bf16/f16 on CPU). Under tensor parallelism
+    each device's block (`in_shards` slices of the rows, `out_shards` of the columns) is tiled on
+    its own, so no tile straddles two devices; row-parallel partial sums are added once at the end."""
     if w.q.ndim != 2:
         raise ValueError(f"int4 linear takes one [in/8, out] matrix, got codes {w.q.shape} "
                          "(stacked layers are sliced off by lax.scan, experts by grouped_linear)")
@@ -136,36 +175,52 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
         x = jnp.take(x, w.perm, axis=-1)
     lead = x.shape[:-1]
     xm = x.reshape(-1, K)
-    M, S, g = xm.shape[0], w.in_shards, w.group_size
-    ks = K // S                                        # rows per shard
+    M, S, So, g = xm.shape[0], w.in_shards, w.out_shards, w.group_size
+    ks, ns = K // S, N // So                           # rows, columns per device block
     cdt = x.dtype
     if jax.default_backend() == "cpu" and cdt in (jnp.bfloat16, jnp.float16):
         # XLA:CPU fuses the dequantisation into the dot, and its fused dot has no bf16 x bf16 -> f32
         # ("Unsupported element type for DotThunk"): the tile is multiplied in f32 there
         cdt, xm = jnp.float32, xm.astype(jnp.float32)
-    acc_t = jnp.float32 if cdt in (jnp.bfloat16, jnp.float16) else None
-    tk = tile_rows(ks, N, g, jnp.dtype(cdt).itemsize)
-    T = ks // tk                                       # tiles per shard (static)
+    acc_t = jnp.float32 if cdt in (jnp.bfloat16, jnp.float16) else cdt
+    tk, nc = tile_shape(ks, ns, g, jnp.dtype(cdt).itemsize)
+    T, C = ks // tk, ns // nc                          # row tiles, whole column tiles per block (static)
 
-    # [S, ...] views (bitcasts): a split of the rows over devices stays a split of S. A fori_loop
-    # slicing the operands in place, not a scan over them: XLA copies a scan's stacked inputs
-    # (the whole code matrix) into the loop state every call.
-    qs = w.q.reshape(S, ks // P, N)
-    ss = w.scale.reshape(S, ks // g, N)
-    zs = None if w.zero is None else w.zero.reshape(S, ks // g, N)
-    os_ = None if w.offset is None else w.offset.reshape(S, ks // g, N)
+    # [S, rows, (So,) cols] views (bitcasts): a split of the rows (columns) over devices stays a
+    # split of S (So), and the tiles slice the unsplit axes. No So axis when the columns are whole:
+    # XLA:CPU copies the whole operand to relayout a size-1 middle axis. fori_loops slicing the
+    # operands in place, not scans over them: XLA copies a scan's stacked inputs every call.
+    split = (So,) if So > 1 else ()
+    def view(a, per):
+        return None if a is None else a.reshape(S, ks // per, *split, ns)
+    qs, ss, zs, os_ = view(w.q, P), view(w.scale, g), view(w.zero, g), view(w.offset, g)
     xs = xm.reshape(M, S, ks)
+    spec = "msk,sokn->smon" if split else "msk,skn->smn"
 
-    def tile(t, acc):
-        def rows(a, per, axis):
-            return jax.lax.dynamic_slice_in_dim(a, t * (tk // per), tk // per, axis)
-        wt = dequantize(rows(qs, P, 1), rows(ss, g, 1), None if zs is None else rows(zs, g, 1), g, cdt,
-                        None if os_ is None else rows(os_, g, 1), w.bits)
-        return acc + jnp.einsum("msk,skn->smn", rows(xs, 1, 2), wt,       # wt [S, tk, N]: this tile only
-                                preferred_element_type=acc_t or cdt)
+    def block(c0, width):
+        """Output columns [c0, c0 + width) of every device block: [S, M, (So,) width]."""
+        def tile(t, acc):
+            def cut(a, per):
+                a = jax.lax.dynamic_slice_in_dim(a, t * (tk // per), tk // per, 1)
+                a = jax.lax.dynamic_slice_in_dim(a, c0, width, a.ndim - 1)
+                return jnp.swapaxes(a, 1, 2) if split else a                  # [S, (So,) r, width]
+            wt = dequantize(cut(qs, P), cut(ss, g), None if zs is None else cut(zs, g), g, cdt,
+                            None if os_ is None else cut(os_, g), w.bits)     # this tile only
+            return acc + jnp.einsum(spec, jax.lax.dynamic_slice_in_dim(xs, t * tk, tk, 2), wt,
+                                    preferred_element_type=acc_t)
+        zero = jnp.zeros((S, M, *split, width), acc_t)
+        return tile(0, zero) if T == 1 else jax.lax.fori_loop(0, T, tile, zero)
 
-    acc = jax.lax.fori_loop(0, T, tile, jnp.zeros((S, M, N), acc_t or cdt))
-    y = acc.sum(0) if S > 1 else acc[0]
+    def put(out, c0, width):
+        return jax.lax.dynamic_update_slice_in_dim(out, block(c0, width), c0, out.ndim - 1)
+
+    if C == 1 and nc == ns:
+        out = block(0, ns)
+    else:
+        out = jax.lax.fori_loop(0, C, lambda c, o: put(o, c * nc, nc), jnp.zeros((S, M, *split, ns), acc_t))
+        if C * nc < ns:                                # the remainder columns, a static tile
+            out = put(out, C * nc, ns - C * nc)
+    y = out.sum(0) if S > 1 else out[0]
     return y.reshape(*lead, N).astype(out_dtype or x.dtype)
 
 

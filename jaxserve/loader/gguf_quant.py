@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.layers.int4 import Int4Weight, check_groups
-from jaxserve.loader.int4 import pack_np, split_of
+from jaxserve.loader.int4 import out_split_of, pack_np, split_of
 
 GROUP = 32                                         # elements per GGUF block
 _BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}   # (elements, bytes)
@@ -116,4 +116,5 @@ def stack(parts: list[QuantTensor], lead: tuple[int, ...], data_sharding: NamedS
     place = NamedSharding(data_sharding.mesh, PartitionSpec(*spec))
     offset = None if parts[0].offset is None else jax.device_put(stacked([pt.offset for pt in parts]), place)
     return Int4Weight(jax.device_put(np.asarray(q), place), jax.device_put(stacked([pt.scale for pt in parts]), place),
-                      group_size=GROUP, in_shards=shards, offset=offset, bits=parts[0].bits)
+                      group_size=GROUP, in_shards=shards, offset=offset, bits=parts[0].bits,
+                      out_shards=out_split_of(data_sharding, len(lead) + 2) if len(lead) <= 1 else 1)

@@ -267,6 +267,7 @@ def stack_int4(scheme: Int4Scheme, get, names, layer_names: list[str], k: int, n
                              f"input over {shards} devices; use a smaller tensor_parallel_size or "
                              "--enable-expert-parallel")
         shards = 1
+    out_shards = 1 if len(lead) > 1 else out_split_of(data_sharding, len(lead) + 2)
     q = pack_np(stacked([pt[0] for pt in parts]), -2)
     zero = None
     if any(z is not None for z in zeros):
@@ -279,7 +280,8 @@ def stack_int4(scheme: Int4Scheme, get, names, layer_names: list[str], k: int, n
     rep = NamedSharding(mesh, PartitionSpec(*spec[:-2], None))
     w = Int4Weight(jax.device_put(q, place), jax.device_put(stacked([pt[1] for pt in parts]), place),
                    None if zero is None else jax.device_put(zero, place),
-                   None if perm is None else jax.device_put(perm, rep), group_size=g, in_shards=shards)
+                   None if perm is None else jax.device_put(perm, rep), group_size=g, in_shards=shards,
+                   out_shards=out_shards)
     return to_kernel(w) if pallas and len(lead) == 1 else w
 
 
@@ -287,10 +289,19 @@ def split_of(data_sharding: NamedSharding, ndim: int) -> tuple[tuple, int]:
     """The full PartitionSpec of an [..., in, out] array of `ndim` axes placed as `data_sharding`,
     and over how many devices its input rows split (row-parallel: the kernel's `in_shards`)."""
     spec = tuple(data_sharding.spec) + (None,) * (ndim - len(data_sharding.spec))
-    in_axis = spec[-2]
-    shards = 1 if in_axis is None else int(np.prod([data_sharding.mesh.shape[a] for a in
-                                                     ((in_axis,) if isinstance(in_axis, str) else in_axis)]))
-    return spec, shards
+    return spec, _devices_along(data_sharding, spec[-2])
+
+
+def out_split_of(data_sharding: NamedSharding, ndim: int) -> int:
+    """Over how many devices an [..., in, out] array's output columns split (the kernel's `out_shards`)."""
+    spec = tuple(data_sharding.spec) + (None,) * (ndim - len(data_sharding.spec))
+    return _devices_along(data_sharding, spec[-1])
+
+
+def _devices_along(data_sharding: NamedSharding, axis) -> int:
+    if axis is None:
+        return 1
+    return int(np.prod([data_sharding.mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis)]))
 
 
 def read_dense(scheme: Int4Scheme, get, names, weight_name: str, k: int, n: int) -> np.ndarray:
