@@ -71,11 +71,16 @@ class AttentionCase:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    latent: bool = False       # multi-head latent attention's cache (no V pages): reference path only
 
     @classmethod
     def of(cls, model_config, dtype, kv_dtype, block_size: int) -> AttentionCase:
         return cls(dtype, kv_dtype, model_config.num_heads, model_config.num_kv_heads,
-                   model_config.head_dim, block_size)
+                   model_config.head_dim, block_size, getattr(model_config, "mla", None) is not None)
+
+
+LATENT_PROBLEM = ("has no latent-cache (multi-head latent attention, DeepSeek) layout; the reference "
+                  "path serves it (attention_backend 'reference' or 'auto')")
 
 
 def mosaic_problem(case: AttentionCase, platform: Platform) -> str | None:
@@ -105,6 +110,12 @@ def select_backend(name: str, case: AttentionCase | None = None,
     if name != "auto" and name not in BACKENDS:
         raise ValueError(f"attention_backend must be 'auto', {', '.join(map(repr, BACKENDS + tuple(ALIASES)))}; "
                          f"got {name!r}")
+    if case is not None and case.latent:
+        if name in ("pallas", "mosaic"):
+            raise ValueError(f"attention_backend={name!r}: the {name} kernel {LATENT_PROBLEM}")
+        if name == "auto" and (platform or current_platform()).backend == "gpu":
+            logger.info("attention_backend auto: the reference path (the kernels %s)", LATENT_PROBLEM)
+        return "reference"
     if name in ("reference", "pallas"):
         return name
     platform = platform or current_platform()
@@ -158,9 +169,12 @@ def paged_attention(q, cache: kvc.KVCache, layer, meta: AttentionMetadata, *, ba
     meta = dataclasses.replace(meta, block_tables=meta.block_tables + layer * n)
     scales = {}
     if cache.quantized:
-        scales = dict(k_scale=kvc.layer_view(cache.k_scale), v_scale=kvc.layer_view(cache.v_scale))
-    args = (q, kvc.layer_view(cache.k), kvc.layer_view(cache.v), meta)
+        scales = dict(k_scale=kvc.layer_view(cache.k_scale),
+                      v_scale=None if cache.latent else kvc.layer_view(cache.v_scale))
+    args = (q, kvc.layer_view(cache.k), None if cache.latent else kvc.layer_view(cache.v), meta)
     opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **scales)
+    if cache.latent and backend != "reference":
+        raise ValueError(f"attention backend {backend!r} {LATENT_PROBLEM}")
     if backend != "reference":
         # the kernels take fp8 pages (a uint8 `codes` pool exists only on CPU: interpret mode)
         args = (q, kvc.as_values(args[1], cache.codes), kvc.as_values(args[2], cache.codes), meta)
@@ -168,6 +182,6 @@ def paged_attention(q, cache: kvc.KVCache, layer, meta: AttentionMetadata, *, ba
     out, (k, v, ks, vs) = ragged_paged_attention_ref(*args, **opts, return_pages=True,
                                                      page_codes=cache.codes)
     shape, scale_shape = cache.k.shape, cache.k.shape[:-1]
-    return out, kvc.KVCache(k.reshape(shape), v.reshape(shape),
+    return out, kvc.KVCache(k.reshape(shape), None if v is None else v.reshape(shape),
                             None if ks is None else ks.reshape(scale_shape),
                             None if vs is None else vs.reshape(scale_shape), cache.codes)

@@ -125,8 +125,8 @@ def _attend_rows(qf, out, pages, tables, rows: _Rows, *, rows_per_step: int, chu
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             alpha = jnp.exp(m - m_new)
             l = l * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + jnp.einsum("kwqgc,kwcd->kwqgd", p,
-                                                      gather(vp, vs, ids))
+            values = gather(kp, ks, ids) if vp is None else gather(vp, vs, ids)   # None: latent pages
+            acc = acc * alpha[..., None] + jnp.einsum("kwqgc,kwcd->kwqgd", p, values)
             return (m_new, l, acc), (kp, vp, ks, vs)
 
         init = (jnp.full((K, W, tile, G), _MASKED, jnp.float32),
@@ -149,6 +149,7 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
                                k_scale=None, v_scale=None, return_pages: bool = False,
                                page_codes: str | None = None):
     """q [T, H, D]; k_pages, v_pages [R, B, K, D]; scales [R, B, K] or None -> [T, H, D].
+    `v_pages` None (a latent cache, multi-head latent attention): the key pages are the values too.
 
     `return_pages=True` also returns (k_pages, v_pages, k_scale, v_scale) as threaded through the
     loops. Inside the model's layer loop the caller must continue with those: if a loop only
