@@ -80,6 +80,10 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
         if name not in reads:
             reads[name] = get(name)
         x = reads[name]
+        if x.dtype.name == "float8_e4m3fn" and fp8_scheme is not None and fp8.has_fp8(fp8_scheme, names, name):
+            # an FP8 tensor of an array that is no matmul operand (MLA's kv_b, absorbed into q and
+            # the output): dequantised to the model dtype, once
+            x = reads[name] = _dequantized_fp8(fp8_scheme, get, name, x.shape)
         if x.dtype.name == "float8_e4m3fn":   # casting the codes would drop their scales silently
             raise ModelLoadError(f"tensor {name} is FP8 (F8_E4M3) but no scale for it was found "
                                  f"(quantization_config: {'none' if fp8_scheme is None else fp8_scheme.method})")
@@ -157,6 +161,17 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
         if p.dense and quantization == "fp8" and p.path not in fp8.SKIP_ON_THE_FLY:
             arrays[p.path] = fp8.quantize_array(arrays[p.path])   # the full-precision copy is dropped
     return model.build(cfg, arrays)
+
+
+def _dequantized_fp8(scheme, get, name: str, shape: tuple[int, int]) -> np.ndarray:
+    """An FP8 checkpoint matrix [out, in] with its scales -> f32 [out, in]."""
+    from jaxserve.loader import fp8
+    from jaxserve.pallas.fp8_matmul import dequantize
+    try:
+        w, s, _ = fp8.read_fp8(scheme, get, name, shape[1], shape[0])       # [in, out]
+    except ValueError as e:
+        raise ModelLoadError(f"FP8 checkpoint: {e}") from None
+    return np.asarray(dequantize(w, s, jnp.float32, scheme.block_size)).T
 
 
 def _kept_gguf(p, plan, quantized, names: list[str]):
