@@ -212,11 +212,22 @@ def test_tensor_parallel_2_tokens_equal_one_device(family):
     assert res["1"] == res["2"] == res["2ep"] and all(len(t) == 8 for t in res["1"])
 
 
-def test_dummy_weights_run(family):
-    _, path, _, _ = family
+def test_dummy_weights_run_and_export_reads_back_in_transformers(family, tmp_path):
+    _, path, model, _ = family
     cfg, weights = load_model(path, "float32", load_format="dummy")
     runner = PagedRunner(cfg, weights, block_size=16, num_blocks=8, max_blocks_per_seq=4)
     assert np.isfinite(runner.prefill_logits(PROMPTS[1])).all()
+
+    from safetensors.numpy import save_file
+
+    from jaxserve.loader.export import _host_arrays, hf_config
+    cfg, weights = load_model(path, "float32")
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(cfg, "float32")))
+    save_file(_host_arrays(cfg, weights, np.float32), str(tmp_path / "model.safetensors"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+    ids = PROMPTS[2]
+    np.testing.assert_allclose(_hf_logprobs(back, ids), _hf_logprobs(model, ids), atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["greedy", "group_limited_greedy", "noaux_tc"])
