@@ -388,3 +388,15 @@ def test_quantized_kv_cache_holds_quantized_latents(tmp_path, kv):
     print(f"{kv} latent cache: |prompt logprob diff| max {diff.max():.3f} mean {diff.mean():.4f}")
     # measured on this checkpoint: int8 max 0.028 mean 0.006, fp8 max 0.23 mean 0.023
     assert (diff.max() < 0.05 and diff.mean() < 0.01) if kv == "int8" else diff.mean() < 0.05
+
+
+def test_v3_routing_bias_stays_float32_in_a_bfloat16_model(tmp_path):
+    """e_score_correction_bias keeps f32 (as vLLM keeps it): bf16 would round away the digits in
+    which DeepSeek V3's per-expert biases differ, and with them the routing choices."""
+    import jax.numpy as jnp
+    write_checkpoint(tmp_path, "v3")
+    for load_format in ("auto", "dummy"):
+        cfg, weights = load_model(tmp_path, "bfloat16", load_format=load_format)
+        assert weights.layers.e_bias.dtype == jnp.float32 and weights.layers.wkv_b.dtype == jnp.bfloat16
+    runner = PagedRunner(cfg, weights, block_size=16, num_blocks=8, max_blocks_per_seq=4)
+    assert np.isfinite(runner.prefill_logits(PROMPTS[1])).all()

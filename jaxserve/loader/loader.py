@@ -99,9 +99,9 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
         return x
 
     def shard(p, index: tuple[slice, ...]) -> np.ndarray:
+        dt = np.dtype(p.dtype) if p.dtype else np_dtype
         if not p.stacked:
-            return np.ascontiguousarray(tensor(p.checkpoint, p.shape, p.transpose, p.rows)[index],
-                                        dtype=np_dtype)
+            return np.ascontiguousarray(tensor(p.checkpoint, p.shape, p.transpose, p.rows)[index], dtype=dt)
         # stacked axes (layer, and expert for per-expert tensors): one checkpoint tensor each
         n = p.stacked_dims
         picks = [range(p.shape[d])[index[d]] for d in range(n)]
@@ -111,7 +111,7 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
             ids = [r[j] for r, j in zip(picks, pos)]
             part = tensor(p.checkpoint_name(*ids), inner, p.transpose, p.rows)[index[n:]]
             if x is None:
-                x = np.empty(tuple(len(r) for r in picks) + part.shape, np_dtype)
+                x = np.empty(tuple(len(r) for r in picks) + part.shape, dt)
             x[pos] = part
         return x
 

@@ -132,7 +132,7 @@ def declare(cfg: ModelConfig) -> list[Param]:
         params += llama._moe_params(cfg, MOE_NAMES, per_layer, sparse)
         if cfg.moe.topk_method == "noaux_tc":
             params.append(per_layer("e_bias", (cfg.moe.num_experts,), ("router",),
-                                    "mlp.gate.e_score_correction_bias", sparse, init="zeros"))
+                                    "mlp.gate.e_score_correction_bias", sparse, init="zeros", dtype="float32"))
         if cfg.moe.n_shared_experts:
             Fs = cfg.moe.n_shared_experts * cfg.moe.moe_intermediate_size
             params += [matrix("ws_gate", (E, Fs), ("embed", "mlp"), "mlp.shared_experts.gate_proj.weight", sparse),
