@@ -112,7 +112,8 @@ def _attend_rows(qf, out, pages, tables, rows: _Rows, *, rows_per_step: int, chu
         def kv_chunk(j, carry):
             (m, l, acc), (kp, vp, ks, vs) = carry
             ids = jax.lax.dynamic_slice_in_dim(table, j * blocks, blocks, 1)
-            s = jnp.einsum("kwqgd,kwcd->kwqgc", q, gather(kp, ks, ids))
+            keys = gather(kp, ks, ids)
+            s = jnp.einsum("kwqgd,kwcd->kwqgc", q, keys)
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             kpos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
@@ -125,7 +126,7 @@ def _attend_rows(qf, out, pages, tables, rows: _Rows, *, rows_per_step: int, chu
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             alpha = jnp.exp(m - m_new)
             l = l * alpha + p.sum(-1)
-            values = gather(kp, ks, ids) if vp is None else gather(vp, vs, ids)   # None: latent pages
+            values = keys if vp is None else gather(vp, vs, ids)     # None: latent pages, keys and values
             acc = acc * alpha[..., None] + jnp.einsum("kwqgc,kwcd->kwqgd", p, values)
             return (m_new, l, acc), (kp, vp, ks, vs)
 
