@@ -102,6 +102,9 @@ class ModelConfig:
     # The longest context served (the engine's max_model_len; None: derived_max_model_len).
     # LongRoPE picks its short or long factors by it, once (vLLM's rule; layers/rotary.py).
     max_model_len: int | None = None
+    # DeepSeek V2/V3: multi-head latent attention. The KV cache then holds one latent "head" per
+    # token (num_kv_heads 1, head_dim kv_lora_rank + qk_rope_head_dim), no separate values.
+    mla: MlaConfig | None = None
 
     def __post_init__(self):
         check_architecture(self.architecture)
@@ -215,7 +218,8 @@ class ModelConfig:
             family = _FAMILY_FIELDS.get(arch, _llama_fields)(text)
         except KeyError as e:
             raise ValueError(f"config.json is missing the required field {e.args[0]!r}") from None
-        return cls(
+        # a family's parser may replace a common field (DeepSeek's MLA: one latent "head")
+        return cls(**{**dict(
             architecture=arch,
             num_kv_heads=int(num_kv),
             head_dim=int(head_dim),
@@ -227,9 +231,7 @@ class ModelConfig:
                                             text.get("tie_word_embeddings", False))),
             bos_token_id=text.get("bos_token_id", hf.get("bos_token_id")),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-            **cfg,
-            **family,
-        )
+            **cfg), **family})
 
 
 # --- per-family config.json fields ---------------------------------------------------------------
@@ -279,6 +281,106 @@ def _mixtral_fields(text: dict[str, Any]) -> dict[str, Any]:
                     moe_intermediate_size=int(text["intermediate_size"]),
                     norm_topk_prob=True)
     return dict(_mistral_fields(text), moe=moe)
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek's multi-head latent attention: q from the hidden state directly (q_lora_rank None,
+    V2-Lite) or through a q_lora_rank-wide normed bottleneck; K and V of every head up-projected
+    (kv_b) from one kv_lora_rank-wide normed latent per token, beside a qk_rope_head_dim-wide rope
+    key shared by all heads. q.k covers qk_nope_head_dim + qk_rope_head_dim dims per head, values
+    v_head_dim. `rope_interleave`: the rope dims are rotated in adjacent pairs (DeepSeek's layout)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"model config field {name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
+            raise ValueError(f"model config field q_lora_rank must be a positive integer or null, "
+                             f"got {self.q_lora_rank!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even for rotary embeddings, got {self.qk_rope_head_dim}")
+
+    @property
+    def latent_dim(self) -> int:
+        """What the KV cache holds per token and layer: the latent and the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+DEEPSEEK_ROUTING = {("softmax", "greedy"), ("softmax", "group_limited_greedy"), ("sigmoid", "noaux_tc")}
+
+
+@dataclass(frozen=True)
+class DeepseekMoeConfig(MoeConfig):
+    """DeepSeek's MoE (V2: softmax scores, top-k greedy or within the best `topk_group` of
+    `n_group` expert groups by their best score; V3: sigmoid scores plus a per-expert
+    correction bias for the choice, groups ranked by the sum of their two best, "noaux_tc"),
+    the kept weights (renormalised when `norm_topk_prob`) times `routed_scaling_factor`, plus
+    `n_shared_experts` experts every token uses (one SwiGLU of that many times the experts'
+    width). Layers before `first_k_dense_replace`, and those off every `moe_layer_freq`-th, are
+    dense (vLLM's rule)."""
+
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if (self.scoring_func, self.topk_method) not in DEEPSEEK_ROUTING:
+            raise ValueError(f"scoring_func {self.scoring_func!r} with topk_method {self.topk_method!r} is not "
+                             f"supported; supported: {sorted(DEEPSEEK_ROUTING)}")
+        for name in ("n_group", "topk_group", "moe_layer_freq"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"model config field {name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.topk_method != "greedy":
+            if self.num_experts % self.n_group or self.topk_group > self.n_group:
+                raise ValueError(f"n_group ({self.n_group}) must divide n_routed_experts ({self.num_experts}) "
+                                 f"and topk_group ({self.topk_group}) be at most n_group")
+            if self.topk_group * (self.num_experts // self.n_group) < self.num_experts_per_tok:
+                raise ValueError(f"topk_group ({self.topk_group}) groups of {self.num_experts // self.n_group} "
+                                 f"experts hold fewer than num_experts_per_tok ({self.num_experts_per_tok})")
+
+    def sparse_layers(self, num_layers: int) -> tuple[int, ...]:
+        return tuple(i for i in range(num_layers)
+                     if i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0)
+
+
+def _deepseek_fields(text: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek V2 / V2-Lite / V3: MLA (the cache's one latent head) and DeepSeek's MoE. V3's
+    transformers class always routes by sigmoid + noaux_tc; V2's by softmax and topk_method."""
+    v3 = "DeepseekV3ForCausalLM" in (text.get("architectures") or ())
+    mla = MlaConfig(q_lora_rank=None if text.get("q_lora_rank") is None else int(text["q_lora_rank"]),
+                    kv_lora_rank=int(text["kv_lora_rank"]), qk_nope_head_dim=int(text["qk_nope_head_dim"]),
+                    qk_rope_head_dim=int(text["qk_rope_head_dim"]), v_head_dim=int(text["v_head_dim"]),
+                    rope_interleave=bool(text.get("rope_interleave", True)) if v3 else True)   # V2: always pairs
+    moe = None
+    if text.get("n_routed_experts"):
+        moe = DeepseekMoeConfig(
+            num_experts=int(text["n_routed_experts"]), num_experts_per_tok=int(text["num_experts_per_tok"]),
+            moe_intermediate_size=int(text["moe_intermediate_size"]),
+            norm_topk_prob=bool(text.get("norm_topk_prob", v3)),
+            scoring_func=text.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
+            topk_method=text.get("topk_method") or ("noaux_tc" if v3 else "greedy"),
+            n_group=int(text.get("n_group") or 1), topk_group=int(text.get("topk_group") or 1),
+            routed_scaling_factor=float(text.get("routed_scaling_factor") or 1.0),
+            n_shared_experts=int(text.get("n_shared_experts") or 0),
+            first_k_dense_replace=int(text.get("first_k_dense_replace") or 0),
+            moe_layer_freq=int(text.get("moe_layer_freq") or 1))
+    if text.get("attention_bias"):
+        raise ValueError("attention_bias is not supported for DeepSeek (its checkpoints have none)")
+    return dict(num_kv_heads=1, head_dim=mla.latent_dim, mla=mla, moe=moe)
 
 
 def _optional_float(text: dict[str, Any], name: str) -> float | None:
@@ -355,6 +457,8 @@ def _gpt_oss_fields(text: dict[str, Any]) -> dict[str, Any]:
 
 _FAMILY_FIELDS = {
     "GptOssForCausalLM": _gpt_oss_fields,
+    "DeepseekV2ForCausalLM": _deepseek_fields,
+    "DeepseekV3ForCausalLM": _deepseek_fields,
     "Phi3ForCausalLM": _phi3_fields,
     "Gemma2ForCausalLM": _gemma2_fields,
     "Gemma3ForCausalLM": _gemma3_fields,

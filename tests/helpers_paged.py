@@ -49,7 +49,7 @@ class PagedRunner:
         self.cfg, self.weights = cfg, weights
         self.B, self.N, self.M = block_size, num_blocks, max_blocks_per_seq
         self.cache = kvc.allocate(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
-                                  cfg.head_dim, weights.embed.dtype)
+                                  cfg.head_dim, weights.embed.dtype, latent=cfg.mla is not None)
         self.seqs: dict[object, _Seq] = {}
         self._next_block = itertools.count()
 

@@ -72,14 +72,18 @@ class AttentionCase:
     head_dim: int
     block_size: int
     sinks: bool = False       # a learned logit per head in the softmax denominator (gpt-oss)
+    latent: bool = False      # multi-head latent attention's cache (no V pages): reference path only
 
     @classmethod
     def of(cls, model_config, dtype, kv_dtype, block_size: int) -> AttentionCase:
         return cls(dtype, kv_dtype, model_config.num_heads, model_config.num_kv_heads,
-                   model_config.head_dim, block_size, bool(getattr(model_config, "attention_sinks", False)))
+                   model_config.head_dim, block_size, bool(getattr(model_config, "attention_sinks", False)),
+                   getattr(model_config, "mla", None) is not None)
 
 
 SINKS_PROBLEM = "does not implement attention sinks (gpt-oss), which only the reference path applies"
+LATENT_PROBLEM = ("has no latent-cache (multi-head latent attention, DeepSeek) layout; the reference "
+                  "path serves it (attention_backend 'reference' or 'auto')")
 
 
 def mosaic_problem(case: AttentionCase, platform: Platform) -> str | None:
@@ -114,6 +118,12 @@ def select_backend(name: str, case: AttentionCase | None = None,
             raise ValueError(f"attention_backend={name!r}: the {name} kernel {SINKS_PROBLEM}; use 'reference' "
                              "or 'auto'")
         logger.info("attention_backend auto: the reference path (the kernels %s)", SINKS_PROBLEM)
+        return "reference"
+    if case is not None and case.latent:
+        if name in ("pallas", "mosaic"):
+            raise ValueError(f"attention_backend={name!r}: the {name} kernel {LATENT_PROBLEM}")
+        if name == "auto" and (platform or current_platform()).backend == "gpu":
+            logger.info("attention_backend auto: the reference path (the kernels %s)", LATENT_PROBLEM)
         return "reference"
     if name in ("reference", "pallas"):
         return name
@@ -173,9 +183,12 @@ def paged_attention(q, cache: kvc.KVCache, layer, meta: AttentionMetadata, *, ba
     meta = dataclasses.replace(meta, block_tables=meta.block_tables + layer * n)
     scales = {}
     if cache.quantized:
-        scales = dict(k_scale=kvc.layer_view(cache.k_scale), v_scale=kvc.layer_view(cache.v_scale))
-    args = (q, kvc.layer_view(cache.k), kvc.layer_view(cache.v), meta)
+        scales = dict(k_scale=kvc.layer_view(cache.k_scale),
+                      v_scale=None if cache.latent else kvc.layer_view(cache.v_scale))
+    args = (q, kvc.layer_view(cache.k), None if cache.latent else kvc.layer_view(cache.v), meta)
     opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **scales)
+    if cache.latent and backend != "reference":
+        raise ValueError(f"attention backend {backend!r} {LATENT_PROBLEM}")
     if backend != "reference":
         if sinks is not None:
             raise ValueError(f"attention backend {backend!r} {SINKS_PROBLEM}")
@@ -185,6 +198,6 @@ def paged_attention(q, cache: kvc.KVCache, layer, meta: AttentionMetadata, *, ba
     out, (k, v, ks, vs) = ragged_paged_attention_ref(*args, **opts, return_pages=True,
                                                      page_codes=cache.codes, sinks=sinks)
     shape, scale_shape = cache.k.shape, cache.k.shape[:-1]
-    return out, kvc.KVCache(k.reshape(shape), v.reshape(shape),
+    return out, kvc.KVCache(k.reshape(shape), None if v is None else v.reshape(shape),
                             None if ks is None else ks.reshape(scale_shape),
                             None if vs is None else vs.reshape(scale_shape), cache.codes)

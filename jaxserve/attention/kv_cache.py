@@ -3,6 +3,11 @@
 Layout `[L, N, B, K, D]` (layers, blocks, block_size, kv heads, head_dim) so the model can scan
 over layers; a layer's pages are addressed as rows `layer * N + block_id` of the flat
 `[L * N, B, K, D]` view (a free reshape), which keeps every read and write in place.
+
+The latent layout (multi-head latent attention, DeepSeek V2/V3) has no `v`: `k` holds each
+token's compressed latent and rope key `[L, N, B, 1, kv_lora_rank + qk_rope_head_dim]`, which
+attention reads as keys and (its first kv_lora_rank dims) as values, so a token costs one
+latent, not a K and a V per head.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ SCALE_AXES = ("layers", "kv_blocks", "kv_block_tokens", "kv_cache_heads")
 @dataclasses.dataclass
 class KVCache:
     k: jax.Array                    # [L, N, B, K, D]
-    v: jax.Array                    # [L, N, B, K, D]
+    v: jax.Array | None             # [L, N, B, K, D]; None: the latent layout (k is read as values too)
     k_scale: jax.Array | None = None  # [L, N, B, K] f32, only for fp8/int8 caches
     v_scale: jax.Array | None = None  # [L, N, B, K] f32
     # An fp8 dtype name when k/v are uint8 arrays holding that dtype's bit patterns (CPU pools:
@@ -44,6 +49,10 @@ class KVCache:
         return self.k.shape[2]
 
     @property
+    def latent(self) -> bool:
+        return self.v is None
+
+    @property
     def quantized(self) -> bool:
         return self.k_scale is not None
 
@@ -54,23 +63,25 @@ class KVCache:
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                    dtype, quantized: bool) -> int:
-    """Bytes one block costs across all layers, K and V (and their scales)."""
+                    dtype, quantized: bool, latent: bool = False) -> int:
+    """Bytes one block costs across all layers, K and V (and their scales); `latent`: the latent
+    layout's one array (no V)."""
     per_token_head = head_dim * jnp.dtype(dtype).itemsize + (4 if quantized else 0)
-    return 2 * num_layers * block_size * num_kv_heads * per_token_head
+    return (1 if latent else 2) * num_layers * block_size * num_kv_heads * per_token_head
 
 
 def allocate(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-             head_dim: int, dtype, quantized: bool = False, fp8_as_bytes: bool = False) -> KVCache:
+             head_dim: int, dtype, quantized: bool = False, fp8_as_bytes: bool = False,
+             latent: bool = False) -> KVCache:
     """The zeroed pool. `fp8_as_bytes`: an fp8 `dtype` is held as uint8 bit patterns (see
-    `KVCache.codes`; zero bytes are fp8 zeros)."""
+    `KVCache.codes`; zero bytes are fp8 zeros). `latent`: no V pages (the latent layout)."""
     shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-    scales = (jnp.ones(shape[:-1], jnp.float32), jnp.ones(shape[:-1], jnp.float32)) \
+    scales = (jnp.ones(shape[:-1], jnp.float32), None if latent else jnp.ones(shape[:-1], jnp.float32)) \
         if quantized else (None, None)
     codes = None
     if fp8_as_bytes and jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1:
         codes, dtype = jnp.dtype(dtype).name, jnp.uint8
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), *scales, codes=codes)
+    return KVCache(jnp.zeros(shape, dtype), None if latent else jnp.zeros(shape, dtype), *scales, codes=codes)
 
 
 def as_stored(x: jax.Array, codes: str | None) -> jax.Array:
@@ -90,9 +101,10 @@ def layer_view(x: jax.Array) -> jax.Array:
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
-def write(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array,
+def write(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array | None,
           slot_mapping: jax.Array, quantize=None) -> KVCache:
-    """Scatter the step's new k, v [T, K, D] of one layer into their slots [T].
+    """Scatter the step's new k, v [T, K, D] of one layer into their slots [T] (v None: a latent
+    cache, k the latents).
 
     Padding tokens carry slot N * B, which is out of range for the layer and dropped.
     `quantize(x) -> (q, scale)` is given for fp8/int8 caches.
@@ -107,10 +119,16 @@ def write(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array,
         flat = flat.at[rows, offs].set(new.astype(flat.dtype), mode="drop")
         return flat.reshape(pages.shape)
 
+    if cache.latent != (v is None):
+        raise ValueError("a latent KV cache takes k only (v None); a K/V cache takes both")
     if quantize is None:
-        return KVCache(put(cache.k, k), put(cache.v, v), cache.k_scale, cache.v_scale, cache.codes)
+        return KVCache(put(cache.k, k), None if v is None else put(cache.v, v), cache.k_scale, cache.v_scale,
+                       cache.codes)
     kq, ks = quantize(k)
+    kq = as_stored(kq, cache.codes)
+    if v is None:
+        return KVCache(put(cache.k, kq), None, put(cache.k_scale, ks), None, cache.codes)
     vq, vs = quantize(v)
-    kq, vq = as_stored(kq, cache.codes), as_stored(vq, cache.codes)
+    vq = as_stored(vq, cache.codes)
     return KVCache(put(cache.k, kq), put(cache.v, vq), put(cache.k_scale, ks),
                    put(cache.v_scale, vs), cache.codes)

@@ -114,7 +114,8 @@ def _attend_rows(qf, out, pages, tables, rows: _Rows, *, rows_per_step: int, chu
         def kv_chunk(j, carry):
             (m, l, acc), (kp, vp, ks, vs) = carry
             ids = jax.lax.dynamic_slice_in_dim(table, j * blocks, blocks, 1)
-            s = jnp.einsum("kwqgd,kwcd->kwqgc", q, gather(kp, ks, ids))
+            keys = gather(kp, ks, ids)
+            s = jnp.einsum("kwqgd,kwcd->kwqgc", q, keys)
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             kpos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
@@ -127,8 +128,8 @@ def _attend_rows(qf, out, pages, tables, rows: _Rows, *, rows_per_step: int, chu
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             alpha = jnp.exp(m - m_new)
             l = l * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + jnp.einsum("kwqgc,kwcd->kwqgd", p,
-                                                      gather(vp, vs, ids))
+            values = keys if vp is None else gather(vp, vs, ids)     # None: latent pages, keys and values
+            acc = acc * alpha[..., None] + jnp.einsum("kwqgc,kwcd->kwqgd", p, values)
             return (m_new, l, acc), (kp, vp, ks, vs)
 
         if sinks is None:
@@ -155,6 +156,7 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
     """q [T, H, D]; k_pages, v_pages [R, B, K, D]; scales [R, B, K] or None -> [T, H, D].
     `sinks` [H] or None: attention sinks (gpt-oss), a learned logit per head added to every
     softmax denominator (softmax over [scores, sink], the sink's column dropped).
+    `v_pages` None (a latent cache, multi-head latent attention): the key pages are the values too.
 
     `return_pages=True` also returns (k_pages, v_pages, k_scale, v_scale) as threaded through the
     loops. Inside the model's layer loop the caller must continue with those: if a loop only

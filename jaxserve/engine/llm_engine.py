@@ -157,7 +157,8 @@ class LLMEngine:
         # Sized per device: a block costs its heads on one device, the budget is one device's.
         per_block = sum(kvc.bytes_per_block(c.num_layers, args.block_size,
                                             plan.kv_heads_per_device(c.num_kv_heads),
-                                            c.head_dim, kv_dtype, kv_quantize is not None)
+                                            c.head_dim, kv_dtype, kv_quantize is not None,
+                                            latent=c.mla is not None)
                         for c, plan in [(cfg, self.plan)] + ([(draft[0], draft_plan)] if draft
                                                              else []))
         # One device's share, from the sharding (no per-shard array objects: on CPU those would

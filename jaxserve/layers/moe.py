@@ -1,6 +1,7 @@
-"""The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss): a softmax router picks the top-k
-experts of every token, and the experts run as grouped matmuls (`layers/experts.py`) over the
-(token, expert) assignments: each assignment costs one expert's FLOPs, never all of them.
+"""The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek): a router picks the top-k
+experts of every token (`route`: softmax; `route_grouped`: DeepSeek's group-limited routing),
+and the experts run as grouped matmuls (`layers/experts.py`) over the (token, expert)
+assignments: each assignment costs one expert's FLOPs, never all of them.
 
 `route` is the router; `expert_mlp` runs the experts of one weight slice — all experts on one
 device, or the slice `[first_expert, first_expert + X_local)` a device holds under expert
@@ -37,6 +38,37 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, *, alpha: float, limit: float
     gate = jnp.minimum(gate, limit)
     up = jnp.clip(up, -limit, limit)
     return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
+
+
+def route_grouped(logits: jax.Array, k: int, *, scoring: str, method: str, n_group: int = 1,
+                  topk_group: int = 1, renormalize: bool = False, scale: float = 1.0,
+                  bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek's router: logits [T, X] -> (weights [T, k] f32, expert ids [T, k] int32).
+
+    scores: softmax (V2) or sigmoid (V3). method "greedy": the top k scores; "group_limited_greedy"
+    (V2): only experts of the `topk_group` groups (of `n_group` equal groups) with the highest best
+    score; "noaux_tc" (V3): the choice ranks score + `bias` [X] (e_score_correction_bias), groups by
+    the sum of their two best, while the weights are the chosen experts' plain scores. The weights
+    are renormalised to sum 1 when `renormalize`, then multiplied by `scale`
+    (routed_scaling_factor)."""
+    logits = logits.astype(jnp.float32)
+    scores = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if method != "greedy":
+        T, X = choice.shape
+        grouped = choice.reshape(T, n_group, X // n_group)
+        group_score = (jax.lax.top_k(grouped, 2)[0].sum(-1) if method == "noaux_tc"
+                       else grouped.max(-1))                                     # [T, n_group]
+        kept = jax.lax.top_k(group_score, topk_group)[1]                         # [T, topk_group]
+        keep = jnp.zeros((T, n_group), bool).at[jnp.arange(T)[:, None], kept].set(True)
+        keep = jnp.repeat(keep, X // n_group, axis=1)                            # [T, X]
+        # V2 zeroes the other groups' scores, V3 takes them out of the choice
+        choice = jnp.where(keep, choice, -jnp.inf if method == "noaux_tc" else 0.0)
+    _, ids = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scale, ids.astype(jnp.int32)
 
 
 def expert_mlp(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: ExpertWeight,

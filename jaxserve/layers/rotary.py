@@ -96,6 +96,17 @@ def rope_attention_factor(scaling: dict | None) -> float:
     return _yarn_mscale(factor)
 
 
+def mla_softmax_scale_factor(scaling: dict | None) -> float:
+    """What DeepSeek's attention scale 1/sqrt(qk_head_dim) is multiplied by: mscale(factor,
+    mscale_all_dim)^2 when the rope is scaled and mscale_all_dim is set (transformers'
+    `yarn_apply_mscale`), else 1."""
+    scaling = scaling or {}
+    m = scaling.get("mscale_all_dim")
+    if scaling.get("rope_type", "default") == "default" or not m:
+        return 1.0
+    return _yarn_mscale(float(scaling["factor"]), float(m)) ** 2
+
+
 def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
     """positions [T] -> cos, sin [T, head_dim // 2] in f32."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]

@@ -37,7 +37,7 @@ def dummy_weights(cfg: ModelConfig, dtype, mesh=None, seed: int = 0,
     arrays = {}
     for p in model.declare(cfg):
         key = jax.random.fold_in(root, zlib.crc32(p.path.encode()))
-        make = jax.jit(lambda k, p=p: _init(p, k, dtype),
+        make = jax.jit(lambda k, p=p: _init(p, k, p.dtype or dtype),
                        out_shardings=plan.sharding(p.axes))
         arrays[p.path] = make(key)
     return model.build(cfg, arrays)

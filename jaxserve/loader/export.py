@@ -33,7 +33,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                 "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
-                "Phi3ForCausalLM": "phi3", "GptOssForCausalLM": "gpt_oss"}
+                "Phi3ForCausalLM": "phi3", "GptOssForCausalLM": "gpt_oss",
+                "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 # what an architecture is exported as: the text model jaxserve serves (its vision tower was not loaded)
 _EXPORTED_AS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
@@ -80,6 +81,24 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
             out.update(num_experts=m.num_experts, moe_intermediate_size=m.moe_intermediate_size,
                        norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=m.decoder_sparse_step,
                        mlp_only_layers=list(m.mlp_only_layers))
+    if cfg.mla is not None:
+        out.update(_deepseek_fields(cfg))
+    return out
+
+
+def _deepseek_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """MLA and DeepSeek MoE fields (head counts as transformers' config classes hold them)."""
+    m = cfg.mla
+    out = dict(num_key_value_heads=cfg.num_heads, head_dim=m.qk_rope_head_dim, q_lora_rank=m.q_lora_rank,
+               kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+               qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, rope_interleave=m.rope_interleave)
+    if cfg.moe is not None:
+        e = cfg.moe
+        out.update(n_routed_experts=e.num_experts, moe_intermediate_size=e.moe_intermediate_size,
+                   norm_topk_prob=e.norm_topk_prob, scoring_func=e.scoring_func, topk_method=e.topk_method,
+                   n_group=e.n_group, topk_group=e.topk_group, routed_scaling_factor=e.routed_scaling_factor,
+                   n_shared_experts=e.n_shared_experts, first_k_dense_replace=e.first_k_dense_replace,
+                   moe_layer_freq=e.moe_layer_freq)
     return out
 
 

@@ -138,7 +138,8 @@ def prefill_batch(cfg: ModelConfig, sequences: Sequence[Sequence[int]], dtype=jn
     meta = AttentionMetadata(jnp.asarray(slots, jnp.int32), jnp.asarray(tables), jnp.asarray(lens, jnp.int32),
                              jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32),
                              jnp.asarray([len(lens)], jnp.int32))
-    cache = kvc.allocate(cfg.num_layers, int(sum(per_seq)), PAGE, cfg.num_kv_heads, cfg.head_dim, dtype)
+    cache = kvc.allocate(cfg.num_layers, int(sum(per_seq)), PAGE, cfg.num_kv_heads, cfg.head_dim, dtype,
+                         latent=cfg.mla is not None)
     tokens = jnp.asarray(np.concatenate([np.asarray(s, np.int32) for s in sequences]))
     return tokens, jnp.asarray(positions), meta, cache
 

@@ -80,6 +80,10 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
         if name not in reads:
             reads[name] = get(name)
         x = reads[name]
+        if x.dtype.name == "float8_e4m3fn" and fp8_scheme is not None and fp8.has_fp8(fp8_scheme, names, name):
+            # an FP8 tensor of an array that is no matmul operand (MLA's kv_b, absorbed into q and
+            # the output): dequantised to the model dtype, once
+            x = reads[name] = _dequantized_fp8(fp8_scheme, get, name, x.shape)
         if x.dtype.name == "float8_e4m3fn":   # casting the codes would drop their scales silently
             raise ModelLoadError(f"tensor {name} is FP8 (F8_E4M3) but no scale for it was found "
                                  f"(quantization_config: {'none' if fp8_scheme is None else fp8_scheme.method})")
@@ -96,9 +100,9 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
         return x
 
     def shard(p, index: tuple[slice, ...]) -> np.ndarray:
+        dt = np.dtype(p.dtype) if p.dtype else np_dtype
         if not p.stacked:
-            return np.ascontiguousarray(tensor(p.checkpoint, p.shape, p.transpose, p.rows)[index],
-                                        dtype=np_dtype)
+            return np.ascontiguousarray(tensor(p.checkpoint, p.shape, p.transpose, p.rows)[index], dtype=dt)
         # stacked axes (layer, and expert for per-expert tensors): one checkpoint tensor each
         n = p.stacked_dims
         picks = [range(p.shape[d])[index[d]] for d in range(n)]
@@ -108,7 +112,7 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
             ids = [r[j] for r, j in zip(picks, pos)]
             part = tensor(p.checkpoint_name(*ids), inner, p.transpose, p.rows)[index[n:]]
             if x is None:
-                x = np.empty(tuple(len(r) for r in picks) + part.shape, np_dtype)
+                x = np.empty(tuple(len(r) for r in picks) + part.shape, dt)
             x[pos] = part
         return x
 
@@ -158,6 +162,17 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
         if p.dense and quantization == "fp8" and p.path not in fp8.SKIP_ON_THE_FLY:
             arrays[p.path] = fp8.quantize_array(arrays[p.path])   # the full-precision copy is dropped
     return model.build(cfg, arrays)
+
+
+def _dequantized_fp8(scheme, get, name: str, shape: tuple[int, int]) -> np.ndarray:
+    """An FP8 checkpoint matrix [out, in] with its scales -> f32 [out, in]."""
+    from jaxserve.loader import fp8
+    from jaxserve.pallas.fp8_matmul import dequantize
+    try:
+        w, s, _ = fp8.read_fp8(scheme, get, name, shape[1], shape[0])       # [in, out]
+    except ValueError as e:
+        raise ModelLoadError(f"FP8 checkpoint: {e}") from None
+    return np.asarray(dequantize(w, s, jnp.float32, scheme.block_size)).T
 
 
 def _kept_gguf(p, plan, quantized, names: list[str]):

@@ -38,6 +38,9 @@ class Param:
         several arrays into one tensor (Phi-3's qkv_proj and gate_up_proj: ranges; gpt-oss's
         experts' gate_up_proj: gate and up interleaved, step 2); None: the whole tensor.
     init: how `--load-format dummy` fills it: normal(0, 0.02), ones or zeros.
+    dtype: a dtype name the array keeps whatever the serving dtype (DeepSeek V3's routing bias:
+        float32, as vLLM keeps it: its experts' biases differ in digits bfloat16 drops); None: the
+        serving dtype.
     """
 
     path: str
@@ -51,6 +54,7 @@ class Param:
     init: str = "normal"
     layers: tuple[int, ...] | None = None
     rows: tuple[int, ...] | None = None
+    dtype: str | None = None
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
@@ -101,7 +105,7 @@ class Param:
 
 def abstract_weights(params: list[Param], dtype) -> dict[str, jax.ShapeDtypeStruct]:
     """path -> ShapeDtypeStruct: what loading would allocate, without allocating it."""
-    return {p.path: jax.ShapeDtypeStruct(p.shape, dtype) for p in params}
+    return {p.path: jax.ShapeDtypeStruct(p.shape, p.dtype or dtype) for p in params}
 
 
 def num_parameters(params: list[Param]) -> int:

@@ -25,6 +25,8 @@ MODELS: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "jaxserve.models.gemma",     # its text model
     "Phi3ForCausalLM": "jaxserve.models.phi3",                      # Phi-3, Phi-3.5, Phi-4-mini
     "GptOssForCausalLM": "jaxserve.models.gpt_oss",
+    "DeepseekV2ForCausalLM": "jaxserve.models.deepseek",            # V2, V2-Lite (MLA, DeepSeek MoE)
+    "DeepseekV3ForCausalLM": "jaxserve.models.deepseek",            # V3, R1
 }
 SUPPORTED_ARCHITECTURES = tuple(MODELS)
 

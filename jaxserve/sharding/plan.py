@@ -208,8 +208,9 @@ def shard_attention(plan: ShardingPlan | None, fn: Callable, q, k, v, cache, *ar
     `sinks` [H] (gpt-oss; None: none) split like q's heads, passed on as `fn(..., sinks=...)`.
     XLA does not partition Pallas calls, so the kernel only ever sees one device's heads; the
     reference path goes the same way (no collective is needed: heads are independent)."""
-    if plan is not None and plan.kv_repeat > 1:
-        k, v = jnp.repeat(k, plan.kv_repeat, axis=1), jnp.repeat(v, plan.kv_repeat, axis=1)
+    if plan is not None and plan.kv_repeat > 1:     # v None: a latent cache (one latent head, repeated)
+        k = jnp.repeat(k, plan.kv_repeat, axis=1)
+        v = None if v is None else jnp.repeat(v, plan.kv_repeat, axis=1)
     if sinks is not None:
         fn, args = _with_sinks(fn), (sinks, *args)
     if plan is None or plan.tp == 1:
@@ -218,12 +219,15 @@ def shard_attention(plan: ShardingPlan | None, fn: Callable, q, k, v, cache, *ar
     q_spec = plan.spec(("tokens", "q_heads", "head_dim"))
     kv_spec = plan.spec(("tokens", "kv_cache_heads", "head_dim"))
     pages, scales = plan.spec(kvc.KV_AXES), plan.spec(kvc.SCALE_AXES)
-    cache_spec = kvc.KVCache(pages, pages, *((scales, scales) if cache.quantized else (None, None)),
+    latent = cache.latent
+    cache_spec = kvc.KVCache(pages, None if latent else pages,
+                             *((scales, None if latent else scales) if cache.quantized else (None, None)),
                              codes=cache.codes)
     rest = tuple(jax.tree.map(lambda _: PartitionSpec(), a) for a in args)
     if sinks is not None:
         rest = (plan.spec(("q_heads",)), *rest[1:])
-    mapped = jax.shard_map(fn, mesh=plan.mesh, in_specs=(q_spec, kv_spec, kv_spec, cache_spec, *rest),
+    mapped = jax.shard_map(fn, mesh=plan.mesh, in_specs=(q_spec, kv_spec, None if latent else kv_spec, cache_spec,
+                                                         *rest),
                            out_specs=(q_spec, cache_spec), check_vma=False)
     return mapped(q, k, v, cache, *args)
 

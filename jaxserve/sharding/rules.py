@@ -31,6 +31,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("experts", "ep"),
     ("moe_mlp", "tp"),
     ("router", None),        # the router's expert scores: small, replicated
+    ("latent", None),        # multi-head latent attention's compressed q and kv: shared by all heads
     ("layers", None),
     # the paged KV cache (jaxserve/attention/kv_cache.py)
     ("kv_blocks", None),

@@ -38,7 +38,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import get_model
 from jaxserve.sharding.plan import ShardingPlan, single_device_plan
 from jaxserve.worker.compile_cache import compile_noting_cache_hit, how_obtained
-from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, kv_cache_sharding
+from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, is_latent, kv_cache_sharding
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class DraftRunner:
 
     # -- the pool (the target's layout: [L, N, B, K, D], split on KV heads) ----------------------
     def _cache_sharding(self, quantized: bool, codes: str | None) -> kvc.KVCache:
-        return kv_cache_sharding(self.plan, quantized, codes)
+        return kv_cache_sharding(self.plan, quantized, codes, is_latent(self.cfg))
 
     def _allocate_cache(self, dtype, quantized: bool) -> kvc.KVCache:
         return allocate_sharded_kv_cache(self.cfg, self.plan, self.num_blocks, self.block_size,

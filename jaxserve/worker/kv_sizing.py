@@ -127,15 +127,21 @@ def allocate_kv_cache(model_config, num_blocks: int, block_size: int, dtype,
     to f16 and back on every write (issue 11 item 8)."""
     return kvc.allocate(model_config.num_layers, num_blocks, block_size,
                         model_config.num_kv_heads, model_config.head_dim, dtype,
-                        quantized=quantized, fp8_as_bytes=jax.default_backend() == "cpu")
+                        quantized=quantized, fp8_as_bytes=jax.default_backend() == "cpu",
+                        latent=is_latent(model_config))
 
 
-def kv_cache_sharding(plan, quantized: bool, codes: str | None) -> kvc.KVCache:
+def is_latent(model_config) -> bool:
+    """The model's pool has the latent layout (multi-head latent attention: no V pages)."""
+    return getattr(model_config, "mla", None) is not None
+
+
+def kv_cache_sharding(plan, quantized: bool, codes: str | None, latent: bool = False) -> kvc.KVCache:
     """The pool's shardings under `plan` (a `ShardingPlan`) as a KVCache pytree (`codes` is
-    static metadata: it must match the pool's)."""
+    static metadata: it must match the pool's; `latent`: no V pages)."""
     pages = plan.sharding(kvc.KV_AXES)
     scales = plan.sharding(kvc.SCALE_AXES) if quantized else None
-    return kvc.KVCache(pages, pages, scales, scales, codes=codes)
+    return kvc.KVCache(pages, None if latent else pages, scales, None if latent else scales, codes=codes)
 
 
 def allocate_sharded_kv_cache(model_config, plan, num_blocks: int, block_size: int, dtype,
@@ -146,6 +152,7 @@ def allocate_sharded_kv_cache(model_config, plan, num_blocks: int, block_size: i
         return allocate_kv_cache(model_config, num_blocks, block_size, dtype, quantized=quantized)
     make = partial(kvc.allocate, model_config.num_layers, num_blocks, block_size,
                    plan.cache_kv_heads(model_config.num_kv_heads), model_config.head_dim, dtype,
-                   quantized=quantized, fp8_as_bytes=jax.default_backend() == "cpu")
+                   quantized=quantized, fp8_as_bytes=jax.default_backend() == "cpu",
+                   latent=is_latent(model_config))
     codes = jax.eval_shape(make).codes
-    return jax.jit(make, out_shardings=kv_cache_sharding(plan, quantized, codes))()
+    return jax.jit(make, out_shardings=kv_cache_sharding(plan, quantized, codes, is_latent(model_config)))()

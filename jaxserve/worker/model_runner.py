@@ -34,7 +34,7 @@ from jaxserve.sharding.plan import ShardingPlan, single_device_plan
 from jaxserve.worker.compile_cache import compile_noting_cache_hit, how_obtained
 from jaxserve.worker.compile_queue import BackgroundCompiler
 from jaxserve.worker.input_batch import InputBatch
-from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, kv_cache_sharding
+from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, is_latent, kv_cache_sharding
 from jaxserve.worker.step_inputs import StepInputs, build_inputs
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class ModelRunner:
 
     # -- the KV pool ---------------------------------------------------------------------------
     def _cache_sharding(self, quantized: bool, codes: str | None) -> kvc.KVCache:
-        return kv_cache_sharding(self.plan, quantized, codes)
+        return kv_cache_sharding(self.plan, quantized, codes, is_latent(self.cfg))
 
     def _allocate_cache(self, dtype, quantized: bool) -> kvc.KVCache:
         return allocate_sharded_kv_cache(self.cfg, self.plan, self.num_blocks, self.block_size,
