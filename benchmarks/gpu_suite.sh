@@ -156,8 +156,10 @@ else
       --batch-size 1 "${lat[@]}" && \
     $py -m jaxserve.server.cli.main bench throughput --model "$model" --load-format dummy "$@" "${thr[@]}"
   }
-  stage bench_bf16 100 bench
-  stage bench_fp8 100 bench --quantization fp8
+  # `timeout` runs programs, not shell functions: the function and its arrays go in a bash -c
+  with_bench="$(declare -f bench); $(declare -p lat thr); py=$py; model=$model; bench"
+  stage bench_bf16 100 bash -c "$with_bench"
+  stage bench_fp8 100 bash -c "$with_bench --quantization fp8"
   stage e2e_triton 80 $py benchmarks/bench_gpu_e2e.py --attention-backend pallas "${e2e[@]}"
 fi
 
