@@ -97,6 +97,8 @@ def main(argv=None) -> int:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--quantization", default=None,
+                    help="e.g. fp8: the dummy weights quantised on load (vLLM's flag)")
     ap.add_argument("--allow-cpu", action="store_true")
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu" and not args.allow_cpu:
@@ -109,14 +111,15 @@ def main(argv=None) -> int:
     llm = LLM(model=args.config, load_format="dummy", dtype=args.dtype, seed=0,
               max_model_len=max_len, max_num_seqs=max(batches + [args.num_prompts]),
               max_num_batched_tokens=args.max_num_batched_tokens,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend, quantization=args.quantization)
     start_s = time.perf_counter() - t0
     engine = llm.llm_engine
     cfg = engine.model_config
     decl = get_model(cfg.architecture).declare(cfg)
     params = num_parameters(decl)
     itemsize = np.dtype(jax.numpy.dtype(args.dtype)).itemsize
-    weight_bytes = params * itemsize
+    # fp8: linear weights at 1 byte (embeddings, norms stay at dtype: a lower bound of the bytes)
+    weight_bytes = params * (1 if args.quantization == "fp8" else itemsize)
     kind, (hbm, flops_peak) = _peaks()
     rng = np.random.default_rng(0)
 
@@ -145,7 +148,8 @@ def main(argv=None) -> int:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
 
     print(f"\n### End to end, {os.path.basename(os.path.normpath(args.config))} dummy weights "
-          f"({params / 1e9:.2f} B params, {args.dtype}), {kind}, jax {jax.__version__}, "
+          f"({params / 1e9:.2f} B params, {args.dtype}{', ' + args.quantization if args.quantization else ''}), "
+          f"{kind}, jax {jax.__version__}, "
           f"{datetime.date.today()}\n")
     print(f"Command: `python benchmarks/bench_gpu_e2e.py {' '.join(argv or sys.argv[1:])}`; "
           f"attention backend {engine.attention_backend} (asked: {args.attention_backend}); "

@@ -22,6 +22,7 @@ Tolerances (max abs error; the reference sees the same bf16/fp8/int8 cache value
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -132,6 +133,24 @@ def test_interpret_layer_window_in_metadata_equals_the_static_window(window, kv)
     assert max_err(got, want) <= TOL["bfloat16"]
 
 
+@needs_mgpu
+@pytest.mark.skipif((os.cpu_count() or 1) < 8, reason="the interpreter runs each warpgroup as an XLA CPU "
+                    "computation whose barrier waits hold pool threads: deadlocks with few cores")
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_interpret_warp_specialized_matches_reference(kv):
+    """The compiled kernel's form (a memory warpgroup and a compute warpgroup talking through
+    full/free barriers, 2 slots, several chunks per split, page-id windows) interpreted."""
+    case = Case(q_lens=(1, 9), ctx=(300, 120), T=16, S=2, N=64, M=32, B=8, dtype="bfloat16", kv=kv)
+    q, k, v, meta, ks, vs = make_batch(case)
+    bs = MgpuBlockSizes(kv_tokens=64, num_splits=2)
+    kv_chunk, bq, gp, splits = mgpu._plan(q, k, meta, bs)
+    out = jax.block_until_ready(mgpu._mgpu_jit(
+        q, k, v, meta, ks, vs, sm_scale=0.125, sliding_window=None, soft_cap=None,
+        kv_chunk=kv_chunk, bq=bq, gp=gp, num_splits=splits, interpret=True, ws_interpret=True))
+    ref = ref_ragged_paged_attention(q, k, v, meta, sm_scale=0.125, k_scale=ks, v_scale=vs)
+    assert max_err(out, ref) <= TOL["bfloat16"]
+
+
 # --- what the kernel does not do yet, and its own limits -----------------------------------------
 def _batch(**kw):
     return make_batch(Case(q_lens=(1, 3), ctx=(4, 0), T=4, S=2, dtype="bfloat16", **kw))
@@ -178,12 +197,77 @@ def test_default_splits_fill_the_gpu_and_stay_bounded():
 def test_shipped_blocks_fit_shared_memory():
     for head_dim, bs in mgpu.DEFAULT_BLOCK_SIZES.items():
         for quantized in (False, True):                     # bf16 cache, fp8/int8 cache
-            need = mgpu.smem_bytes(mgpu.ROWS, head_dim, bs.kv_tokens, quantized=quantized)
-            assert need <= mgpu.SMEM_BYTES, (head_dim, quantized)
-            if head_dim <= 128:                             # f32 q: two parts, smaller chunks
-                c = min(bs.kv_tokens, mgpu.F32_Q_KV_TOKENS)
-                need = mgpu.smem_bytes(mgpu.ROWS, head_dim, c, quantized=quantized, q_parts=2)
-                assert need <= mgpu.SMEM_BYTES, (head_dim, quantized, "f32 q")
+            for block_size in (8, 16, 64):
+                need = mgpu.smem_bytes(mgpu.ROWS, head_dim, bs.kv_tokens, quantized=quantized,
+                                       slots=bs.slots, block_size=block_size)
+                assert need <= mgpu.SMEM_BYTES, (head_dim, quantized)
+                if head_dim <= 128:                         # f32 q: two parts, smaller chunks
+                    c = min(bs.kv_tokens, mgpu.F32_Q_KV_TOKENS)
+                    need = mgpu.smem_bytes(mgpu.ROWS, head_dim, c, quantized=quantized, q_parts=2,
+                                           slots=bs.slots, block_size=block_size)
+                    assert need <= mgpu.SMEM_BYTES, (head_dim, quantized, "f32 q")
+
+
+def test_block_table_fits_two_programs_per_sm():
+    """Issue 25: at head_dim 128 (and 64) a program leaves room for a second on its SM (bf16 q,
+    bf16 or 8-bit cache); head_dim 256 cannot (sizes module docstring says why). The previous
+    kernel took 193 KiB at head_dim 128: one program per SM."""
+    for head_dim, want in ((64, 2), (128, 2), (256, 1)):
+        bs = mgpu.DEFAULT_BLOCK_SIZES[head_dim]
+        for quantized in (False, True):
+            need = mgpu.smem_bytes(mgpu.ROWS, head_dim, bs.kv_tokens, quantized=quantized,
+                                   slots=bs.slots, block_size=16)
+            assert mgpu.ctas_per_sm(need) >= want, (head_dim, quantized, need)
+    assert mgpu.smem_bytes(mgpu.ROWS, 128, 64) < 100 * 1024
+    assert mgpu.ctas_per_sm(193 * 1024) == 1 and mgpu.ctas_per_sm(114 * 1024) == 1
+
+
+def test_bytes_model_decode_is_the_kv_pages():
+    """Decode at batch 256 x 8k, Llama-3-8B's attention shape: the model's KV bytes are exactly
+    the pages read (8192 is whole chunks), and everything else is under 1% of them."""
+    sizes = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+    bf16 = mgpu.bytes_moved([1] * 256, [8192] * 256, **sizes)
+    assert bf16.kv == 256 * 8192 * 8 * 128 * 2 * 2
+    assert bf16.kv_fraction > 0.99 and bf16.kv_scales == 0
+    fp8 = mgpu.bytes_moved([1] * 256, [8192] * 256, kv_dtype_bytes=1, **sizes)
+    assert fp8.kv == bf16.kv // 2
+    assert fp8.kv_scales >= 256 * 8192 * 8 * 2 * 4               # f32 scales: 1/16 of fp8 K/V
+    # only the useful rows leave the kernel: 4 of 64 rows per decode tile, bf16
+    assert bf16.out < 256 * 8 * 64 * 128 * 4
+
+
+def test_bytes_model_follows_the_kernels_tile_plan():
+    """The model's chunk count equals the kernel's: a prefill chunk's tiles each read their own
+    causal prefix (whole chunks), a window skips the chunks left of it."""
+    from jaxserve.pallas.ragged_tiles import plan_tiles
+    case = Case(q_lens=(1, 40, 1, 7), ctx=(300, 100, 0, 60), T=64, S=4, N=128, M=32, K=2, G=4,
+                window=90, dtype="bfloat16")
+    q, k, _, meta, _, _ = make_batch(case)
+    bs = MgpuBlockSizes(kv_tokens=64, num_splits=2)
+    kv_chunk, bq, gp, _ = mgpu._plan(q, k, meta, bs)
+    tile_meta = np.asarray(mgpu.tile_metadata(plan_tiles(meta, q.shape[0], bq, gp), meta,
+                                              kv_chunk, case.window))
+    chunks = int((tile_meta[:, 4] - tile_meta[:, 3]).sum())
+    q_lens = [int(x) for x in np.diff(np.asarray(meta.cu_q_lens))[: int(meta.num_seqs[0])]]
+    kv_lens = [int(x) for x in np.asarray(meta.kv_lens)[: len(q_lens)]]
+    model = mgpu.bytes_moved(q_lens, kv_lens, num_q_heads=case.K * case.G, num_kv_heads=case.K,
+                             head_dim=case.D, block_size=case.B, block_sizes=bs,
+                             sliding_window=case.window, max_pages_per_seq=case.M)
+    assert model.kv == chunks * kv_chunk * case.D * case.K * 2 * 2
+    no_window = mgpu.bytes_moved(q_lens, kv_lens, num_q_heads=case.K * case.G, num_kv_heads=case.K,
+                                 head_dim=case.D, block_size=case.B, block_sizes=bs, max_pages_per_seq=case.M)
+    assert no_window.kv > model.kv                                  # the window skips chunks
+
+
+def test_merge_splits_weights_by_lse_and_ignores_empty_splits():
+    o = np.zeros((3, 2, 1, 2), np.float32)                # [P, Qs, R, D]: f32 as high + low
+    o[0, 0] = [[1.0, 2.0]]
+    o[0, 1] = [[2.0 ** -10, 0.0]]
+    o[1, 0] = [[3.0, 4.0]]
+    lse = np.array([[np.log(1.0)], [np.log(3.0)], [mgpu.MASK_VALUE]], np.float32)   # split 2 empty
+    got = np.asarray(mgpu.merge_splits(jnp.asarray(o), jnp.asarray(lse)))
+    want = (np.array([1.0 + 2.0 ** -10, 2.0]) * 1 + np.array([3.0, 4.0]) * 3) / 4
+    np.testing.assert_allclose(got[0], want, rtol=1e-6)
 
 
 # --- lowering for CUDA without a GPU --------------------------------------------------------------

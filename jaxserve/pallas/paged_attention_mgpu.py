@@ -9,49 +9,80 @@ Supported (anything else raises ValueError naming the field):
   q bf16 or f32; a bf16 cache, or an fp8 (e4m3, e5m2) / int8 cache with per-token-head f32
   scales [N, B, K]; head_dim 64/128/256 (f32 q: 64/128, 256 does not fit shared memory);
   GQA ratio G <= 64; block_size B a multiple of 8 dividing the KV chunk (64, 128, 192 or 256
-  tokens); sliding window; soft cap.
+  tokens); sliding window (static, or per layer in the metadata); soft cap.
   NOT yet: f16 q, f16 or f32 caches. Hopper's wgmma reads 32-bit operands as tf32 and only
   K-major, so an f32 V would need restaging in SMEM and a bf16 high/low split in-kernel.
-f32 q: the wrapper splits q into bf16 high + low parts (q = hi + lo to ~16 mantissa bits) and
-the kernel splits P the same way, so QK and PV are two bf16 wgmma's each with f32 accumulation:
-near-f32 accuracy (max error ~1e-5 on unit-variance data) at twice the tensor-core work, which
-a memory-bound decode step does not notice.
+f32 q: the wrapper splits q into bf16 high + low parts (q = hi + lo to ~16 mantissa bits), the
+kernel splits P the same way, and writes its output as bf16 high + low: QK and PV are two bf16
+wgmma's each with f32 accumulation, near-f32 accuracy at twice the tensor-core work, which a
+memory-bound decode step does not notice.
 
 Partitioning. Grid `(K, NT, P)`: program (h, i, p) owns kv head h, query tile i and KV split p.
 A query tile (jaxserve/pallas/ragged_tiles.py) is up to bq tokens of ONE sequence times the G
-query heads of kv head h (padded to Gp), R = bq * Gp = 64 rows -- one wgmma M tile -- so a
-decode row fills the tensor-core tile with its G heads (and prefill tokens fill the rest).
+query heads of kv head h (padded to Gp), R = bq * Gp = 64 rows -- one wgmma M tile: the G heads
+that share a kv head are packed into the tile's rows, so a prefill tile is full and a decode
+tile has Gp of its 64 rows live (G=4: 4 rows). Several decode sequences are NOT packed into one
+tile: their keys differ, so one S = Q K^T wgmma cannot serve rows of two sequences, and packing
+them would read each sequence's pages into the shared tile anyway (the same bytes) while
+multiplying every row by every sequence's keys. The padding costs tensor-core work and
+registers, not bandwidth: 64 rows x 2 flops per K/V element read is 64 flop/byte (bf16) where an
+H100 is compute-bound only past ~295, and the row-wise softmax is ~4 SM clocks per key against
+~35 clocks for the key's 512 bytes at its share of HBM bandwidth (D=128).
 The tile's visible KV chunks [c_first, c_end) (from kv_len, the tile's causal end and the
-window) are cut into P equal slices; each program writes its unnormalised f32 partials
-(acc [R, D], m [R], l [R]) and a jnp combine merges them (flash-decoding). Short sequences'
-upper splits are empty and idle.
+window; computed by the wrapper) are cut into P equal slices, one per program (flash-decoding).
 
-Inside a program: Q [R, D] is copied GMEM->SMEM once; the KV loop walks chunks of C tokens
-(C / B pages). Hopper's TMA has no gather, so every page's [B, D] slab of kv head h is its own
-`copy_gmem_to_smem` into the chunk's SMEM slot; all C / B copies arrive on one barrier per slot
-(num_arrivals = C / B). Two slots double-buffer: chunk c + 1's copies are issued before chunk c
-is computed. S = Q K^T and O += P V are wgmma's with f32 accumulators; the online softmax
-(m, l, alpha) runs in registers in the WGMMA layout. Page ids and lengths are scalar loads from
-GMEM. Page ids past the table or out of range are clamped: those keys are masked anyway.
+Inside a program, two warpgroups (`num_threads=2`) share the SMEM buffers and talk through
+mbarriers, like jax's own attention_mgpu.py:
+  memory warpgroup (1): `setmaxnreg` down to PRODUCER_REGISTERS; copies the tile's metadata row
+    (sequence, first position, query count, chunk range, window: 8 int32, computed by the
+    wrapper) into SMEM for both warpgroups; then for each chunk of its split: brings the
+    sequence's page ids into SMEM a window at a time (one TMA of `idx_window` ids from the
+    block table, padded by the wrapper so every window is in bounds and 16-byte aligned), waits
+    until the compute warpgroup has released the slot (`k_free`/`v_free`, from the `slots`-th
+    chunk on), and issues the chunk's page copies (TMA has no gather: each page's [B, D] slab of
+    kv head h is its own copy, all arriving on the slot's `k_full`/`v_full` barrier; fp8/int8
+    caches bring their scales on the same barriers). It runs `slots` chunks ahead.
+  compute warpgroup (0): `setmaxnreg` up to CONSUMER_REGISTERS; copies its Q tile in, then per
+    chunk: waits `k_full`, S = Q K^T (wgmma, f32 accumulator), releases K (`k_free`), online
+    softmax in registers in the WGMMA layout (soft cap, causal and window masks), waits
+    `v_full`, O += P V with P straight from registers into the accumulator carried across
+    chunks (`pl.run_state(plgpu.ACC.init(acc))`: no fresh accumulator, no add), releases V.
+    At the end it normalises (o = acc / l, lse = m + log l) and writes ONLY the tile's useful
+    rows (nq * Gp of 64) in bf16, with a ladder of power-of-two TMA stores (jax's
+    ragged_dot_mgpu.py trick: TMA boxes are static), and the 64-row f32 lse.
+Splits are merged by a small jnp step (`merge_splits`: exp(lse - max) weights); one split is
+used as written.
+
+Interpret mode (the off-GPU test oracle) runs the same math with differences the interpreter
+forces (jax 0.11.2): it reads wgmma operands only from SMEM and has no `pl.run_state`, so P goes
+through an SMEM buffer and PV into a fresh accumulator added in registers (`in_place=False`);
+and it runs each warpgroup as its own XLA CPU computation whose blocking barrier callbacks hold
+XLA CPU pool threads, which deadlocks on a 2-core machine, so by default one warpgroup issues
+the copies one chunk ahead and computes (`warp_specialized=False`, the same copy and compute
+code). The warp-specialised form is interpreted by a test on machines with >= 8 cores; the
+lowering tests cover the compiled form (in place, warp-specialised).
 
 fp8/int8 caches: the raw chunk lands in SMEM at its storage width (half the bytes of bf16), is
-widened exactly to bf16 into a second SMEM buffer (wgmma reads 8-bit operands only K-major and
-only against 8-bit operands), and the scales are folded in f32 like the Triton kernel does:
-`q.(k*s_k) = (q.k)*s_k` scales score columns, `p@(v*s_v) = (p*s_v)@v` scales P's columns. The
-scales are passed transposed to [K, N, B] so each page's B scales of one kv head are contiguous
-for TMA (one XLA transpose of 1/D of the cache's elements per call).
+widened exactly to bf16 into a compute-only SMEM buffer (wgmma reads 8-bit operands only
+K-major and only against 8-bit operands), after which the slot is released; the scales are
+folded in f32 like the Triton kernel does: `q.(k*s_k) = (q.k)*s_k` scales score columns,
+`p@(v*s_v) = (p*s_v)@v` scales P's columns. The scales are passed transposed to [K, N, B] so
+each page's B scales of one kv head are contiguous for TMA.
+
+Block sizes, shared memory per program and programs per SM: jaxserve/pallas/
+paged_attention_mgpu_sizes.py (`DEFAULT_BLOCK_SIZES`, `smem_bytes`, `ctas_per_sm`), with the
+model of bytes one call moves (`bytes_moved`). At head_dim 128 a program takes ~98 KiB (was
+193 KiB): two programs per SM by shared memory.
 
 The cache write is not fused (same reasons as the Triton kernel's docstring).
 
 Status: checked in Mosaic GPU interpret mode against the reference (with its race detector) and
-lowered for CUDA on CPU (layouts, the 227 KiB shared-memory limit); not yet compiled or timed on
-an H100 (tests/test_paged_attention_mgpu.py's `gpu` tests do that). Known costs left for tuning:
-one warpgroup both issues the TMA copies and computes (no producer warpgroup), P makes an SMEM
-round trip before P @ V, and the block sizes are untuned.
+lowered for CUDA on CPU (layouts, the shared-memory limit); never compiled past MLIR or timed
+on an H100 (tests/test_paged_attention_mgpu.py's `gpu` tests and benchmarks/gpu_suite.sh do),
+so `auto` never picks it (jaxserve/pallas/measured.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import numbers
 from typing import Any
@@ -67,9 +98,22 @@ from jaxserve.pallas.paged_attention import (
     _is_concrete,
     validate_inputs,
     validate_metadata,
-    window_operand,
 )
-from jaxserve.pallas.paged_attention_decode import combine_splits
+from jaxserve.pallas.paged_attention_mgpu_sizes import (  # noqa: F401 (re-exported)
+    CONSUMER_REGISTERS,
+    DEFAULT_BLOCK_SIZES,
+    MAX_SPLITS,
+    PRODUCER_REGISTERS,
+    ROWS,
+    SMEM_PER_BLOCK,
+    TARGET_PROGRAMS,
+    MgpuBlockSizes,
+    bytes_moved,
+    ctas_per_sm,
+    default_num_splits,
+    idx_window,
+    smem_bytes,
+)
 from jaxserve.pallas.ragged_tiles import gather_q_tiles, plan_tiles, scatter_tiles
 
 try:  # Mosaic GPU's Pallas API as used here is jax >= 0.11 (plgpu.kernel + GPU interpret mode)
@@ -79,13 +123,15 @@ except ImportError:  # pragma: no cover - depends on the installed jax
     plgpu = None
     MGPU_AVAILABLE = False
 
-ROWS = 64                        # wgmma M: query rows per program
-OUT_COLS = 128                   # f32 output staged through SMEM this many columns at a time
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+SMEM_BYTES = SMEM_PER_BLOCK      # kept name: the per-block limit
+F32_Q_KV_TOKENS = 64             # f32 q: chunks of at most 64 tokens (two Q and out parts)
+NO_WINDOW = 1 << 30              # the metadata row's window when none applies
+META_COLS = 8                    # seq, p0, nq, c_first, c_end, window, 0, 0 (32 bytes: one TMA)
 
 
 def q_parts(dtype) -> int:
-    """bf16 parts q (and P) are split into for wgmma: f32 is bf16 high + bf16 low."""
+    """bf16 parts q (and P, and the output) are split into for wgmma: f32 is high + low."""
     return 2 if jnp.dtype(dtype) == jnp.float32 else 1
 
 
@@ -112,72 +158,71 @@ def _widen(x, dtype):
     return x.astype(dtype)
 
 
-def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv_lens_ref,
-                      bt_ref, q_ref, k_ref, v_ref, *refs, sm_scale, block_size, kv_chunk, gp,
-                      num_splits, sliding_window, soft_cap, quantized, layer_window):
-    # GMEM: q_ref [K, NT, Qs, R, D] (Qs = 2 for f32 q: bf16 high and low parts);
-    #       k_ref/v_ref [N, B, K, D] (cache dtype); bt_ref [S, M];
-    #       ks_ref/vs_ref [K, N, B] f32 (quantized only); window_ref [1] int32 (layer_window only);
-    #       acc_out [K, NT, P, R, D] f32; m_out/l_out [K, NT, P, R] f32.
-    # SMEM: q_smem [Qs, R, D]; k_smem/v_smem [2, C, D] (cache dtype); p_smem [Qs, R, C];
-    #       o_smem [R, min(D, 128)] f32; ml_smem [2, R] f32; quantized only: k_cmp/v_cmp [C, D]
-    #       (the chunk widened to the compute dtype), ks_smem/vs_smem [2, C] f32.
-    window_ref = None
-    if layer_window:        # this layer's window follows the inputs (and the scales)
-        refs = list(refs)
-        window_ref = refs.pop(2 if quantized else 0)
-    if quantized:
-        (ks_ref, vs_ref, acc_out, m_out, l_out, q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem,
-         q_bar, k_bar, v_bar, k_cmp, v_cmp, ks_smem, vs_smem) = refs
-    else:
-        (acc_out, m_out, l_out, q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem,
-         q_bar, k_bar, v_bar) = refs
-    kh, i, split = lax.axis_index("kv_head"), lax.axis_index("tile"), lax.axis_index("split")
-    Qs, R, D = q_smem.shape
-    C, B = kv_chunk, block_size
-    ppc = C // B                                            # pages per chunk
-    N, M = k_ref.shape[0], bt_ref.shape[1]
-    cdt = q_smem.dtype
-
-    seq = tile_seq_ref[i]
-    nq = tile_nq_ref[i]                                     # real queries in this tile
-    kv_len = kv_lens_ref[seq]
-    p0 = kv_len - q_lens_ref[seq] + tile_qstart_ref[i]      # position of the tile's first query
-    hi = jnp.minimum(kv_len, p0 + nq)                       # one past the last visible key
-    if window_ref is not None:
-        sliding_window = window_ref[0]
-    c_first = jnp.int32(0)
-    if sliding_window is not None:                          # chunks wholly left of the window
-        c_first = lax.div(jnp.maximum(p0 - sliding_window + 1, 0), jnp.int32(C))
-    c_end = jnp.where(nq > 0, lax.div(hi + C - 1, jnp.int32(C)), c_first)
+def _split_range(c_first, c_end, split, num_splits):
+    """This split's chunks [c_lo, c_hi) of the tile's [c_first, c_end)."""
     per = lax.div(c_end - c_first + num_splits - 1, jnp.int32(num_splits))
     c_lo = jnp.minimum(c_first + split * per, c_end)
-    c_hi = jnp.minimum(c_lo + per, c_end)
+    return c_lo, jnp.minimum(c_lo + per, c_end)
+
+
+def _chunk_issuer(bt_ref, k_ref, v_ref, scale_refs, idx_smem, k_smem, v_smem, scale_smem,
+                  idx_bar, k_full, v_full, k_free, v_free, *, seq, c_lo, ppc, block_size, slots,
+                  wait_free):
+    """`issue(c)`: bring chunk c's page ids into SMEM when it opens a window (or is the split's
+    first), wait until its slot is released (`wait_free`: from the `slots`-th chunk on), and
+    issue its page copies (and scale copies) onto the slot's full barriers."""
+    kh = lax.axis_index("kv_head")
+    N = k_ref.shape[0]
+    W = idx_smem.shape[0]
+    B = block_size
+
+    def issue(c):
+        first = c * ppc                               # the chunk's first page in the table row
+        base = lax.div(first, jnp.int32(W)) * W       # chunks never straddle windows
+
+        @pl.when((c == c_lo) | (first == base))
+        def _():
+            plgpu.copy_gmem_to_smem(bt_ref.at[seq, pl.ds(base, W)], idx_smem, idx_bar)
+            plgpu.barrier_wait(idx_bar)
+
+        step = c - c_lo
+        slot = lax.rem(step, jnp.int32(slots))
+        pages = [jnp.clip(idx_smem[first - base + j], 0, N - 1) for j in range(ppc)]
+        for src, dst, full, free, scales in ((k_ref, k_smem, k_full, k_free, 0),
+                                             (v_ref, v_smem, v_full, v_free, 1)):
+            if wait_free:
+                @pl.when(step >= slots)
+                def _(free=free):
+                    plgpu.barrier_wait(free.at[slot])     # the slot's previous chunk is consumed
+
+            for j, page in enumerate(pages):
+                rows = pl.ds(j * B, B)
+                plgpu.copy_gmem_to_smem(src.at[page, :, kh, :], dst.at[slot, rows], full.at[slot])
+                if scale_refs:
+                    plgpu.copy_gmem_to_smem(scale_refs[scales].at[kh, page],
+                                            scale_smem[scales].at[slot, rows], full.at[slot])
+    return issue
+
+
+def _consumer(meta_smem, q_ref, o_out, lse_out, q_smem, k_smem, v_smem, o_smem, lse_smem,
+              scale_smem, widened, p_smem, q_bar, k_full, v_full, k_free, v_free, *, seq_ok,
+              p0, nq, window, c_lo, c_hi, gp, sm_scale, soft_cap, windowed, slots, in_place,
+              issue=None):
+    """Compute warpgroup: QK, online softmax, PV per chunk; normalised useful rows out.
+    `issue` (single-warpgroup form only): this warpgroup also issues the copies, one chunk
+    ahead, and releases nothing (no other warpgroup waits)."""
+    del meta_smem, seq_ok
+    release = plgpu.barrier_arrive if issue is None else (lambda _: None)
+    kh, i, split = lax.axis_index("kv_head"), lax.axis_index("tile"), lax.axis_index("split")
+    Qs, R, D = q_smem.shape
+    C = k_smem.shape[1]
+    cdt = q_smem.dtype
+    quantized = widened is not None
 
     for h in range(Qs):                 # one copy per part: TMA strides at most 5 dimensions
         plgpu.copy_gmem_to_smem(q_ref.at[kh, i, h], q_smem.at[h], q_bar)
-
-    def fetch(c, slot):
-        """Issue the page copies of chunk c into `slot`; each page arrives on the slot barrier."""
-        for j in range(ppc):
-            page_idx = jnp.minimum(c * ppc + j, M - 1)
-            page = jnp.clip(bt_ref[seq, page_idx], 0, N - 1)
-            dst = pl.ds(j * B, B)
-            plgpu.copy_gmem_to_smem(k_ref.at[page, :, kh, :], k_smem.at[slot, dst],
-                                    k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[page, :, kh, :], v_smem.at[slot, dst],
-                                    v_bar.at[slot])
-            if quantized:
-                plgpu.copy_gmem_to_smem(ks_ref.at[kh, page], ks_smem.at[slot, dst],
-                                        k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(vs_ref.at[kh, page], vs_smem.at[slot, dst],
-                                        v_bar.at[slot])
-
-    @pl.when(c_lo < c_hi)
-    def _():
-        fetch(c_lo, 0)
-
     plgpu.barrier_wait(q_bar)
+
     layout = plgpu.Layout.WGMMA
     row = plgpu.broadcasted_iota(jnp.int32, (R, C), 0, layout=layout)
     col = plgpu.broadcasted_iota(jnp.int32, (R, C), 1, layout=layout)
@@ -187,82 +232,152 @@ def _attention_kernel(tile_seq_ref, tile_qstart_ref, tile_nq_ref, q_lens_ref, kv
 
     def body(c, carry):
         acc, m, l = carry
-        slot = lax.rem(c - c_lo, jnp.int32(2))
-
-        @pl.when(c + 1 < c_hi)
-        def _():                                            # prefetch the next chunk
-            fetch(c + 1, 1 - slot)
-
-        plgpu.barrier_wait(k_bar.at[slot])
+        slot = lax.rem(c - c_lo, jnp.int32(slots))
+        if issue is not None:               # single warpgroup: the next chunk's copies first
+            pl.when(c + 1 < c_hi)(lambda: issue(c + 1))
+        plgpu.barrier_wait(k_full.at[slot])
         k_op = k_smem.at[slot]
         if quantized:                       # fp8/int8 -> compute dtype is exact; scales later
-            k_cmp[...] = _widen(k_smem.at[slot][...], cdt)
+            widened[0][...] = _widen(k_smem.at[slot][...], cdt)
+            k_cols = _columns(scale_smem[0].at[slot])
             plgpu.commit_smem()
-            k_op = k_cmp
+            release(k_free.at[slot])                         # the raw slot is free again
+            k_op = widened[0]
 
         def qk(acc_ref):
             for h in range(Qs):             # f32 q: q_hi.k + q_lo.k, f32 accumulation
                 plgpu.wgmma(acc_ref, q_smem.at[h], k_op.T)
             return acc_ref[...]
         s = pl.run_scoped(qk, plgpu.ACC((R, C), jnp.float32))                 # [R, C] f32
-        if quantized:                       # q.(k * s_k) = (q.k) * s_k: scale score columns
-            s = s * lax.broadcast_in_dim(_columns(ks_smem.at[slot]), (R, C), [1])
+        if not quantized:
+            release(k_free.at[slot])                         # the wgmma has read K
+        else:                               # q.(k * s_k) = (q.k) * s_k: scale score columns
+            s = s * lax.broadcast_in_dim(k_cols, (R, C), [1])
         s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kpos = c * C + col
         mask = row_ok & (kpos <= row_pos)                   # row_pos < kv_len on real rows
-        if sliding_window is not None:
-            mask = mask & (kpos > row_pos - sliding_window)
+        if windowed:
+            mask = mask & (kpos > row_pos - window)
         s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.where(mask, jnp.exp(s - lax.broadcast_in_dim(m_new, (R, C), [0])), 0.0)
         l = alpha * l + p.sum(axis=1)
-        plgpu.barrier_wait(v_bar.at[slot])
+        acc = acc * lax.broadcast_in_dim(alpha, (R, D), [0])
+        plgpu.barrier_wait(v_full.at[slot])
         v_op = v_smem.at[slot]
         if quantized:                       # p @ (v * s_v) = (p * s_v) @ v: scale P columns
-            v_cmp[...] = _widen(v_smem.at[slot][...], cdt)
-            p = p * lax.broadcast_in_dim(_columns(vs_smem.at[slot]), (R, C), [1])
-            v_op = v_cmp
-
-        # P goes through SMEM and P V into a fresh accumulator added in registers: GPU interpret
-        # mode reads wgmma operands only from SMEM and has no pl.run_state (pre-initialised
-        # ACC). Both cost an [R, C] store and an [R, D] add, small next to the KV reads.
+            widened[1][...] = _widen(v_smem.at[slot][...], cdt)
+            p = p * lax.broadcast_in_dim(_columns(scale_smem[1].at[slot]), (R, C), [1])
+            plgpu.commit_smem()
+            release(v_free.at[slot])
+            v_op = widened[1]
         p_hi = p.astype(cdt)
-        p_smem[0] = p_hi
-        if Qs == 2:                         # f32 q: P as bf16 high + low parts too
-            p_smem[1] = (p - p_hi.astype(jnp.float32)).astype(cdt)
-        plgpu.commit_smem()
+        p_parts = [p_hi] + ([(p - p_hi.astype(jnp.float32)).astype(cdt)] if Qs == 2 else [])
 
-        def pv(acc_ref):
-            for h in range(Qs):
-                plgpu.wgmma(acc_ref, p_smem.at[h], v_op)
-            return acc_ref[...]
-        pv_out = pl.run_scoped(pv, plgpu.ACC((R, D), jnp.float32))           # [R, D] f32
-        acc = acc * lax.broadcast_in_dim(alpha, (R, D), [0]) + pv_out
+        if in_place:                        # P from registers into the carried accumulator
+            def pv(acc_ref):
+                for part in p_parts:
+                    plgpu.wgmma(acc_ref, part, v_op)
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        else:                               # interpreter: P via SMEM, fresh accumulator
+            for h, part in enumerate(p_parts):
+                p_smem[h] = part
+            plgpu.commit_smem()
+
+            def pv(acc_ref):
+                for h in range(Qs):
+                    plgpu.wgmma(acc_ref, p_smem.at[h], v_op)
+                return acc_ref[...]
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((R, D), jnp.float32))
+        if not quantized:
+            release(v_free.at[slot])                         # the wgmma has read V
         return acc, m_new, l
 
+    if issue is not None:
+        pl.when(c_lo < c_hi)(lambda: issue(c_lo))
     reduced = layout.reduce(1)
     init = (plgpu.layout_cast(jnp.zeros((R, D), jnp.float32), layout),
             plgpu.layout_cast(jnp.full((R,), MASK_VALUE, jnp.float32), reduced),
             plgpu.layout_cast(jnp.zeros((R,), jnp.float32), reduced))
     acc, m, l = lax.fori_loop(c_lo, c_hi, body, init)
 
-    ml_smem[0] = m
-    ml_smem[1] = l
-    # acc leaves through o_smem [R, OC] in column parts: a whole f32 [64, 256] buffer would not
-    # fit beside D=256's KV slots.
-    OC = o_smem.shape[1]
-    for part in range(D // OC):
-        if part:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # o_smem free again
-        o_smem[...] = acc if OC == D else acc[:, part * OC:(part + 1) * OC]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, acc_out.at[kh, i, split, :, pl.ds(part * OC, OC)])
-    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_out.at[kh, i, split])
-    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_out.at[kh, i, split])
-    plgpu.wait_smem_to_gmem(0)
+    seen = l > 0.0                          # rows with no visible key in this split: o = 0
+    l_safe = jnp.where(seen, l, 1.0)
+    o = acc / lax.broadcast_in_dim(l_safe, (R, D), [0])
+    lse_smem[...] = jnp.where(seen, m + jnp.log(l_safe), MASK_VALUE)
+    o_hi = o.astype(o_smem.dtype)
+    o_smem[0] = o_hi
+    if Qs == 2:
+        o_smem[1] = (o - o_hi.astype(jnp.float32)).astype(o_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(lse_smem, lse_out.at[kh, i, split])
+    # Only the useful rows nq * Gp leave, through a ladder of power-of-two TMA boxes (their sizes
+    # must be static): 64, 32, ..., 1 rows, each taken when its bit is set in the row count.
+    useful = nq * gp
+    start, size = 0, R
+    while size:
+        @pl.when(useful & size != 0)
+        def _(start=start, size=size):
+            for h in range(Qs):
+                plgpu.copy_smem_to_gmem(o_smem.at[h, pl.ds(start, size)],
+                                        o_out.at[kh, i, split, h, pl.ds(start, size)])
+        start = start + (useful & size)
+        size //= 2
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _attention_kernel(tile_meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sm_scale, block_size,
+                      gp, num_splits, soft_cap, windowed, slots, quantized, in_place,
+                      warp_specialized):
+    # GMEM: tile_meta_ref [NT, 8] int32; bt_ref [S, M'] (padded); q_ref [K, NT, Qs, R, D];
+    #       k_ref/v_ref [N, B, K, D]; ks_ref/vs_ref [K, N, B] f32 (quantized only);
+    #       o_out [K, NT, P, Qs, R, D] bf16; lse_out [K, NT, P, R] f32.
+    refs = list(refs)
+    scale_refs = (refs.pop(0), refs.pop(0)) if quantized else ()
+    o_out, lse_out, q_smem, k_smem, v_smem, o_smem, lse_smem, meta_smem, idx_smem = refs[:9]
+    meta_bar, q_bar, idx_bar, k_full, v_full, k_free, v_free = refs[9:16]
+    extra = refs[16:]
+    scale_smem = widened = p_smem = None
+    if quantized:
+        ks_smem, vs_smem, k_cmp, v_cmp, *extra = extra
+        scale_smem, widened = (ks_smem, vs_smem), (k_cmp, v_cmp)
+    if not in_place:
+        p_smem, = extra
+    C = k_smem.shape[1]
+    ppc = C // block_size
+    copies = functools.partial(
+        _chunk_issuer, bt_ref, k_ref, v_ref, scale_refs, idx_smem, k_smem, v_smem, scale_smem,
+        idx_bar, k_full, v_full, k_free, v_free, ppc=ppc, block_size=block_size, slots=slots)
+    wg = lax.axis_index("wg") if warp_specialized else 0
+
+    @pl.when(wg == (1 if warp_specialized else 0))
+    def _():                        # the memory warpgroup brings the tile's metadata row in
+        plgpu.copy_gmem_to_smem(tile_meta_ref.at[lax.axis_index("tile")], meta_smem, meta_bar)
+
+    plgpu.barrier_wait(meta_bar)    # both warpgroups read it
+    seq, p0, nq = meta_smem[0], meta_smem[1], meta_smem[2]
+    c_lo, c_hi = _split_range(meta_smem[3], meta_smem[4], lax.axis_index("split"), num_splits)
+    consume = functools.partial(
+        _consumer, meta_smem, q_ref, o_out, lse_out, q_smem, k_smem, v_smem, o_smem, lse_smem,
+        scale_smem, widened, p_smem, q_bar, k_full, v_full, k_free, v_free, seq_ok=None, p0=p0,
+        nq=nq, window=meta_smem[5], c_lo=c_lo, c_hi=c_hi, gp=gp, sm_scale=sm_scale,
+        soft_cap=soft_cap, windowed=windowed, slots=slots, in_place=in_place)
+    if not warp_specialized:        # one warpgroup issues one chunk ahead and computes
+        consume(issue=copies(seq=seq, c_lo=c_lo, wait_free=False))
+        return
+
+    @pl.when(wg == 0)
+    def _():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        consume()
+
+    @pl.when(wg == 1)
+    def _():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        pl.loop(c_lo, c_hi)(copies(seq=seq, c_lo=c_lo, wait_free=True))
 
 
 def _interpret_params(interpret):
@@ -273,74 +388,119 @@ def _interpret_params(interpret):
     return plgpu.InterpretGPUParams() if interpret else None
 
 
-def _call_kernel(q_tiles, plan, meta, k_cache, v_cache, k_scale, v_scale, *, sm_scale,
-                 sliding_window, soft_cap, kv_chunk, num_splits, interpret):
-    """Run the grid; returns f32 partials acc [K, NT, P, R, D], m / l [K, NT, P, R]."""
+def tile_metadata(plan, meta, kv_chunk: int, sliding_window: int | None):
+    """[NT, 8] int32 per tile: sequence, position of its first query, real query count, its
+    visible chunks [c_first, c_end) (kv_len, causal end, window) and the window (NO_WINDOW:
+    none). Computed once per call by XLA; the kernel copies its row into SMEM."""
+    kv_len = meta.kv_lens.astype(jnp.int32)[plan.tile_seq]
+    p0 = kv_len - plan.q_lens[plan.tile_seq] + plan.tile_qstart
+    nq = plan.tile_nq
+    hi = jnp.minimum(kv_len, p0 + nq)                       # one past the last visible key
+    window = getattr(meta, "sliding_window", None)
+    if window is not None:                                  # this layer's (traced) window
+        window = window.reshape(-1)[0].astype(jnp.int32)
+    elif sliding_window is not None:
+        window = jnp.int32(sliding_window)
+    if window is None:
+        c_first = jnp.zeros_like(p0)
+        window = jnp.int32(NO_WINDOW)
+    else:                                                   # chunks wholly left of the window
+        c_first = jnp.maximum(p0 - window + 1, 0) // kv_chunk
+    c_end = jnp.where(nq > 0, (hi + kv_chunk - 1) // kv_chunk, c_first)
+    zero = jnp.zeros_like(p0)
+    cols = (plan.tile_seq, p0, nq, c_first, c_end, jnp.broadcast_to(window, p0.shape), zero, zero)
+    return jnp.stack(cols, axis=1).astype(jnp.int32)
+
+
+def padded_block_tables(block_tables, pages_per_chunk: int):
+    """Block table columns padded with page 0 to a whole number of `idx_window`s past the last
+    chunk any tile can reach, so every early copy of a window is in bounds (padded ids are
+    masked keys)."""
+    M = block_tables.shape[1]
+    W = idx_window(pages_per_chunk)
+    padded = W * -(-(M + pages_per_chunk) // W)
+    return jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded - M)))
+
+
+def _call_kernel(q_tiles, tile_meta, block_tables, k_cache, v_cache, k_scale, v_scale, *, gp,
+                 sm_scale, soft_cap, windowed, kv_chunk, num_splits, slots, interpret,
+                 ws_interpret=False):
+    """Run the grid; returns normalised partials o [K, NT, P, Qs, R, D] bf16 (only useful rows
+    written) and lse [K, NT, P, R] f32."""
     K, nt, Qs, R, D = q_tiles.shape
     B = k_cache.shape[1]
     cdt = q_tiles.dtype
     kvdt = k_cache.dtype
     quantized = k_scale is not None
+    in_place = not interpret
+    # Interpret mode runs each warpgroup as its own XLA CPU computation whose blocking barrier
+    # callbacks hold a thread of XLA's CPU pool: on a 2-core machine the two warpgroups (and the
+    # grid loop's own callback) exhaust it and deadlock (seen, jax 0.11.2). So the interpreter
+    # runs the single-warpgroup form unless asked (`warp_specialized=True`, machines with more
+    # cores); compiled kernels are always warp-specialised.
+    warp_specialized = not interpret or ws_interpret
     P = num_splits
+    ppc = kv_chunk // B
+    bt = padded_block_tables(block_tables, ppc)
     kernel = functools.partial(
-        _attention_kernel, sm_scale=sm_scale, block_size=B, kv_chunk=kv_chunk, gp=plan.gp,
-        num_splits=P, sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized)
-    arrivals = (kv_chunk // B) * (2 if quantized else 1)     # one per page copy (+ its scales)
+        _attention_kernel, sm_scale=sm_scale, block_size=B, gp=gp, num_splits=P,
+        soft_cap=soft_cap, windowed=windowed, slots=slots, quantized=quantized,
+        in_place=in_place, warp_specialized=warp_specialized)
+    arrivals = ppc * (2 if quantized else 1)                # one per page copy (+ its scales)
     scratch = [
         plgpu.SMEM((Qs, R, D), cdt, transforms=_smem_transforms(cdt, D)),
-        plgpu.SMEM((2, kv_chunk, D), kvdt, transforms=_smem_transforms(kvdt, D)),
-        plgpu.SMEM((2, kv_chunk, D), kvdt, transforms=_smem_transforms(kvdt, D)),
-        plgpu.SMEM((Qs, R, kv_chunk), cdt, transforms=_smem_transforms(cdt, kv_chunk)),
-        plgpu.SMEM((R, min(D, OUT_COLS)), jnp.float32,
-                   transforms=_smem_transforms(jnp.float32, min(D, OUT_COLS))),
-        plgpu.SMEM((2, R), jnp.float32),
-        plgpu.Barrier(num_arrivals=Qs),
-        plgpu.Barrier(num_arrivals=arrivals, num_barriers=2),
-        plgpu.Barrier(num_arrivals=arrivals, num_barriers=2),
+        plgpu.SMEM((slots, kv_chunk, D), kvdt, transforms=_smem_transforms(kvdt, D)),
+        plgpu.SMEM((slots, kv_chunk, D), kvdt, transforms=_smem_transforms(kvdt, D)),
+        plgpu.SMEM((Qs, R, D), cdt),        # no tiling: the row ladder slices any row count
+        plgpu.SMEM((R,), jnp.float32),
+        plgpu.SMEM((8,), jnp.int32),
+        plgpu.SMEM((idx_window(ppc),), jnp.int32),
+        plgpu.Barrier(num_arrivals=1),                       # meta
+        plgpu.Barrier(num_arrivals=Qs),                      # q
+        plgpu.Barrier(num_arrivals=1),                       # page-id window
+        plgpu.Barrier(num_arrivals=arrivals, num_barriers=slots),    # k_full
+        plgpu.Barrier(num_arrivals=arrivals, num_barriers=slots),    # v_full
+        plgpu.Barrier(num_arrivals=1, num_barriers=slots),           # k_free (compute wg)
+        plgpu.Barrier(num_arrivals=1, num_barriers=slots),           # v_free
     ]
-    operands = [plan.tile_seq, plan.tile_qstart, plan.tile_nq, plan.q_lens,
-                meta.kv_lens.astype(jnp.int32), meta.block_tables.astype(jnp.int32), q_tiles,
-                k_cache, v_cache]
+    operands = [tile_meta, bt, q_tiles, k_cache, v_cache]
     if quantized:
-        scratch += [plgpu.SMEM((kv_chunk, D), cdt, transforms=_smem_transforms(cdt, D)),
-                    plgpu.SMEM((kv_chunk, D), cdt, transforms=_smem_transforms(cdt, D)),
-                    plgpu.SMEM((2, kv_chunk), jnp.float32),
-                    plgpu.SMEM((2, kv_chunk), jnp.float32)]
         # [K, N, B]: a page's B scales of one kv head contiguous, as a TMA copy needs
         operands += [k_scale.transpose(2, 0, 1), v_scale.transpose(2, 0, 1)]
-    window = window_operand(meta)
-    operands += window
-    kernel = functools.partial(kernel, layer_window=bool(window))
-    out_type = (jax.ShapeDtypeStruct((K, nt, P, R, D), jnp.float32),
-                jax.ShapeDtypeStruct((K, nt, P, R), jnp.float32),
+        scratch += [plgpu.SMEM((slots, kv_chunk), jnp.float32),
+                    plgpu.SMEM((slots, kv_chunk), jnp.float32),
+                    plgpu.SMEM((kv_chunk, D), cdt, transforms=_smem_transforms(cdt, D)),
+                    plgpu.SMEM((kv_chunk, D), cdt, transforms=_smem_transforms(cdt, D))]
+    if not in_place:
+        scratch.append(plgpu.SMEM((Qs, R, kv_chunk), cdt, transforms=_smem_transforms(cdt, kv_chunk)))
+    out_type = (jax.ShapeDtypeStruct((K, nt, P, Qs, R, D), cdt),
                 jax.ShapeDtypeStruct((K, nt, P, R), jnp.float32))
     call = plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch, grid=(K, nt, P),
         grid_names=("kv_head", "tile", "split"),
+        **(dict(num_threads=2, thread_name="wg") if warp_specialized else {}),
         compiler_params=plgpu.CompilerParams(),
         interpret=_interpret_params(interpret))
     return call(*operands)
 
 
+def merge_splits(o, lse):
+    """Normalised split outputs o [..., P, Qs, R, D] (bf16 parts) and lse [..., P, R] ->
+    [..., R, D] f32: weights exp(lse - max); a split with no visible key has lse MASK_VALUE and
+    o 0. Rows no program wrote (past a tile's useful rows) hold garbage; `scatter_tiles` never
+    reads them and nothing here mixes rows."""
+    o = o.astype(jnp.float32).sum(axis=-3)                  # bf16 high + low -> f32
+    if o.shape[-3] == 1:
+        return o[..., 0, :, :]
+    w = jnp.exp(lse - jnp.max(lse, axis=-2, keepdims=True))
+    return jnp.sum(w[..., None] * o, axis=-3) / jnp.sum(w, axis=-2)[..., None]
+
+
 # ----------------------------------------------------------------------------------------------
 # Validation (the Triton kernel's checks plus what this kernel does not support yet)
 # ----------------------------------------------------------------------------------------------
-SMEM_BYTES = 227 * 1024          # H100 opt-in shared memory per block
-
-
-def smem_bytes(rows: int, head_dim: int, kv_chunk: int, *, quantized: bool = False,
-               q_parts: int = 1) -> int:
-    """Shared memory one program allocates: Q (q_parts bf16 parts), two K and two V chunk slots
-    (1-byte fp8/int8 when quantized, else bf16), P (q_parts parts), f32 O, m, l; quantised
-    caches also hold the widened bf16 K/V chunk and two slots of K/V scales."""
-    kv = 4 * kv_chunk * head_dim * (1 if quantized else 2)
-    widened = 2 * kv_chunk * head_dim * 2 + 4 * kv_chunk * 4 if quantized else 0
-    return (q_parts * rows * head_dim * 2 + kv + widened + q_parts * rows * kv_chunk * 2
-            + rows * min(head_dim, OUT_COLS) * 4 + 2 * rows * 4 + 1024)
-
-
 def _static_problem(q_dtype, kv_dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                    block_size: int, kv_chunk: int) -> str | None:
+                    block_size: int, kv_chunk: int, slots: int = 2) -> str | None:
     """Why this kernel cannot run these shapes and dtypes (None: it can)."""
     q_dtype, kv_dt = jnp.dtype(q_dtype), jnp.dtype(kv_dtype)
     if q_dtype not in SUPPORTED_DTYPES:
@@ -356,21 +516,24 @@ def _static_problem(q_dtype, kv_dtype, num_q_heads: int, num_kv_heads: int, head
     if kv_chunk % B or kv_chunk % 64 or not 64 <= kv_chunk <= 256:
         # 64: narrower score tiles fail Mosaic GPU's layout inference (found by lowering C=32)
         return f"kv_tokens={kv_chunk} must be a multiple of block_size {B} and of 64, in [64, 256]"
-    need = smem_bytes(ROWS, D, kv_chunk, quantized=kv_dt in QUANTIZED_KV_DTYPES, q_parts=q_parts(q_dtype))
+    if not (isinstance(slots, numbers.Integral) and slots >= 2):
+        return f"slots must be an int >= 2 (chunks in flight), got {slots!r}"
+    need = smem_bytes(ROWS, D, kv_chunk, quantized=kv_dt in QUANTIZED_KV_DTYPES, q_parts=q_parts(q_dtype),
+                      slots=slots, block_size=B)
     if need > SMEM_BYTES:
         return (f"kv_tokens={kv_chunk} with head_dim {D} and q {q_dtype} needs {need} bytes of shared memory, "
                 f"over the {SMEM_BYTES} a Hopper block has")
     return None
 
 
-def validate_mgpu(q, k_cache, v_cache, *, kv_chunk: int, num_splits: int) -> None:
+def validate_mgpu(q, k_cache, v_cache, *, kv_chunk: int, num_splits: int, slots: int = 2) -> None:
     """Limits of this kernel beyond the shared contract; raises ValueError naming the field."""
     if not MGPU_AVAILABLE:
         raise ValueError(f"ragged_paged_attention_mgpu needs jax >= 0.11 (Mosaic GPU "
                          f"plgpu.kernel with GPU interpret mode); this is jax {jax.__version__}")
     _, H, D = q.shape
     B, K = k_cache.shape[1:3]
-    problem = _static_problem(q.dtype, k_cache.dtype, H, K, D, B, kv_chunk)
+    problem = _static_problem(q.dtype, k_cache.dtype, H, K, D, B, kv_chunk, slots)
     if problem:
         raise ValueError(problem)
     if not (isinstance(num_splits, numbers.Integral) and num_splits >= 1):
@@ -386,42 +549,16 @@ def unsupported_reason(q_dtype, kv_dtype, *, num_q_heads: int, num_kv_heads: int
         return f"head_dim {head_dim} not supported by the Mosaic GPU kernel (supported: " \
                f"{', '.join(map(str, DEFAULT_BLOCK_SIZES))})"
     return _static_problem(q_dtype, kv_dtype, num_q_heads, num_kv_heads, head_dim, block_size,
-                           _kv_chunk(q_dtype, block_size, DEFAULT_BLOCK_SIZES[head_dim]))
+                           _kv_chunk(q_dtype, block_size, DEFAULT_BLOCK_SIZES[head_dim]),
+                           DEFAULT_BLOCK_SIZES[head_dim].slots)
 
 
 # ----------------------------------------------------------------------------------------------
 # Default block sizes and the public entry
 # ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class MgpuBlockSizes:
-    """KV tokens per pipelined chunk (a multiple of the page size) and KV splits per query tile
-    (None: enough to fill the GPU, see `default_num_splits`)."""
-    kv_tokens: int
-    num_splits: int | None = None
-
-
-# head_dim -> block sizes; bf16 SMEM at R = 64 (`smem_bytes`): D=64, C=128 105 KiB; D=128,
-# C=128 193 KiB; D=256, C=64 201 KiB (C=128 would not fit).
-# Untuned: no H100 numbers for this kernel yet.
-DEFAULT_BLOCK_SIZES = {
-    64: MgpuBlockSizes(kv_tokens=128),
-    128: MgpuBlockSizes(kv_tokens=128),
-    256: MgpuBlockSizes(kv_tokens=64),
-}
-F32_Q_KV_TOKENS = 64             # f32 q: D=128 146 KiB with a bf16 cache (D=256 does not fit)
-TARGET_PROGRAMS = 264            # two programs per H100 SM (132 SMs)
-MAX_SPLITS = 32
-
-
-def default_num_splits(num_kv_heads: int, num_tiles: int, max_chunks: int) -> int:
-    """Enough KV splits to fill the GPU, never more than the longest context has chunks."""
-    want = -(-TARGET_PROGRAMS // max(1, num_kv_heads * num_tiles))
-    return int(max(1, min(1 << (want - 1).bit_length(), MAX_SPLITS, max_chunks)))
-
-
 def _kv_chunk(q_dtype, block_size: int, bs: MgpuBlockSizes, tuned: bool = True) -> int:
-    """KV tokens per pipelined chunk: the table's (smaller for f32 q: two Q and P parts), at
-    least one page."""
+    """KV tokens per pipelined chunk: the table's (at most F32_Q_KV_TOKENS for f32 q: two Q
+    and output parts), at least one page."""
     kv_tokens = bs.kv_tokens
     if tuned and q_parts(q_dtype) == 2:
         kv_tokens = min(kv_tokens, F32_Q_KV_TOKENS)
@@ -445,9 +582,10 @@ def _plan(q, k_cache, meta, block_sizes):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
-                                             "kv_chunk", "bq", "gp", "num_splits", "interpret"))
+                                             "kv_chunk", "bq", "gp", "num_splits", "slots",
+                                             "interpret", "ws_interpret"))
 def _mgpu_jit(q, k_cache, v_cache, meta, k_scale, v_scale, *, sm_scale, sliding_window, soft_cap,
-              kv_chunk, bq, gp, num_splits, interpret):
+              kv_chunk, bq, gp, num_splits, interpret, slots=2, ws_interpret=False):
     T, H, _ = q.shape
     K = k_cache.shape[2]
     plan = plan_tiles(meta, T, bq, gp)
@@ -457,11 +595,13 @@ def _mgpu_jit(q, k_cache, v_cache, meta, k_scale, v_scale, *, sm_scale, sliding_
         q_tiles = jnp.stack([hi, (q_tiles - hi.astype(jnp.float32)).astype(jnp.bfloat16)], 2)
     else:
         q_tiles = q_tiles[:, :, None]                                   # [K, NT, Qs, R, D]
-    acc, m, l = _call_kernel(q_tiles, plan, meta, k_cache, v_cache, k_scale, v_scale,
-                             sm_scale=sm_scale,
-                             sliding_window=sliding_window, soft_cap=soft_cap, kv_chunk=kv_chunk,
-                             num_splits=num_splits, interpret=interpret)
-    out = combine_splits(acc, m, l)                                     # [K, NT, R, D] f32
+    tile_meta = tile_metadata(plan, meta, kv_chunk, sliding_window)
+    windowed = sliding_window is not None or getattr(meta, "sliding_window", None) is not None
+    o, lse = _call_kernel(q_tiles, tile_meta, meta.block_tables, k_cache, v_cache, k_scale,
+                          v_scale, gp=gp, sm_scale=sm_scale, soft_cap=soft_cap, windowed=windowed,
+                          kv_chunk=kv_chunk, num_splits=num_splits, slots=slots,
+                          interpret=interpret, ws_interpret=ws_interpret)
+    out = merge_splits(o, lse)                                          # [K, NT, R, D] f32
     return scatter_tiles(out, meta, plan, T, H, q.dtype)
 
 
@@ -479,7 +619,8 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, meta: Any, *, sm_scale: flo
     validate_inputs(q, k_cache, v_cache, meta, sm_scale=sm_scale, sliding_window=sliding_window,
                     soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
     kv_chunk, bq, gp, splits = _plan(q, k_cache, meta, block_sizes)
-    validate_mgpu(q, k_cache, v_cache, kv_chunk=kv_chunk, num_splits=splits)
+    slots = (block_sizes or DEFAULT_BLOCK_SIZES[q.shape[2]]).slots
+    validate_mgpu(q, k_cache, v_cache, kv_chunk=kv_chunk, num_splits=splits, slots=slots)
     if all(_is_concrete(a) for a in (meta.cu_q_lens, meta.kv_lens, meta.block_tables,
                                      meta.num_seqs)):
         validate_metadata(meta, q.shape[0], k_cache.shape[0], k_cache.shape[1])
@@ -488,6 +629,6 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, meta: Any, *, sm_scale: flo
     return _mgpu_jit(q, k_cache, v_cache, meta, k_scale, v_scale, sm_scale=float(sm_scale),
                      sliding_window=None if sliding_window is None else int(sliding_window),
                      soft_cap=None if soft_cap is None else float(soft_cap), kv_chunk=kv_chunk,
-                     bq=bq, gp=gp, num_splits=splits,
+                     bq=bq, gp=gp, num_splits=splits, slots=slots,
                      interpret=interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                      else bool(interpret))
