@@ -430,7 +430,7 @@ def test_engine_reference_path_matches_oracle(name):
 
 
 # Small tuning constants so tiny shapes run several row batches, tiles and KV chunks per row.
-SMALL_ROWS = dict(_SHORT=4, _TOKEN_ROWS=3, _TILE=8, _TILE_ROWS=2, _KV_CHUNK=16, _DECODE_KV_CHUNK=8)
+SMALL_ROWS = dict(_SHORT=4, _TOKEN_ROWS=3, _TILE=8, _TILE_ROWS=2, _KV_CHUNK=16)
 MANY_ROWS = {
     "decodes_over_batches": Case(q_lens=(1,) * 7 + (2, 3), ctx=(5, 90, 16, 60, 0, 33, 120, 7, 40),
                                  T=16, S=12, N=96),

@@ -22,11 +22,7 @@ _SHORT = 16          # chunks shorter than this are attended token by token (dec
 _TOKEN_ROWS = 16     # single-token rows attended together in one loop step
 _TILE = 64           # query tokens per row for longer chunks (prefill)
 _TILE_ROWS = 2       # such rows attended together
-_KV_CHUNK = 128      # KV positions per inner loop step (prefill rows)
-# Decode rows gather this many KV positions per inner step: a row batch gathers its longest
-# context rounded up to a chunk, so 128 gathered ~2.6x the KV of 17-81-token contexts (batch 64
-# decode, attention per layer 2.1 -> 1.6 ms min; contexts of 500-1000 as fast as 128; RESULTS.md).
-_DECODE_KV_CHUNK = 64
+_KV_CHUNK = 128      # KV positions per inner loop step
 
 
 @dataclasses.dataclass
@@ -168,16 +164,15 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
     B, K = k_pages.shape[1], k_pages.shape[2]
     sliding_window = layer_window(meta, sliding_window)
     chunk = B * max(1, _KV_CHUNK // B)
-    decode_chunk = B * max(1, _DECODE_KV_CHUNK // B)
-    tables = meta.block_tables      # padded to whole chunks of either size (powers of two)
-    tables = jnp.pad(tables, ((0, 0), (0, (-tables.shape[1]) % (max(chunk, decode_chunk) // B))))
+    tables = meta.block_tables
+    tables = jnp.pad(tables, ((0, 0), (0, (-tables.shape[1]) % (chunk // B))))
     qf = (q.astype(jnp.float32) * sm_scale).reshape(T, K, H // K, D)
     out = jnp.zeros_like(qf)
     pages = (k_pages, v_pages, k_scale, v_scale)
-    opts = dict(sliding_window=sliding_window, soft_cap=soft_cap, page_codes=page_codes)
+    opts = dict(chunk=chunk, sliding_window=sliding_window, soft_cap=soft_cap, page_codes=page_codes)
     out, pages = _attend_rows(qf, out, pages, tables, _token_rows(meta, T),
-                              rows_per_step=min(_TOKEN_ROWS, T), chunk=decode_chunk, **opts)
+                              rows_per_step=min(_TOKEN_ROWS, T), **opts)
     out, pages = _attend_rows(qf, out, pages, tables, _tile_rows(meta, T, min(_TILE, T)),
-                              rows_per_step=_TILE_ROWS, chunk=chunk, **opts)
+                              rows_per_step=_TILE_ROWS, **opts)
     out = out.reshape(T, H, D).astype(q.dtype)
     return (out, pages) if return_pages else out
