@@ -11,7 +11,7 @@ import pytest
 
 from jaxserve.core.scheduler import NewRequestData
 from jaxserve.sample import penalties
-from jaxserve.sample.sampler import SamplingTensors, score
+from jaxserve.sample.sampler import SamplingTensors, argmax_last, score
 from jaxserve.sample.sampler import sample as _sample
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.input_batch import InputBatch
@@ -62,6 +62,25 @@ def test_greedy_is_argmax():
     logits = random_logits(16)
     out = sample(logits, tensors(16))
     np.testing.assert_array_equal(ids_of(out), logits.argmax(-1))
+
+
+def test_argmax_last_matches_jnp_argmax_on_ties_infs_and_nans():
+    """The sampler's two-reduction argmax picks what jnp.argmax picks: the first maximum on
+    ties, the first NaN when a row holds one, under jit, for the batch shapes decode uses."""
+    import jax
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 49152)).astype(np.float32)
+    x[1, [7, 70, 700]] = 9.0                       # ties: the first
+    x[2, :] = -np.inf                              # all -inf: index 0
+    x[3, [5, 9]] = np.nan                          # a NaN: the first NaN
+    x[4, [11]] = np.inf
+    x[4, [3, 40]] = np.nan
+    x[5, :] = 1.0
+    got = np.asarray(jax.jit(argmax_last)(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert got[1] == 7 and got[2] == 0 and got[3] == 5 and got[4] == 3 and got[5] == 0
+    np.testing.assert_array_equal(np.asarray(argmax_last(jnp.asarray(x[:2]))), got[:2])
 
 
 def test_top_k_1_equals_greedy():

@@ -36,6 +36,7 @@ from jaxserve.attention import AttentionMetadata
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import ModelConfig
 from jaxserve.models import get_model
+from jaxserve.sample.sampler import argmax_last
 from jaxserve.sharding.plan import ShardingPlan, single_device_plan
 from jaxserve.worker.compile_cache import compile_noting_cache_hit, how_obtained
 from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, is_latent, kv_cache_sharding
@@ -130,7 +131,7 @@ class DraftRunner:
                 logits = jax.lax.with_sharding_constraint(model.compute_logits(weights, hidden),
                                                           plan.sharding(("tokens", "vocab")))
                 logits = jax.lax.with_sharding_constraint(logits, plan.replicated)
-                nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                nxt = argmax_last(logits)
                 return cache, nxt, pos + 1, out.at[:, j].set(nxt)
 
             init = (cache, tokens, positions, jnp.zeros((S, k), jnp.int32))
