@@ -56,8 +56,14 @@ def test_openapi_document_lists_every_route(server):
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize",
                                  "/detokenize", "/tokenizer_info", "/v1/models", "/health",
                                  "/ping", "/version", "/metrics", "/v1/responses",
-                                 "/v1/responses/{response_id}"}
+                                 "/v1/responses/{response_id}", "/v1/load_lora_adapter",
+                                 "/v1/unload_lora_adapter"}
     assert doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
+    load = doc["paths"]["/v1/load_lora_adapter"]["post"]
+    assert load["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/LoadLoRAAdapterRequest")
+    assert doc["components"]["schemas"]["LoadLoRAAdapterRequest"]["required"] == ["lora_name", "lora_path"]
+    assert doc["components"]["schemas"]["UnloadLoRAAdapterRequest"]["required"] == ["lora_name"]
+    assert "text/plain" in load["responses"]["200"]["content"] and "404" in load["responses"]
 
 
 @pytest.mark.parametrize("path,marker", [("/docs", "SwaggerUIBundle"), ("/redoc", "<redoc spec-url")])

@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from jaxserve.server.openai.embeddings import EmbeddingRequest
+from jaxserve.server.openai.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from jaxserve.server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,9 +43,9 @@ def openapi_document(version: str) -> dict[str, Any]:
     errors = {code: {"description": text, **_json(error)} for code, text in _ERRORS.items()}
     obj = {"type": "object"}
 
-    def post(model: type[BaseModel], summary: str, streams: bool) -> dict:
-        ok = {"description": "the result" + (" (text/event-stream when stream is true)"
-                                             if streams else ""), **_json(obj)}
+    def post(model: type[BaseModel], summary: str, streams: bool, ok: dict | None = None) -> dict:
+        ok = ok or {"description": "the result" + (" (text/event-stream when stream is true)"
+                                                   if streams else ""), **_json(obj)}
         return {"post": {"summary": summary, "requestBody": {"required": True,
                                                              **_json(_schema(model, components))},
                          "responses": {"200": ok, **errors}}}
@@ -57,6 +58,8 @@ def openapi_document(version: str) -> dict[str, Any]:
 
     response_id = {"parameters": [{"name": "response_id", "in": "path", "required": True,
                                    "schema": {"type": "string"}}]}
+    lora_ok = {"description": "a success sentence naming the adapter",
+               "content": {"text/plain": {"schema": {"type": "string"}}}}
     paths = {
         "/v1/completions": post(CompletionRequest, "Create a completion", True),
         "/v1/chat/completions": post(ChatCompletionRequest, "Create a chat completion", True),
@@ -66,6 +69,12 @@ def openapi_document(version: str) -> dict[str, Any]:
             "delete": get("Delete a stored response")["get"]},
         "/v1/embeddings": post(EmbeddingRequest, "Create embeddings (pooling models: "
                                "--runner pooling)", False),
+        # 400 also when the server runs without --enable-lora; 404 without
+        # --allow-runtime-lora-updating, or (unload) for an adapter not loaded
+        "/v1/load_lora_adapter": post(LoadLoRAAdapterRequest, "Load a LoRA adapter, served as the model "
+                                      "`lora_name` (--allow-runtime-lora-updating)", False, lora_ok),
+        "/v1/unload_lora_adapter": post(UnloadLoRAAdapterRequest, "Unload a LoRA adapter "
+                                        "(--allow-runtime-lora-updating)", False, lora_ok),
         "/tokenize": post(TokenizeRequest, "Tokenize a prompt or chat messages", False),
         "/detokenize": post(DetokenizeRequest, "Turn token ids back into text", False),
         "/v1/models": get("The served model names"),

@@ -13,8 +13,22 @@ import itertools
 import json
 import threading
 
+from pydantic import BaseModel, Field
+
 from jaxserve.lora import LoRARequest
-from jaxserve.server.openai.protocol import OpenAIError, model_card
+from jaxserve.server.openai.protocol import OpenAIError, model_card, validate_request
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """The body of `POST /v1/load_lora_adapter` (vLLM's shape); also its /openapi.json schema."""
+    lora_name: str = Field(min_length=1, description="the name requests give as `model`")
+    lora_path: str = Field(min_length=1, description="a PEFT adapter directory")
+    base_model_name: str | None = Field(None, description="shown as the adapter's `parent` in /v1/models")
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """The body of `POST /v1/unload_lora_adapter` (vLLM's shape)."""
+    lora_name: str = Field(min_length=1)
 
 
 def parse_lora_module(text: str) -> tuple[str, str, str | None]:
@@ -86,15 +100,13 @@ class LoraModels:
 
     async def load(self, body: dict) -> str:
         self._check_allowed()
-        name, path = body.get("lora_name"), body.get("lora_path")
-        for field, v in (("lora_name", name), ("lora_path", path)):
-            if not isinstance(v, str) or not v:
-                raise OpenAIError(400, f"{field} must be a non-empty string", param=field)
+        req = validate_request(LoadLoRAAdapterRequest, body)
+        name, path = req.lora_name, req.lora_path
         if name == self.base_name:
             raise OpenAIError(400, f"lora_name {name!r} is the base model's name", param="lora_name")
         try:
             await asyncio.get_running_loop().run_in_executor(None, self.add_now, name, path,
-                                                             body.get("base_model_name"))
+                                                             req.base_model_name)
         except OpenAIError:
             raise
         except ValueError as e:
@@ -104,9 +116,7 @@ class LoraModels:
 
     async def unload(self, body: dict) -> str:
         self._check_allowed()
-        name = body.get("lora_name")
-        if not isinstance(name, str) or not name:
-            raise OpenAIError(400, "lora_name must be a non-empty string", param="lora_name")
+        name = validate_request(UnloadLoRAAdapterRequest, body).lora_name
         with self._lock:
             request = self._by_name.pop(name, None)
         if request is None:
