@@ -84,6 +84,31 @@ def test_adapters_are_models_with_parent_and_answer_under_their_name(lora_server
     assert status == 200 and json.loads(body)["model"] == "a0", body
 
 
+def test_responses_api_takes_the_adapter_name_as_model(lora_server):
+    """/v1/responses serves `model` = an adapter under that adapter, as /v1/chat/completions does."""
+    server, _, base_name = lora_server
+    messages = [{"role": "user", "content": "t5 t6 t7 t8"}]
+
+    def chat(model):
+        status, body = _post(server.base_url, "/v1/chat/completions", {"model": model, "messages": messages,
+                                                                        "max_tokens": 8, "temperature": 0})
+        assert status == 200, body
+        return json.loads(body)["choices"][0]["message"]["content"]
+
+    def respond(model):
+        status, body = _post(server.base_url, "/v1/responses", {"model": model, "input": messages,
+                                                                 "max_output_tokens": 8, "temperature": 0})
+        return status, json.loads(body)
+
+    assert chat("a0") != chat(base_name)       # else the comparison below shows nothing
+    for model in ("a0", base_name):
+        status, out = respond(model)
+        assert status == 200 and out["model"] == model, out
+        assert out["output"][0]["content"][0]["text"] == chat(model)
+    status, out = respond("nope")
+    assert status == 404 and out["error"]["param"] == "model", out
+
+
 def test_unknown_adapter_is_404_in_openai_shape(lora_server):
     server, _, _ = lora_server
     status, body = _complete(server.base_url, "nope")
