@@ -210,3 +210,23 @@ def test_ngram_drafts_are_verified_under_the_request_adapter(tiny):
     for p, s, adapter in zip(plain, spec, [paths[1], paths[0]]):
         assert p.outputs[0].token_ids == s.outputs[0].token_ids
         _check(model, s, adapter)
+
+
+def test_draft_model_drafts_are_verified_under_the_request_adapter(tiny):
+    """A draft model proposes without any adapter (it is the base model here, so its drafts are
+    the base model's greedy tokens); the target verifies them under each request's adapter: the
+    greedy tokens are those of plain decoding under the adapter, the logprobs those of peft."""
+    base, model, paths, loras = tiny
+    prompts = [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[3]}, {"prompt_token_ids": PROMPTS[1]}]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    which = [loras[1], loras[0], None]
+    with _llm(base) as llm:
+        plain = llm.generate(prompts, sp, use_tqdm=False, lora_request=which)
+    with _llm(base, speculative_config={"model": str(base), "num_speculative_tokens": 3}) as llm:
+        spec = llm.generate(prompts, sp, use_tqdm=False, lora_request=which)
+        stats = llm.llm_engine.stats()
+    # some drafts rejected (the adapters change the greedy tokens), the base request's all accepted
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    for p, s, adapter in zip(plain, spec, [paths[1], paths[0], None]):
+        assert p.outputs[0].token_ids == s.outputs[0].token_ids
+        _check(model, s, adapter)
