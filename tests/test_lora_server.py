@@ -135,6 +135,8 @@ def test_load_and_unload_at_run_time_while_requests_run(lora_server):
     assert status == 400 and "max_lora_rank" in json.loads(body)["error"]["message"], body
     status, body = _post(url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/dir"})
     assert status == 400 and json.loads(body)["error"]["param"] == "lora_path", body
+    status, body = _post(url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "p" * 5000})
+    assert status == 400 and json.loads(body)["error"]["param"] == "lora_path", body
     assert _post(url, "/v1/load_lora_adapter", {"lora_name": "x"})[0] == 400
     status, text = _post(url, "/v1/unload_lora_adapter", {"lora_name": "a1"})
     assert status == 200, text

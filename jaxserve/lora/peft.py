@@ -50,7 +50,11 @@ class LoraAdapter:
 
 def _config(path: Path) -> dict:
     f = path / "adapter_config.json"
-    if not path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as e:      # a name too long for the filesystem, ...: a client's bad value, not a 500
+        raise ValueError(f"lora_path: {e.strerror or e}") from None
+    if not is_dir:
         raise ValueError(f"lora_path: {str(path)!r} is not a folder holding a PEFT adapter")
     if not f.is_file():
         raise ValueError(f"lora_path: {str(path)!r} has no adapter_config.json")
