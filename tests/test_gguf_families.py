@@ -1,9 +1,10 @@
-"""GGUF files of Gemma 2, Gemma 3 (text) and Phi-3 (jaxserve/loader/gguf_families.py).
+"""GGUF files of Gemma 2, Gemma 3 (text), Phi-3 and gpt-oss (jaxserve/loader/gguf_families.py).
 
 Each family's tiny random checkpoint (tests/test_families.py) is written to a GGUF file as
 llama.cpp's converter writes it: tensor names from the gguf package's own map
 (`gguf.get_tensor_name_map`), f32 tensors, Gemma's norm weights stored as w + 1, q/k rows not
-permuted, Phi-3's fused attn_qkv / ffn_up and its LongRoPE factor tensors. jaxserve reads it to
+permuted, Phi-3's fused attn_qkv / ffn_up and its LongRoPE factor tensors, gpt-oss's experts
+split and transposed (and MXFP4, as its released files are). jaxserve reads it to
 the checkpoint's config and to transformers' logprobs (< 1e-3) on a 300-token prompt.
 Metadata llama.cpp's converter does not write but these checkpoints need is written where the
 gguf package has a key for it (attention.scale, sliding_window_pattern, rope.freq_base_swa);
@@ -29,7 +30,7 @@ from test_families import FAMILIES, LOGPROB_ATOL, PROMPTS, _hf_logprobs, write_c
 
 from jaxserve.loader.loader import ModelLoadError, load_model  # noqa: E402
 
-GGUF_ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "phi4-mini-longrope": "phi3"}
+GGUF_ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "phi4-mini-longrope": "phi3", "gpt-oss": "gpt-oss"}
 
 
 def _header(w, c, arch: str) -> None:
@@ -58,6 +59,19 @@ def _header(w, c, arch: str) -> None:
         w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    if arch == "gpt-oss":
+        rope = c.rope_parameters
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_expert_count(c.num_local_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_sliding_window(c.sliding_window)
+        w.add_expert_feed_forward_length(c.intermediate_size)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_float32("gpt-oss.swiglu_clamp_exp", c.swiglu_limit)    # llama.cpp's key; its converter keeps 7.0
     if arch == "phi3":
         rope = c.rope_parameters if getattr(c, "rope_parameters", None) else c.rope_scaling
         original = c.original_max_position_embeddings
@@ -71,19 +85,50 @@ def _header(w, c, arch: str) -> None:
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
 
 
-def write_gguf(path: Path, model, name: str) -> Path:
+def _converted(params):
+    """(name, array) as llama.cpp's converter hands them to its name map: gpt-oss's sinks get a
+    `.weight`, its experts' gate_up_proj [X, in, 2F] (gate columns even) splits into gate_proj and
+    up_proj [X, F, in], down_proj [X, F, out] turns [X, out, F], their biases split likewise."""
+    for name, p in params:
+        p = p.detach().numpy()
+        if name.endswith("sinks"):
+            yield name + ".weight", p
+        elif name.endswith("gate_up_proj_bias"):
+            yield name.replace("gate_up_proj_bias", "gate_proj.bias"), p[..., ::2]
+            yield name.replace("gate_up_proj_bias", "up_proj.bias"), p[..., 1::2]
+        elif name.endswith("gate_up_proj"):
+            t = p.swapaxes(-1, -2)
+            yield name.replace("gate_up_proj", "gate_proj.weight"), t[:, ::2, :]
+            yield name.replace("gate_up_proj", "up_proj.weight"), t[:, 1::2, :]
+        elif name.endswith("down_proj_bias") and ".experts." in name:
+            yield name.replace("down_proj_bias", "down_proj.bias"), p
+        elif name.endswith("down_proj") and ".experts." in name:
+            yield name.replace("down_proj", "down_proj.weight"), p.swapaxes(-1, -2)
+        else:
+            yield name, p
+
+
+def write_gguf(path: Path, model, name: str, experts: str = "F32") -> Path:
+    """`experts`: "MXFP4" stores the experts' weights so (as llama.cpp's gpt-oss files do),
+    "MXFP4-F32" as f32 values that went through MXFP4."""
     arch = GGUF_ARCH[name]
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
     _header(w, c, arch)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
-    for hf_name, p in model.named_parameters():
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], c.num_hidden_layers)
+    for hf_name, p in _converted(model.named_parameters()):
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        data = p.detach().numpy().astype(np.float32)
+        data = p.astype(np.float32)
         if arch.startswith("gemma") and gname.endswith("norm.weight"):
             data = data + 1.0          # llama.cpp's converter: its norm scales by the weight alone
+        if experts != "F32" and gname.endswith("_exps.weight"):
+            raw = gguf.quants.quantize(data, gguf.GGMLQuantizationType.MXFP4)
+            if experts == "MXFP4":
+                w.add_tensor(gname, raw, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+                continue
+            data = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4)
         w.add_tensor(gname, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -116,6 +161,16 @@ def test_gguf_file_gives_the_checkpoints_config_and_transformers_logprobs(name, 
     diff = float(np.abs(lps - ref).max())
     print(f"{name}: max |logprob diff| GGUF vs transformers {diff:.2e}")
     assert diff < LOGPROB_ATOL
+
+
+def test_gpt_oss_mxfp4_experts_read_as_their_values(tmp_path):
+    model = write_checkpoint(tmp_path, "gpt-oss")
+    ids = PROMPTS[-1][:64]
+    logits = {}
+    for kind in ("MXFP4", "MXFP4-F32"):
+        cfg, weights = load_model(write_gguf(tmp_path / f"{kind}.gguf", model, "gpt-oss", kind), "float32")
+        logits[kind] = PagedRunner(cfg, weights, block_size=16, num_blocks=8, max_blocks_per_seq=4).prefill_logits(ids)
+    np.testing.assert_allclose(logits["MXFP4"], logits["MXFP4-F32"], rtol=1e-5, atol=1e-5)
 
 
 def _metadata_only(path: Path, arch: str, layers: int, **keys) -> Path:

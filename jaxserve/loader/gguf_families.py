@@ -1,4 +1,4 @@
-"""GGUF files of the Gemma 2, Gemma 3 (text) and Phi-3 families, as llama.cpp's converter
+"""GGUF files of the Gemma 2, Gemma 3 (text), Phi-3 and gpt-oss families, as llama.cpp's converter
 (convert_hf_to_gguf.py) writes them: their metadata keys -> a config.json-like dict that
 `ModelConfig.from_hf` reads with the family's own field reader, and their tensor names.
 
@@ -15,6 +15,10 @@ llama.cpp's conventions for these architectures (its gguf package's constants an
     rope turns `rope.dimension_count` dims of each head; LongRoPE shows as the tensors
     `rope_factors_long/short.weight` beside `rope.scaling.original_context_length`; a
     `attention.sliding_window` of 0 means none.
+  - gpt-oss: the experts split into ffn_gate_exps / ffn_up_exps / ffn_down_exps (transposed,
+    MXFP4 in released files; `joined` rebuilds transformers' tensors), the pre-MLP norm named
+    post_attention_norm, sinks attn_sinks; YaRN from rope.scaling.* (untruncated, as gpt-oss's
+    config.json says), the SwiGLU clamp from swiglu_clamp_exp (llama.cpp's 7.0 when absent).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-ARCHS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+ARCHS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+         "gpt-oss": "GptOssForCausalLM"}
 
 _PROJ = {"self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
          "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
@@ -44,6 +49,12 @@ NAMES = {
                         "post_attention_layernorm.weight": "ffn_norm.weight",
                         "mlp.gate_up_proj.weight": "ffn_up.weight",
                         "mlp.down_proj.weight": "ffn_down.weight"},
+    "GptOssForCausalLM": {**{k: v for k, v in _PROJ.items() if k.startswith("self_attn.")},
+                          **{f"self_attn.{p}_proj.bias": f"attn_{n}.bias"
+                             for p, n in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))},
+                          "input_layernorm.weight": "attn_norm.weight", "self_attn.sinks": "attn_sinks.weight",
+                          "post_attention_layernorm.weight": "post_attention_norm.weight",
+                          "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias"},
 }
 # what llama.cpp's converter added to each norm weight (Gemma: 1, undone at load)
 NORM_SHIFT = {"Gemma2ForCausalLM": 1.0, "Gemma3ForCausalLM": 1.0}
@@ -78,6 +89,20 @@ def hf_config(arch: str, field, tensors: dict, dequantize) -> dict[str, Any]:
             out["rope_theta"] = float(field("rope.freq_base", 1000000.0))
             if field("rope.scaling.type") == "linear":     # gguf.py refuses the other types
                 out["rope_scaling"] = {"rope_type": "linear", "factor": float(field("rope.scaling.factor"))}
+    elif arch == "gpt-oss":
+        out.update(num_local_experts=int(field("expert_count")), num_experts_per_tok=int(field("expert_used_count")),
+                   intermediate_size=int(field("expert_feed_forward_length")), sliding_window=window or None,
+                   rope_theta=float(field("rope.freq_base", 150000.0)))
+        clamp = field("swiglu_clamp_exp")       # llama.cpp: 7.0, gpt-oss's own value
+        if clamp is not None:
+            out["swiglu_limit"] = float(clamp[0] if isinstance(clamp, list) else clamp)
+        if field("rope.scaling.type") == "yarn":
+            # gpt-oss was trained with YaRN's untruncated ramp (its config.json: truncate false)
+            original = int(field("rope.scaling.original_context_length", 4096))    # the converter's default
+            out["rope_scaling"] = {"rope_type": "yarn", "factor": float(field("rope.scaling.factor")),
+                                   "original_max_position_embeddings": original,
+                                   "beta_fast": float(field("rope.scaling.yarn_beta_fast", 32.0)),
+                                   "beta_slow": float(field("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
     else:   # phi3
         out["sliding_window"] = window or None
         rope_dims = field("rope.dimension_count")
@@ -99,4 +124,33 @@ def hf_config(arch: str, field, tensors: dict, dequantize) -> dict[str, Any]:
             if attn_factor is not None:
                 out["rope_scaling"]["attention_factor"] = float(attn_factor)
     out["head_dim"] = head_dim
+    return out
+
+
+# gpt-oss: transformers keeps a layer's experts as gate_up_proj [X, in, 2F] (gate columns even, up
+# odd) and down_proj [X, F, out]; llama.cpp's converter splits and transposes them into
+# ffn_gate_exps / ffn_up_exps [X, F, in] and ffn_down_exps [X, out, F] (biases likewise split)
+_JOINED = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj",
+           "mlp.experts.down_proj_bias")
+
+
+def is_joined(architecture: str, hf_name: str) -> bool:
+    return architecture == "GptOssForCausalLM" and hf_name.split(".", 3)[-1] in _JOINED
+
+
+def joined(hf_name: str, read) -> np.ndarray:
+    """gpt-oss expert tensor `hf_name` in transformers' layout, from llama.cpp's tensors
+    (`read(gguf_name)` -> f32 array)."""
+    _, _, layer, suffix = hf_name.split(".", 3)
+    blk = f"blk.{layer}."
+    if suffix == "mlp.experts.down_proj":
+        return np.ascontiguousarray(read(blk + "ffn_down_exps.weight").swapaxes(1, 2))
+    if suffix == "mlp.experts.down_proj_bias":
+        return read(blk + "ffn_down_exps.bias")
+    bias = suffix.endswith("_bias")
+    gate, up = (read(f"{blk}ffn_{k}_exps.{'bias' if bias else 'weight'}") for k in ("gate", "up"))
+    if not bias:
+        gate, up = gate.swapaxes(1, 2), up.swapaxes(1, 2)
+    out = np.empty((*gate.shape[:-1], 2 * gate.shape[-1]), np.float32)
+    out[..., 0::2], out[..., 1::2] = gate, up
     return out
