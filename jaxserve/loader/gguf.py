@@ -2,7 +2,7 @@
 
 llama.cpp's converter permutes the rows of q/k projections of llama-architecture models into
 its interleaved rotary layout; `_unpermute` puts them back so the rotate-half rope of
-models/llama.py applies unchanged.
+models/llama.py applies unchanged. Gemma 2/3, Phi-3 and gpt-oss files: loader/gguf_families.py.
 """
 
 from __future__ import annotations
@@ -13,14 +13,16 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.loader import gguf_families
 from jaxserve.loader.loader import ModelLoadError
 
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+          **gguf_families.ARCHS}
 
 _PLAIN_TYPES = ("F32", "F16", "F64")   # read as they are, cast to f32
 # Quantized types the gguf package can dequantize and we accept.
 _QUANT_TYPES = ("BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                "Q6_K", "IQ4_NL", "IQ4_XS")
+                "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 
 _GGUF_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -67,14 +69,30 @@ def gguf_config(reader) -> ModelConfig:
     vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
     if vocab is None:
         raise ModelLoadError("GGUF file has neither a vocab_size nor a token list")
-    scaling = None
     stype = _field(reader, f"{arch}.rope.scaling.type")
-    if stype == "linear":
-        scaling = (("factor", float(_field(reader, f"{arch}.rope.scaling.factor"))),
-                   ("rope_type", "linear"))
-    elif stype not in (None, "none"):
+    if stype not in (None, "none", "linear") and not (arch == "gpt-oss" and stype == "yarn"):
         raise ModelLoadError(f"Unsupported GGUF rope scaling type {stype!r}")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    if arch in gguf_families.ARCHS:      # read by the family's config.json reader
+        tensors = {t.name: t for t in reader.tensors}
+        ffn, layers = int(need("feed_forward_length")), int(need("block_count"))
+        try:
+            family = gguf_families.hf_config(arch, lambda key, default=None: _field(reader, f"{arch}.{key}", default),
+                                             tensors, dequantize)
+            return ModelConfig.from_hf({
+                "architectures": [_ARCHS[arch]], "vocab_size": int(vocab), "hidden_size": hidden,
+                "intermediate_size": ffn, "num_hidden_layers": layers,
+                "num_attention_heads": heads,
+                "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+                "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+                "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+                "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+                "tie_word_embeddings": "output.weight" not in names,
+                "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"), "eos_token_id": eos, **family})
+        except ValueError as e:
+            raise ModelLoadError(f"GGUF {arch} metadata: {e}") from None
+    scaling = None if stype != "linear" else (
+        ("factor", float(_field(reader, f"{arch}.rope.scaling.factor"))), ("rope_type", "linear"))
     return ModelConfig(
         architecture=_ARCHS[arch],
         vocab_size=int(vocab),
@@ -139,13 +157,22 @@ def open_gguf(path: Path, reader=None, keep_quantized: bool = False) -> tuple[Mo
         raise ModelLoadError(f"{path}: {e}") from None
     tensors = {t.name: t for t in reader.tensors}
     permuted = cfg.architecture == "LlamaForCausalLM"
+    layer_names = gguf_families.NAMES.get(cfg.architecture, _GGUF_NAMES)
+    shift = gguf_families.NORM_SHIFT.get(cfg.architecture)
+
+    def read(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ModelLoadError(f"tensor {name} is missing from {path}")
+        return dequantize(tensors[name])
 
     def gguf_name(hf_name: str) -> str:
         if hf_name in _GLOBAL_NAMES:
             name = _GLOBAL_NAMES[hf_name]
         else:
             _, _, layer, suffix = hf_name.split(".", 3)
-            name = f"blk.{layer}.{_GGUF_NAMES[suffix]}"
+            if suffix not in layer_names:
+                raise ModelLoadError(f"{path}: no GGUF tensor name for {hf_name} of {cfg.architecture}")
+            name = f"blk.{layer}.{layer_names[suffix]}"
         if name not in tensors:
             raise ModelLoadError(f"tensor {name} is missing from {path}")
         return name
@@ -157,16 +184,23 @@ def open_gguf(path: Path, reader=None, keep_quantized: bool = False) -> tuple[Mo
         return None
 
     def get(hf_name: str) -> np.ndarray:
+        if gguf_families.is_joined(cfg.architecture, hf_name):
+            return gguf_families.joined(hf_name, read)
         name = gguf_name(hf_name)
         w = dequantize(tensors[name])
+        if shift and name.endswith("norm.weight"):
+            return w - np.float32(shift)
         return w if heads(name) is None else _unpermute(w, heads(name))
 
     def quantized(hf_name: str):
         from jaxserve.loader import gguf_quant
 
+        if gguf_families.is_joined(cfg.architecture, hf_name):    # dequantized by `get`
+            return None
+
         name = gguf_name(hf_name)
         t = tensors[name]
-        if t.tensor_type.name not in gguf_quant.KEPT:
+        if t.tensor_type.name not in gguf_quant.KEPT or (shift and name.endswith("norm.weight")):
             return None
         try:
             q = gguf_quant.decode(name, t.tensor_type.name, t.data, tuple(int(s) for s in t.shape))
