@@ -102,8 +102,8 @@ def test_greedy_with_small_token_budget_chunks_and_matches_alone(llm, alone):
         steps = []
         original = sched.schedule
 
-        def schedule():
-            out = original()
+        def schedule(*args, **kwargs):
+            out = original(*args, **kwargs)
             steps.append(out.num_scheduled_tokens)
             return out
         sched.schedule = schedule

@@ -134,6 +134,7 @@ def test_interpret_layer_window_in_metadata_equals_the_static_window(window, kv)
 
 
 @needs_mgpu
+@pytest.mark.gpu        # run by the GPU suite (`pytest -m gpu`, 16 cores): CI's 2 cores deadlock it
 @pytest.mark.skipif((os.cpu_count() or 1) < 8, reason="the interpreter runs each warpgroup as an XLA CPU "
                     "computation whose barrier waits hold pool threads: deadlocks with few cores")
 @pytest.mark.parametrize("kv", ["auto", "int8"])

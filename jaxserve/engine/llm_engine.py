@@ -213,7 +213,7 @@ class LLMEngine:
             # A background warm-up only where one process schedules alone (followers of a
             # multi-host job must hold the same programs at the same step).
             background = warmup == "background" and self.group is None and self.pooler is None
-            return blocks, runner, runner.warmup(background=background)
+            return blocks, runner, (runner.warmup(background=True) if background else runner.warmup())
 
         choice, (blocks, self.runner, self.warmup_seconds) = build_with_fallback(
             fallback_plan(selected, fp8), build)
