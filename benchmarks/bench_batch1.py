@@ -3,6 +3,8 @@ GGUF, f32), and where a decode step's time goes.
 
     python benchmarks/bench_batch1.py                         # this tree
     python benchmarks/bench_batch1.py --against REV           # also the tree at git REV, A B A B
+    python benchmarks/bench_batch1.py --xla-flags no-ynn=--xla_cpu_experimental_ynn_fusion_type=
+                                                              # also this tree under other XLA flags
     python benchmarks/bench_batch1.py --batch 64 --llama-cpp /tmp/peer/venv/bin/python:/tmp/peer/smol-f32.gguf
                                                               # and llama.cpp (peers/batched.py), A B A B
 
@@ -117,8 +119,10 @@ print("RESULT " + json.dumps(res))
 """
 
 
-def run_tree(tree: str, args) -> dict:
+def run_tree(tree: str, args, xla_flags: str | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=tree)
+    if xla_flags is not None:       # a variant: these XLA flags after the environment's own
+        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()
     prompts = peer_prompts(args.batch) if args.batch > 1 or args.llama_cpp else [PROMPT]
     cfg = dict(tokens=args.tokens, repeats=args.repeats, prompts=prompts, profile=args.profile)
     p = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(cfg)], env=env, cwd=tree,
@@ -151,6 +155,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the systems")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--xla-flags", action="append", default=[], metavar="NAME=FLAGS",
+                    help="also this tree with these XLA_FLAGS added (repeatable), A B A B")
     args = ap.parse_args()
     if args.llama_cpp and (args.tokens != 64 or ":" not in args.llama_cpp):
         ap.error("--llama-cpp takes PYTHON:GGUF, and batched.py generates 64 tokens (--tokens 64)")
@@ -165,6 +171,9 @@ def main():
         os.symlink(os.path.join(here, "server"), os.path.join(tmp, "jaxserve", "server"))
         trees = {f"git {args.against}": tmp, "this tree": here}
     systems = {name: (lambda tree=tree: run_tree(tree, args)) for name, tree in trees.items()}
+    for variant in args.xla_flags:
+        name, _, flags = variant.partition("=")
+        systems[f"this tree, {name}"] = lambda flags=flags: run_tree(here, args, flags)
     if args.llama_cpp:
         systems["llama.cpp"] = lambda: run_llama_cpp(args.llama_cpp, args.batch)
     results = {name: [] for name in systems}
@@ -194,6 +203,10 @@ def main():
         a, b = (results[n][-1]["tokens"] for n in trees)
         print(f"this tree / {args.against} (medians): {med['this tree'] / med[f'git {args.against}']:.2f}x; "
               f"greedy tokens identical: {a == b}")
+    for n in (n for n in results if n.startswith("this tree, ")):
+        same = results[n][-1]["tokens"] == results["this tree"][-1]["tokens"]
+        print(f"{n} / this tree (medians): {med[n] / med['this tree']:.2f}x; "
+              f"greedy tokens identical: {same}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Decode speed of the default model's GGUF (Q4_1 layers, Q8_0 embedding): dequantized to f32 at
-load (the default) vs kept quantized in memory (`quantization="gguf"`), optionally llama.cpp on
+load (`quantization="none"`) vs kept quantized in memory (the default since 2026-11-25, `"gguf"`), optionally llama.cpp on
 the same file, in turns (A B A B ...) in one run so load from other processes hits all alike.
 
     python benchmarks/bench_gguf_int4.py [--rounds 2] [--batches 1 64] [--tokens 64]
@@ -58,7 +58,8 @@ def main() -> None:
     ap.add_argument("--llama-cpp-python", default=None, help="a venv's python with llama-cpp-python installed")
     a = ap.parse_args()
     engines = {}
-    for name, q in (("f32 (dequantized at load)", None), ("kept quantized (--quantization gguf)", "gguf")):
+    for name, q in (("f32 (dequantized at load, --quantization none)", "none"),
+                    ("kept quantized (the default; --quantization gguf)", "gguf")):
         # KV blocks for the largest batch at max_model_len, not the 2 GiB default: two engines and
         # llama.cpp share one machine's memory
         llm = LLM(quantization=q, max_num_seqs=max(a.batches), max_model_len=256, max_num_batched_tokens=1024,

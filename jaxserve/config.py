@@ -26,8 +26,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 # --quantization values: fp8 quantises on load; the others name an int4 checkpoint's method (vLLM's
 # names, its *_marlin kernels' included), which is detected from config.json anyway; gguf keeps a
-# .gguf file's Q4_0/Q4_1/Q8_0/Q4_K tensors quantized in memory (loader/gguf_quant.py).
-QUANTIZATIONS = (None, "fp8", "awq", "gptq", "compressed-tensors", "awq_marlin", "gptq_marlin", "gguf")
+# .gguf file's Q4_0/Q4_1/Q8_0/Q4_K tensors quantized in memory (loader/gguf_quant.py), which is
+# what a .gguf model gets when none is named (as in vLLM); "none" (jaxserve's) reads them into
+# --dtype instead.
+QUANTIZATIONS = (None, "fp8", "awq", "gptq", "compressed-tensors", "awq_marlin", "gptq_marlin", "gguf",
+                 "none")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton", "mosaic")
 # The FP8 matmul (jaxserve/layers/fp8.py): "pallas" is the Mosaic GPU kernel ("mosaic" its alias).
@@ -368,6 +371,17 @@ class EngineArgs:
                                                      if spec and spec.method == "draft_model"
                                                      else 0),
                                max_loras=self.max_loras if self.enable_lora else 0)
+
+    def load_quantization(self, model_path) -> str | None:
+        """What `load_model` is asked for `model_path`: a .gguf file's quantized tensors stay
+        quantized unless `quantization` says otherwise ("none": dequantized to the dtype;
+        dummy weights are never quantized); "none" is None elsewhere."""
+        if self.quantization == "none":
+            return None
+        if self.quantization is None and self.load_format != "dummy" and \
+                os.fspath(model_path).endswith(".gguf") and os.path.isfile(model_path):
+            return "gguf"
+        return self.quantization
 
     def lora_limits(self) -> tuple[int, int, int]:
         """(max_loras, max_lora_rank, max_cpu_loras), checked (vLLM's rules)."""

@@ -90,7 +90,8 @@ def quantize_model(output_dir: str | os.PathLike, model: str | None = None, *, n
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     llm = LLM(model, dtype="float32", max_model_len=max(num_tokens, 16), max_num_seqs=min(num_samples, 64),
-              enable_prefix_caching=False, load_format=load_format, seed=seed, warmup=False)
+              enable_prefix_caching=False, load_format=load_format, seed=seed, warmup=False,
+              quantization="none")     # calibration reads full-precision matrices (a GGUF's dequantised)
     try:
         seqs = calibration_sequences(llm, num_samples, num_tokens, texts=texts, seed=seed)
         engine = llm.llm_engine

@@ -148,20 +148,40 @@ PROMPTS = [f"Once upon a time, in a kingdom by the sea number {i}, there lived" 
 
 def test_default_model_kept_quantized_gives_the_dequantized_greedy_tokens():
     from jaxserve import LLM, SamplingParams
+    from jaxserve.layers.int4 import Int4Weight
+    from jaxserve.layers.linear import DenseWeight
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     tokens = {}
     # both through chunked prefill (a 32-token budget splits the 8 prompts' ~100 tokens over
-    # steps), the kept one through prefix caching as well (the second pass hits the cache)
-    for q in (None, "gguf"):
+    # steps), the kept one through prefix caching as well (the second pass hits the cache).
+    # Kept quantized is the default for a .gguf file; "none" reads its tensors into f32.
+    for q in ("none", None):
         with LLM(quantization=q, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
                  num_gpu_blocks_override=128, enable_prefix_caching=True, warmup=False) as llm:
+            wq = llm.llm_engine.runner.weights.layers.wq
+            assert isinstance(wq, Int4Weight if q is None else DenseWeight)
             outs = llm.generate(PROMPTS, sp, use_tqdm=False)
             tokens[q] = [list(o.outputs[0].token_ids) for o in outs]
-            if q:
+            if q is None:
                 again = llm.generate(PROMPTS, sp, use_tqdm=False)
                 assert [list(o.outputs[0].token_ids) for o in again] == tokens[q]
                 assert sum(o.num_cached_tokens for o in again) > 0
-    assert tokens["gguf"] == tokens[None]
+    assert tokens[None] == tokens["none"]
+
+
+def test_which_quantization_load_model_is_asked_for(tmp_path):
+    from jaxserve.config import EngineArgs
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    (tmp_path / "hf").mkdir()
+    assert EngineArgs(quantization=None).load_quantization(gguf) == "gguf"       # vLLM's default for GGUF
+    assert EngineArgs(quantization="none").load_quantization(gguf) is None
+    assert EngineArgs(quantization="fp8").load_quantization(gguf) == "fp8"
+    assert EngineArgs(load_format="dummy").load_quantization(gguf) is None      # random weights: never
+    assert EngineArgs().load_quantization(tmp_path / "hf") is None
+    assert EngineArgs(quantization="none").load_quantization(tmp_path / "hf") is None
+    with pytest.raises(ValueError, match="quantization must be None or one of .*none"):
+        EngineArgs(quantization="nf4")
 
 
 def test_unsupported_type_or_shape_is_an_error_naming_the_tensor(tmp_path):
@@ -224,10 +244,10 @@ def test_kept_gguf_weights_split_over_tensor_parallel_devices():
     np.testing.assert_allclose(np.array(three["logprobs"]), np.array(one["logprobs"]), atol=1e-3)
 
 
-def test_server_serves_the_default_model_kept_quantized():
+def test_server_serves_the_default_model_kept_quantized_by_default():
     import openai
     from server_fixtures import ServerProcess
-    srv = ServerProcess("--quantization", "gguf", "--max-num-batched-tokens", "32", "--max-model-len", "128",
+    srv = ServerProcess("--max-num-batched-tokens", "32", "--max-model-len", "128",     # the default: kept
                         "--max-num-seqs", "4").start(timeout=850)
     try:
         assert "Q4_0/Q4_1/Q8_0/Q4_K tensors kept quantized" in srv.log()

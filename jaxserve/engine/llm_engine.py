@@ -121,7 +121,8 @@ class LLMEngine:
         self.mesh = make_mesh(args.tensor_parallel_size)
         self.model_config, weights = load_model(model_path, dtype, gguf_reader=reader,
                                                 mesh=self.mesh, load_format=args.load_format,
-                                                seed=args.seed, quantization=args.quantization,
+                                                seed=args.seed,
+                                                quantization=args.load_quantization(model_path),
                                                 expert_parallel=args.enable_expert_parallel,
                                                 hf_overrides=args.model_overrides())
         self.tokenizer = _load_tokenizer(args, model_path, reader, self.model_config)
@@ -151,7 +152,7 @@ class LLMEngine:
                 raise ModelLoadError(f"speculative_config.model: {e}") from None
             draft = load_draft(draft_path, cfg, self.tokenizer, dtype=dtype, mesh=self.mesh,
                                load_format=args.load_format, seed=args.seed,
-                               quantization=args.quantization,
+                               quantization=args.load_quantization(draft_path),
                                expert_parallel=args.enable_expert_parallel)
             draft_plan = plan_for(draft[0], self.mesh, args.enable_expert_parallel)
         # Sized per device: a block costs its heads on one device, the budget is one device's.

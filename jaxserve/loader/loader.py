@@ -295,7 +295,7 @@ def _fp8_note(scheme, quantization: str | None) -> str:
         kind = "int4" if type(scheme).__name__ == "Int4Scheme" else "fp8"
         return f", linear layers {kind} ({scheme.method} checkpoint)"
     if quantization == "gguf":
-        return ", Q4_0/Q4_1/Q8_0/Q4_K tensors kept quantized"
+        return ", Q4_0/Q4_1/Q8_0/Q4_K tensors kept quantized (--quantization none reads them into the dtype)"
     return ", linear layers quantised to fp8 (per-channel e4m3)" if quantization == "fp8" else ""
 
 

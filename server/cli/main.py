@@ -84,8 +84,10 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                          shown_default="the model's")),
     ("quantization", "ModelConfig", dict(choices=[q for q in QUANTIZATIONS if q],
                                          help="Weight quantization: fp8 quantises on load; awq, gptq, "
-                                         "compressed-tensors name an int4 checkpoint's format (detected anyway).",
-                                         shown_default="none")),
+                                         "compressed-tensors name an int4 checkpoint's format (detected anyway); "
+                                         "gguf keeps a .gguf file's Q4_0/Q4_1/Q8_0/Q4_K tensors quantized (the "
+                                         "default for .gguf files); none reads them into --dtype.",
+                                         shown_default="gguf for a .gguf file, else none")),
     ("seed", "ModelConfig", dict(type=int, help="Random seed of the engine (and of dummy "
                                  "weights).")),
     ("runner", "ModelConfig", dict(choices=RUNNERS, help="'pooling': serve embeddings "
