@@ -1,6 +1,6 @@
 """Decode speed of the default model's GGUF (Q4_1 layers, Q8_0 embedding): dequantized to f32 at
-load (`quantization="none"`) vs kept quantized in memory (the default since 2026-11-25, `"gguf"`), optionally llama.cpp on
-the same file, in turns (A B A B ...) in one run so load from other processes hits all alike.
+load (`quantization="none"`) vs kept quantized in memory (the default since 2026-11-25, `"gguf"`),
+optionally llama.cpp on the same file, in turns (A B A B ...) in one run so load from other processes hits all alike.
 
     python benchmarks/bench_gguf_int4.py [--rounds 2] [--batches 1 64] [--tokens 64]
                                          [--llama-cpp-python /tmp/peer/venv/bin/python]

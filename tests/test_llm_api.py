@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import jax
 import pytest
 
 from jaxserve import LLM, SamplingParams
@@ -148,7 +149,7 @@ def test_shutdown_frees_and_generate_after_it_is_a_clear_error():
         assert "shut down" not in repr(llm)
         cache, weights = llm.llm_engine.runner.cache, llm.llm_engine.runner.weights
     assert repr(llm) == "LLM(shut down)"                  # the context manager shut it down
-    assert cache.k.is_deleted() and weights.embed.is_deleted()
+    assert cache.k.is_deleted() and all(a.is_deleted() for a in jax.tree.leaves(weights))
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate("Hi", SP, use_tqdm=False)
     with pytest.raises(RuntimeError, match="shut down"):
