@@ -183,8 +183,7 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
                 sinks=sinks)
     out, pages = _attend_rows(qf, out, pages, tables, _token_rows(meta, T),
                               rows_per_step=min(_TOKEN_ROWS, T), **opts)
-    if T >= _SHORT:     # fewer tokens than _SHORT: every chunk is shorter, all went by token above
-        out, pages = _attend_rows(qf, out, pages, tables, _tile_rows(meta, T, min(_TILE, T)),
-                                  rows_per_step=_TILE_ROWS, **opts)
+    out, pages = _attend_rows(qf, out, pages, tables, _tile_rows(meta, T, min(_TILE, T)),
+                              rows_per_step=_TILE_ROWS, **opts)
     out = out.reshape(T, H, D).astype(q.dtype)
     return (out, pages) if return_pages else out
