@@ -4,8 +4,8 @@ adapters, side by side in one run.
     python benchmarks/bench_lora.py [--batch 32] [--max-tokens 64] [--rank 8] [--repeats 3]
         [--adapters 1,4,8] [--plain]
 
-One engine (default model, f32, greedy, `enable_lora=True`, max_loras = the largest count,
-prefix caching off so repeats do the same work) serves every configuration: the batch's prompts
+One engine (default model as served: its GGUF kept Q4_1; greedy, `enable_lora=True`, max_loras =
+the largest count, prefix caching off so repeats do the same work) serves every configuration: the batch's prompts
 are spread round-robin over the first N of 8 random rank-`--rank` adapters (PEFT checkpoints on
 q/k/v/o/gate/up/down written to a temporary folder with numpy + safetensors), or run without an
 adapter ("base"). Each configuration runs once to warm up (adapters into their device slots),

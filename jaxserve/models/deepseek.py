@@ -46,7 +46,7 @@ from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import mla_softmax_scale_factor
 from jaxserve.models import llama
 from jaxserve.models.llama import Weights, compute_logits  # noqa: F401  (the family API)
-from jaxserve.models.params import Param
+from jaxserve.models.params import Param, layer_param_makers
 from jaxserve.sharding.plan import ShardingPlan, embed_lookup, shard_attention, shard_experts
 
 MOE_NAMES = ("mlp.gate.weight", "mlp.experts.{expert}.gate_proj.weight",
@@ -96,12 +96,7 @@ def declare(cfg: ModelConfig) -> list[Param]:
     sparse = cfg.moe.sparse_layers(L) if cfg.moe is not None else ()
     dense = tuple(i for i in range(L) if i not in sparse)
 
-    def per_layer(name, shape, axes, suffix, ids=tuple(range(L)), **kw):
-        return Param(f"layers.{name}", (len(ids), *shape), ("layers", *axes), layer + suffix,
-                     stacked=True, layers=None if ids == tuple(range(L)) else ids, **kw)
-
-    def matrix(name, shape, axes, suffix, ids=tuple(range(L))):
-        return per_layer(name, shape, axes, suffix, ids, transpose=True, dense=True)
+    per_layer, matrix = layer_param_makers(L, layer)
 
     def norm(name, dim, axis, suffix):
         return per_layer(name, (dim,), (axis,), suffix, init="ones")

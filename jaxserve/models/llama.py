@@ -36,7 +36,7 @@ from jaxserve.layers.rotary import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from jaxserve.models.params import Param
+from jaxserve.models.params import Param, layer_param_makers
 from jaxserve.sharding.plan import ShardingPlan, embed_lookup, shard_attention, shard_experts
 
 
@@ -99,12 +99,7 @@ def declare(cfg: ModelConfig, moe_names: tuple[str, str, str, str] | None = None
     sparse = cfg.moe.sparse_layers(L) if cfg.moe is not None else ()
     dense = tuple(i for i in range(L) if i not in sparse)
 
-    def per_layer(name, shape, axes, suffix, ids=tuple(range(L)), **kw):
-        return Param(f"layers.{name}", (len(ids), *shape), ("layers", *axes), layer + suffix,
-                     stacked=True, layers=None if ids == tuple(range(L)) else ids, **kw)
-
-    def matrix(name, shape, axes, suffix, ids=tuple(range(L))):
-        return per_layer(name, shape, axes, suffix, ids, transpose=True, dense=True)
+    per_layer, matrix = layer_param_makers(L, layer)
 
     params = [
         Param("embed", (V, E), ("vocab", "embed"), "model.embed_tokens.weight"),

@@ -110,3 +110,20 @@ def abstract_weights(params: list[Param], dtype) -> dict[str, jax.ShapeDtypeStru
 
 def num_parameters(params: list[Param]) -> int:
     return sum(p.size for p in params)
+
+
+def layer_param_makers(num_layers: int, layer: str = "model.layers.{layer}."):
+    """(per_layer, matrix): the families' makers of `Param`s stacked over layers.
+    `per_layer(name, shape, axes, suffix, ids=all layers, **Param fields)` declares
+    `layers.{name}` [len(ids), *shape] read from `layer + suffix` of each layer in `ids`;
+    `matrix` is the same for a linear weight (stored [in, out]: transposed from the checkpoint)."""
+    every = tuple(range(num_layers))
+
+    def per_layer(name, shape, axes, suffix, ids=every, **kw):
+        return Param(f"layers.{name}", (len(ids), *shape), ("layers", *axes), layer + suffix,
+                     stacked=True, layers=None if ids == every else ids, **kw)
+
+    def matrix(name, shape, axes, suffix, ids=every):
+        return per_layer(name, shape, axes, suffix, ids, transpose=True, dense=True)
+
+    return per_layer, matrix
