@@ -2,13 +2,15 @@
 
 llama.cpp's converter permutes the rows of q/k projections of llama-architecture models into
 its interleaved rotary layout; `_unpermute` puts them back so the rotate-half rope of
-models/llama.py applies unchanged. Gemma 2/3, Phi-3 and gpt-oss files: loader/gguf_families.py.
+models/llama.py applies unchanged. Gemma 2/3, Phi-3, gpt-oss and DeepSeek (`deepseek2`) files:
+loader/gguf_families.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -70,7 +72,7 @@ def gguf_config(reader) -> ModelConfig:
     if vocab is None:
         raise ModelLoadError("GGUF file has neither a vocab_size nor a token list")
     stype = _field(reader, f"{arch}.rope.scaling.type")
-    if stype not in (None, "none", "linear") and not (arch == "gpt-oss" and stype == "yarn"):
+    if stype not in (None, "none", "linear") and not (arch in ("gpt-oss", "deepseek2") and stype == "yarn"):
         raise ModelLoadError(f"Unsupported GGUF rope scaling type {stype!r}")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     if arch in gguf_families.ARCHS:      # read by the family's config.json reader
@@ -160,10 +162,18 @@ def open_gguf(path: Path, reader=None, keep_quantized: bool = False) -> tuple[Mo
     layer_names = gguf_families.NAMES.get(cfg.architecture, _GGUF_NAMES)
     shift = gguf_families.NORM_SHIFT.get(cfg.architecture)
 
-    def read(name: str) -> np.ndarray:
+    def tensor(name: str):
         if name not in tensors:
             raise ModelLoadError(f"tensor {name} is missing from {path}")
-        return dequantize(tensors[name])
+        return tensors[name]
+
+    def read(name: str) -> np.ndarray:
+        return dequantize(tensor(name))
+
+    def read_expert(name: str, expert: int) -> np.ndarray:
+        """One expert's matrix of a stacked [X, out, in] tensor, its blocks alone dequantized."""
+        t = tensor(name)
+        return dequantize(SimpleNamespace(name=name, tensor_type=t.tensor_type, data=t.data[expert]))
 
     def gguf_name(hf_name: str) -> str:
         if hf_name in _GLOBAL_NAMES:
@@ -185,7 +195,10 @@ def open_gguf(path: Path, reader=None, keep_quantized: bool = False) -> tuple[Mo
 
     def get(hf_name: str) -> np.ndarray:
         if gguf_families.is_joined(cfg.architecture, hf_name):
-            return gguf_families.joined(hf_name, read)
+            try:
+                return gguf_families.joined(hf_name, read, tensors.__contains__, read_expert)
+            except ValueError as e:
+                raise ModelLoadError(f"{path}: {e}") from None
         name = gguf_name(hf_name)
         w = dequantize(tensors[name])
         if shift and name.endswith("norm.weight"):
