@@ -3,10 +3,11 @@
     y = linear(x, base) + (x @ a[slot]) @ b[slot]      per token, slot = token_slots[t]
 
 Slot 0 holds zeros (tokens of requests without an adapter, and padding); adapters occupy slots
-1..max_loras. The compute is BGMV-style: each token gathers its own slot's A and B rows, so a
-step's cost grows with its tokens and the rank, never with the number of adapters loaded (no
-one-hot over slots; XLA's CPU ragged_dot would be a masked dense dot over every slot). A step
-with no adapter token skips the LoRA term (`lax.cond`).
+1..max_loras. The compute is SGMV-style: for each adapter the step uses, its tokens' rows of
+x @ a[slot] @ b[slot] (computed for every token, kept for its own), so a step's cost grows with its tokens, the rank and the adapters it uses, never with the number of
+adapters loaded (no one-hot over slots; XLA's CPU ragged_dot would be a masked dense dot over
+every slot): `lora_delta` loops over the step's distinct adapters. A step with no adapter token
+skips the LoRA term (`lax.cond`).
 
 `token_slots` is not part of the loaded weights: the step binds it (`bind_token_slots`) from
 its inputs, broadcast over the stacked layers so `lax.scan` slices it with the rest; model code
@@ -44,10 +45,25 @@ class LoraWeight:
 
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
-    """x [T, in], a [S, in, r], b [S, r, out], slots [T] -> [T, out] f32: x[t] @ a[s] @ b[s]."""
+    """x [T, in], a [S, in, r], b [S, r, out], slots [T] -> [T, out] f32: x[t] @ a[s] @ b[s].
+
+    A loop over the adapters this step uses (slot 0, no adapter, is skipped): each multiplies
+    every token by its A and B, and keeps the rows of its own tokens. The trip count is the
+    number of distinct adapters in the step, never the slots loaded; gathering each token's own
+    A and B instead ([T, in, r] + [T, r, out] copies a linear) cost ~20% of a decode step at
+    batch 32 with the GGUF weights kept quantized (RESULTS.md)."""
+    S = a.shape[0]
     pref = jnp.float32
-    xa = jnp.einsum("ti,tir->tr", x, a[slots], preferred_element_type=pref)
-    return jnp.einsum("tr,tro->to", xa.astype(b.dtype), b[slots], preferred_element_type=pref)
+    present = jnp.zeros(S, bool).at[slots].set(True).at[0].set(False)
+    used = jnp.argsort(~present, stable=True)           # the used slots first, in slot order
+
+    def one(i, acc):
+        s = used[i]
+        xa = jnp.einsum("ti,ir->tr", x, a[s], preferred_element_type=pref)
+        d = jnp.einsum("tr,ro->to", xa.astype(b.dtype), b[s], preferred_element_type=pref)
+        return jnp.where((slots == s)[:, None], d, acc)
+
+    return jax.lax.fori_loop(0, jnp.sum(present), one, jnp.zeros((x.shape[0], b.shape[-1]), pref))
 
 
 @register_linear(LoraWeight)
