@@ -184,3 +184,16 @@ def _split(prompt: list[int], chunk_sizes):
             return
         yield list(prompt[i:i + n])
         i += n
+
+
+def hf_logprobs(model, ids: list[int]) -> np.ndarray:
+    """log_softmax of a transformers model's logits [len(ids), V], f64."""
+    import torch
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
+
+
+def prefill_logprobs(runner: PagedRunner, ids: list[int]) -> np.ndarray:
+    """log_softmax of the runner's prefill logits [len(ids), V], f64."""
+    logits = runner.prefill_logits(ids).astype(np.float64)
+    return logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)

@@ -33,6 +33,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers_paged import PagedRunner  # noqa: E402
+from helpers_paged import hf_logprobs as _hf_logprobs  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.loader.loader import load_model  # noqa: E402
@@ -84,11 +85,6 @@ def write_checkpoint(path, name: str, seed: int = 0):
     model.save_pretrained(path, safe_serialization=True)
     Tokenizer.synthetic(VOCAB, config.eos_token_id).backend.save(str(path / "tokenizer.json"))
     return model
-
-
-def _hf_logprobs(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -29,6 +29,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers_paged import PagedRunner  # noqa: E402
+from helpers_paged import hf_logprobs as _hf_logprobs  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.loader.loader import load_model  # noqa: E402
@@ -101,12 +102,6 @@ def write_checkpoint(path, name: str, seed: int = 0):
     # the engine needs a tokenizer: word-level "t0" .. "t95"
     Tokenizer.synthetic(VOCAB, config.eos_token_id).backend.save(str(path / "tokenizer.json"))
     return model
-
-
-def _hf_logprobs(model, ids: list[int]) -> np.ndarray:
-    """log_softmax of transformers' logits [len(ids), V]."""
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -36,7 +36,8 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
-from helpers_paged import PagedRunner  # noqa: E402
+from helpers_paged import PagedRunner, prefill_logprobs  # noqa: E402
+from helpers_paged import hf_logprobs as _hf_logprobs  # noqa: E402
 
 from jaxserve.loader.loader import ModelLoadError, load_model  # noqa: E402
 
@@ -173,11 +174,6 @@ def write_gguf(path: Path, tensors: dict[str, np.ndarray], c, name: str, layout:
     return path
 
 
-def _hf_logprobs(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
-
-
 @pytest.mark.parametrize("layout", ["kv_b", "k_b_v_b"])
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_deepseek2_gguf_gives_the_checkpoints_config_and_transformers_logprobs(name, layout, tmp_path):
@@ -197,8 +193,7 @@ def test_deepseek2_gguf_gives_the_checkpoints_config_and_transformers_logprobs(n
                              if (k, v) not in (("beta_fast", 32), ("beta_slow", 1))}
     assert got == want
     runner = PagedRunner(cfg, weights, block_size=16, num_blocks=8, max_blocks_per_seq=4)
-    logits = runner.prefill_logits(PROMPT).astype(np.float64)
-    lps = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    lps = prefill_logprobs(runner, PROMPT)
     ref = _hf_logprobs(model, PROMPT)
     assert ref.std() > 0.3
     diff = float(np.abs(lps - ref).max())

@@ -3,11 +3,11 @@
     y = linear(x, base) + (x @ a[slot]) @ b[slot]      per token, slot = token_slots[t]
 
 Slot 0 holds zeros (tokens of requests without an adapter, and padding); adapters occupy slots
-1..max_loras. The compute is SGMV-style: for each adapter the step uses, its tokens' rows of
-x @ a[slot] @ b[slot] (computed for every token, kept for its own), so a step's cost grows with its tokens, the rank and the adapters it uses, never with the number of
+1..max_loras. The compute is SGMV-style: `lora_delta` loops over the adapters the step uses,
+each computing x @ a[slot] @ b[slot] for every token and keeping its own tokens' rows, so a
+step's cost grows with its tokens, the rank and the adapters it uses, never with the number of
 adapters loaded (no one-hot over slots; XLA's CPU ragged_dot would be a masked dense dot over
-every slot): `lora_delta` loops over the step's distinct adapters. A step with no adapter token
-skips the LoRA term (`lax.cond`).
+every slot). A step with no adapter token skips the LoRA term (`lax.cond`).
 
 `token_slots` is not part of the loaded weights: the step binds it (`bind_token_slots`) from
 its inputs, broadcast over the stacked layers so `lax.scan` slices it with the rest; model code
