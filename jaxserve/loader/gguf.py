@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -124,16 +123,22 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def dequantize(tensor) -> np.ndarray:
     """A GGUF tensor -> f32 numpy array in row-major [out, in] order."""
+    return dequantize_data(tensor.name, tensor.tensor_type, tensor.data)
+
+
+def dequantize_data(name: str, tensor_type, data) -> np.ndarray:
+    """Raw GGUF data (all of a tensor, or a slice of whole rows: one expert) of `tensor_type` ->
+    f32; `name` for the error on a type jaxserve cannot read."""
     import gguf
 
-    kind = tensor.tensor_type.name
+    kind = tensor_type.name
     if kind in _PLAIN_TYPES:
-        return np.asarray(tensor.data, dtype=np.float32)
+        return np.asarray(data, dtype=np.float32)
     if kind not in _QUANT_TYPES:
-        raise ModelLoadError(f"tensor {tensor.name} uses the GGUF quantization type {kind}, which "
+        raise ModelLoadError(f"tensor {name} uses the GGUF quantization type {kind}, which "
                              f"jaxserve cannot dequantize; supported: "
                              f"{', '.join(_PLAIN_TYPES + _QUANT_TYPES)}")
-    return gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    return gguf.quants.dequantize(data, tensor_type).astype(np.float32, copy=False)
 
 
 def read_gguf(path):
@@ -173,7 +178,7 @@ def open_gguf(path: Path, reader=None, keep_quantized: bool = False) -> tuple[Mo
     def read_expert(name: str, expert: int) -> np.ndarray:
         """One expert's matrix of a stacked [X, out, in] tensor, its blocks alone dequantized."""
         t = tensor(name)
-        return dequantize(SimpleNamespace(name=name, tensor_type=t.tensor_type, data=t.data[expert]))
+        return dequantize_data(name, t.tensor_type, t.data[expert])
 
     def gguf_name(hf_name: str) -> str:
         if hf_name in _GLOBAL_NAMES:
