@@ -19,8 +19,10 @@ import re
 import pytest
 
 # Sized for the e2e tests: 64 concurrent requests of up to ~250 tokens fit without preemption.
+# dtype float32: f32 matmul tiles at every batch size (the CPU default, "auto", takes batches of 16
+# rows or more through bf16 tiles), so tests can compare a request run alone with it in a batch.
 SHARED_LLM_KWARGS = dict(max_model_len=512, max_num_batched_tokens=128, max_num_seqs=64,
-                         num_gpu_blocks_override=1024, seed=0)
+                         num_gpu_blocks_override=1024, seed=0, dtype="float32")
 
 
 def pytest_collection_modifyitems(config, items):

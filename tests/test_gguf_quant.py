@@ -216,8 +216,9 @@ from jaxserve import LLM, SamplingParams
 assert len(jax.devices()) == 8
 res = []
 for tp in (1, 3):
-    with LLM(quantization="gguf", tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4, warmup=False,
-             max_num_batched_tokens=32, num_gpu_blocks_override=32, compilation_cache_dir="") as llm:
+    # float32: f32 tiles at every batch size, so the two splits differ only by summation order
+    with LLM(quantization="gguf", dtype="float32", tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4,
+             warmup=False, max_num_batched_tokens=32, num_gpu_blocks_override=32, compilation_cache_dir="") as llm:
         w = llm.llm_engine.runner.weights
         outs = llm.generate(["The capital of France is", "Once upon a time"],
                             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0), use_tqdm=False)

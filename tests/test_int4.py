@@ -84,6 +84,43 @@ def test_int4_linear_tiles_columns_of_a_wide_matrix(monkeypatch, bits, shards):
         np.testing.assert_allclose(jax.jit(linear)(x, w), ref, rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("in_shards", [1, 2])
+def test_bf16_tiles_from_min_rows_and_f32_below(bits, in_shards):
+    """`with_bf16_tiles` (`--dtype auto` on CPU): f32 activations of >= min_rows rows multiply bf16
+    tiles with f32 accumulation (the rows rounded to bf16, the weights dequantised to bf16), fewer
+    rows keep the f32 tiles bit for bit; the result stays f32."""
+    rng = np.random.default_rng(5)
+    k, n, g = 256, 96, 32
+    codes = rng.integers(0, 16, (k, n)) if bits == 4 else rng.integers(-127, 128, (k, n))
+    q = pack(jnp.asarray(codes, jnp.uint8)) if bits == 4 else jnp.asarray(codes, jnp.int8)
+    w = Int4Weight(q, jnp.asarray(rng.random((k // g, n)) * 0.02, jnp.float32), None, None, g, in_shards,
+                   offset=jnp.asarray(rng.random((k // g, n)) * 0.01, jnp.float32) if bits == 4 else None, bits=bits)
+    tiled = int4_layer.with_bf16_tiles({"w": w, "other": jnp.ones(3)}, min_rows=16)
+    assert tiled["w"].bf16_min_rows == 16 and w.bf16_min_rows is None
+    full = int4_layer.dequantize(w.q, w.scale, None, g, jnp.float32, w.offset, bits)
+    for rows in (2, 15, 16, 40):
+        x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+        y = jax.jit(linear)(x, tiled["w"])
+        assert y.dtype == jnp.float32
+        if rows < 16:
+            np.testing.assert_array_equal(y, jax.jit(linear)(x, w))
+            continue
+        ref16 = jnp.dot(x.astype(jnp.bfloat16).astype(jnp.float32), full.astype(jnp.bfloat16).astype(jnp.float32),
+                        precision="highest")
+        np.testing.assert_allclose(y, ref16, rtol=1e-5, atol=1e-5 * float(jnp.abs(ref16).max()))
+        ref = ref_int4_matmul(x, w)
+        assert float(jnp.abs(y - ref).max()) < 0.01 * float(jnp.abs(ref).max())
+
+
+def test_the_cpu_default_dtype_takes_bf16_tiles_and_float32_does_not():
+    from jaxserve.loader.loader import bf16_tiles_for
+    w = _random_weight(np.random.default_rng(1), 64, 16, 32, False, False)
+    assert bf16_tiles_for(w, "auto", platform="cpu").bf16_min_rows == int4_layer.BF16_MIN_ROWS
+    assert bf16_tiles_for(w, "float32", platform="cpu").bf16_min_rows is None
+    assert bf16_tiles_for(w, "auto", platform="gpu").bf16_min_rows is None     # bf16 activations there already
+
+
 def test_int4_matmul_never_materialises_the_whole_matrix():
     """Compiled temporaries stay a few tiles: far below the f32 matrix a whole dequantisation needs."""
     k, n = 8192, 2048

@@ -25,6 +25,10 @@ from jaxserve.layers.linear import register_linear
 PACK = 8                      # int4 codes per int32 word
 SYMMETRIC_ZERO = 8            # the zero point of symmetric (signed int4 + 8) codes
 TILE_BYTES = 4 << 20          # dequantised bytes per tile, at most (one tile when the matrix is smaller)
+# f32 activations of at least this many rows multiply bf16 tiles under `with_bf16_tiles` (the CPU
+# default: XLA:CPU's bf16 x bf16 -> f32 dot runs 1.3-1.8x its f32 one from 64 rows, and slower than
+# it for one or two rows; benchmarks/RESULTS.md)
+BF16_MIN_ROWS = 16
 MIN_TILE_COLS = 256           # narrowest column tile before the tile splits the input rows too
 
 
@@ -43,6 +47,8 @@ class Int4Weight:
     in_shards: how many devices the input rows are split over (row-parallel tensor parallelism):
       the kernel tiles each shard's rows separately so no tile straddles two devices.
     out_shards: the same for the output columns (column-parallel, a vocabulary-split head).
+    bf16_min_rows: f32 activations of at least this many rows are rounded to bf16 and multiply tiles
+      dequantised to bf16 (f32 accumulation); None: tiles in the activation dtype (`with_bf16_tiles`).
     """
 
     q: jax.Array
@@ -54,6 +60,7 @@ class Int4Weight:
     offset: jax.Array | None = None
     bits: int = 4
     out_shards: int = 1
+    bf16_min_rows: int | None = None
 
     @property
     def pack(self) -> int:
@@ -74,7 +81,16 @@ class Int4Weight:
 
 
 jax.tree_util.register_dataclass(Int4Weight, data_fields=["q", "scale", "zero", "perm", "offset"],
-                                 meta_fields=["group_size", "in_shards", "bits", "out_shards"])
+                                 meta_fields=["group_size", "in_shards", "bits", "out_shards", "bf16_min_rows"])
+
+
+def with_bf16_tiles(weights, min_rows: int = BF16_MIN_ROWS):
+    """`weights` (any pytree) with every `Int4Weight`'s matmul taking f32 activations of at least
+    `min_rows` rows through bf16 tiles (see `Int4Weight.bf16_min_rows`): `--dtype auto` on CPU.
+    Teacher-forced agreement with the f32 tiles 0.996 and perplexity ratio 0.9995 on the default
+    model (benchmarks/RESULTS.md); the result of a row then depends on how many rows its step had."""
+    return jax.tree.map(lambda w: dataclasses.replace(w, bf16_min_rows=min_rows) if isinstance(w, Int4Weight) else w,
+                        weights, is_leaf=lambda x: isinstance(x, Int4Weight))
 
 
 def unpack(q: jax.Array) -> jax.Array:
@@ -163,7 +179,8 @@ def tile_shape(in_rows: int, out: int, group_size: int, itemsize: int = 4) -> tu
 @register_linear(Int4Weight)
 def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
     """x [..., in] @ w [in, out] -> [..., out], the weight dequantised one `tile_shape` tile at a
-    time into x.dtype (f32 accumulation; f32 tiles for bf16/f16 on CPU). Under tensor parallelism
+    time into x.dtype (f32 accumulation; f32 tiles for bf16/f16 on CPU; bf16 tiles for f32 rows as
+    `w.bf16_min_rows` says). Under tensor parallelism
     each device's block (`in_shards` slices of the rows, `out_shards` of the columns) is tiled on
     its own, so no tile straddles two devices; row-parallel partial sums are added once at the end."""
     if w.q.ndim != 2:
@@ -178,7 +195,9 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
     M, S, So, g = xm.shape[0], w.in_shards, w.out_shards, w.group_size
     ks, ns = K // S, N // So                           # rows, columns per device block
     cdt = x.dtype
-    if jax.default_backend() == "cpu" and cdt in (jnp.bfloat16, jnp.float16):
+    if w.bf16_min_rows is not None and cdt == jnp.float32 and M >= w.bf16_min_rows:
+        cdt, xm = jnp.bfloat16, xm.astype(jnp.bfloat16)
+    elif jax.default_backend() == "cpu" and cdt in (jnp.bfloat16, jnp.float16):
         # XLA:CPU fuses the dequantisation into the dot, and its fused dot has no bf16 x bf16 -> f32
         # ("Unsupported element type for DotThunk"): the tile is multiplied in f32 there
         cdt, xm = jnp.float32, xm.astype(jnp.float32)

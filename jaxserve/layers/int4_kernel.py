@@ -24,7 +24,8 @@ from jaxserve.layers.linear import register_linear
 from jaxserve.pallas.int4_matmul import MGPU_AVAILABLE, Int4KernelWeight, int4_matmul_mgpu, kernel_layout
 
 KERNELS = ("auto", "xla", "pallas")
-_KERNEL_FIELDS = ("q", "scale", "zero", "perm", "group_size", "in_shards")
+# bf16_min_rows: the kernel computes in its own dtype whatever the rows
+_KERNEL_FIELDS = ("q", "scale", "zero", "perm", "group_size", "in_shards", "bf16_min_rows")
 
 
 def resolve_int4_kernel(name: str = "auto", num_devices: int = 1) -> str:

@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.host_memory import release_freed_host_memory
+from jaxserve.layers.int4 import with_bf16_tiles
 from jaxserve.loader.hf_overrides import apply_hf_overrides
 from jaxserve.models.registry import get_model
 from jaxserve.sharding.mesh import make_mesh
@@ -43,6 +44,16 @@ def resolve_dtype(dtype: str, platform: str | None = None):
         return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype]
     except KeyError:
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}") from None
+
+
+def bf16_tiles_for(weights, dtype: str, platform: str | None = None):
+    """`weights` as the engine runs them with `--dtype dtype`: with "auto" on CPU (f32 activations),
+    quantized weights take batches of `BF16_MIN_ROWS` rows or more through bf16 tiles
+    (`layers.int4.with_bf16_tiles`; XLA:CPU's bf16 dot is the faster one there). An explicit
+    "float32" keeps f32 tiles: every row's result then is independent of its batch."""
+    if dtype == "auto" and (platform or jax.default_backend()) == "cpu":
+        return with_bf16_tiles(weights)
+    return weights
 
 
 def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=None, *,
