@@ -22,7 +22,8 @@ _SHORT = 16          # chunks shorter than this are attended token by token (dec
 _TOKEN_ROWS = 16     # single-token rows attended together in one loop step
 _TILE = 64           # query tokens per row for longer chunks (prefill)
 _TILE_ROWS = 2       # such rows attended together
-_KV_CHUNK = 128      # KV positions per inner loop step
+_KV_CHUNK = 64       # KV positions per inner loop step (64 sequences at contexts 17-81: 0.87 vs 1.32 ms
+                     # a layer with 128; at contexts 400-1000 within 1%)
 
 
 @dataclasses.dataclass
