@@ -72,7 +72,8 @@ def quality(engines: dict[str, LLM]) -> None:
     runs = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
     forced = fast.generate([{"prompt_token_ids": p + g} for p, g in runs],
                            SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-    agree = sum(step[tok].rank == 1 for (p, g), o in zip(runs, forced) for step, tok in zip(o.prompt_logprobs[len(p):], g))
+    agree = sum(step[tok].rank == 1 for (p, g), o in zip(runs, forced)
+                for step, tok in zip(o.prompt_logprobs[len(p):], g))
     total = sum(len(g) for _, g in runs)
     a, b = nll(base, texts), nll(fast, texts)
     count = sum(c for _, c in a)

@@ -154,9 +154,10 @@ def test_default_model_kept_quantized_gives_the_dequantized_greedy_tokens():
     tokens = {}
     # both through chunked prefill (a 32-token budget splits the 8 prompts' ~100 tokens over
     # steps), the kept one through prefix caching as well (the second pass hits the cache).
-    # Kept quantized is the default for a .gguf file; "none" reads its tensors into f32.
+    # Kept quantized is the default for a .gguf file; "none" reads its tensors into f32. float32:
+    # f32 tiles at every batch size (the CPU default takes batches of 16+ rows through bf16 tiles).
     for q in ("none", None):
-        with LLM(quantization=q, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
+        with LLM(quantization=q, dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
                  num_gpu_blocks_override=128, enable_prefix_caching=True, warmup=False) as llm:
             wq = llm.llm_engine.runner.weights.layers.wq
             assert isinstance(wq, Int4Weight if q is None else DenseWeight)
