@@ -31,25 +31,15 @@ from pathlib import Path
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gguf_int4 import jaxserve_tok_s as tok_s  # noqa: E402  (the peer harness's prompts)
+from bench_gguf_int4 import prompts  # noqa: E402
 from test_kv_cache_dtypes import PROMPTS  # noqa: E402  (one fixed prompt set)
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 
 HELDOUT = Path(__file__).resolve().parent / "data" / "heldout_fp8.jsonl"
 ENGINES = {"f32 tiles (--dtype float32)": "float32", "bf16 tiles from 16 rows (--dtype auto, the CPU default)": "auto"}
-
-
-def prompts(b: int) -> list[str]:
-    return [f"Once upon a time, in a kingdom by the sea number {i}, there lived" for i in range(b)]
-
-
-def tok_s(llm: LLM, b: int, tokens: int) -> float:
-    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts(b), sp, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
-    return b * tokens / dt
 
 
 def prefill_s(llm: LLM, b: int) -> float:
