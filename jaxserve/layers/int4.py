@@ -87,7 +87,7 @@ jax.tree_util.register_dataclass(Int4Weight, data_fields=["q", "scale", "zero", 
 def with_bf16_tiles(weights, min_rows: int = BF16_MIN_ROWS):
     """`weights` (any pytree) with every `Int4Weight`'s matmul taking f32 activations of at least
     `min_rows` rows through bf16 tiles (see `Int4Weight.bf16_min_rows`): `--dtype auto` on CPU.
-    Teacher-forced agreement with the f32 tiles 0.996 and perplexity ratio 0.9995 on the default
+    Teacher-forced agreement with the f32 tiles 0.996 and perplexity ratio 0.9996 on the default
     model (benchmarks/RESULTS.md); the result of a row then depends on how many rows its step had."""
     return jax.tree.map(lambda w: dataclasses.replace(w, bf16_min_rows=min_rows) if isinstance(w, Int4Weight) else w,
                         weights, is_leaf=lambda x: isinstance(x, Int4Weight))
