@@ -26,7 +26,8 @@ torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
 from helpers_paged import PagedRunner, prefill_logprobs  # noqa: E402
-from test_families import FAMILIES, LOGPROB_ATOL, PROMPTS, _hf_logprobs, write_checkpoint  # noqa: E402
+from helpers_paged import hf_logprobs as _hf_logprobs  # noqa: E402
+from test_families import FAMILIES, LOGPROB_ATOL, PROMPTS, write_checkpoint  # noqa: E402
 
 from jaxserve.loader.loader import ModelLoadError, load_model  # noqa: E402
 

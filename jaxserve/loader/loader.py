@@ -51,7 +51,7 @@ def bf16_tiles_for(weights, dtype: str, platform: str | None = None):
     quantized weights take batches of `BF16_MIN_ROWS` rows or more through bf16 tiles
     (`layers.int4.with_bf16_tiles`; XLA:CPU's bf16 dot is the faster one there). An explicit
     "float32" keeps f32 tiles: every row's result then is independent of its batch."""
-    if dtype == "auto" and (platform or jax.default_backend()) == "cpu":
+    if dtype == "auto" and resolve_dtype(dtype, platform) == jnp.float32:     # f32 activations: CPU
         return with_bf16_tiles(weights)
     return weights
 
