@@ -194,8 +194,10 @@ ENGINE_FLAGS = ["--max-model-len", "256", "--max-num-seqs", "16", "--max-num-bat
 def cli(*args, stdin=None, **kw):
     cmd = [sys.executable, "-c", "import sys; from jaxserve.server.cli.main import main; sys.exit(main())",
            "run-batch", *ENGINE_FLAGS, *args]
+    # SIGINT at its default in the job: a suite started in the background (`cmd &`) ignores it, and
+    # the child would inherit that, so the Ctrl-C test would test the launcher, not run-batch
     return subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            cwd=REPO, **kw)
+                            cwd=REPO, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kw)
 
 
 def completion(cid, i, max_tokens=8, **extra):
