@@ -95,11 +95,11 @@ def test_bf16_tiles_from_min_rows_and_f32_below(bits, in_shards):
 
 
 def test_the_cpu_default_dtype_takes_bf16_tiles_and_float32_does_not():
-    from jaxserve.loader.loader import bf16_tiles_for
+    from jaxserve.loader.loader import cpu_matmuls_for
     w = _random_weight(np.random.default_rng(1), 64, 16, 32, False, False)
-    assert bf16_tiles_for(w, "auto", platform="cpu").bf16_min_rows == int4_layer.BF16_MIN_ROWS
-    assert bf16_tiles_for(w, "float32", platform="cpu").bf16_min_rows is None
-    assert bf16_tiles_for(w, "auto", platform="gpu").bf16_min_rows is None     # bf16 activations there already
+    assert cpu_matmuls_for(w, "auto", platform="cpu").bf16_min_rows == int4_layer.BF16_MIN_ROWS
+    assert cpu_matmuls_for(w, "float32", platform="cpu").bf16_min_rows is None
+    assert cpu_matmuls_for(w, "auto", platform="gpu").bf16_min_rows is None     # bf16 activations there already
 
 
 def test_int4_matmul_never_materialises_the_whole_matrix():

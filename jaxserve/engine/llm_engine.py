@@ -30,7 +30,7 @@ from jaxserve.loader.fp8 import kernels_in, with_kernel
 from jaxserve.loader.generation_config import default_sampling_params, generation_eos_token_ids
 from jaxserve.loader.gguf import read_gguf
 from jaxserve.loader.hub import resolve_model
-from jaxserve.loader.loader import ModelLoadError, bf16_tiles_for, load_model, resolve_dtype
+from jaxserve.loader.loader import ModelLoadError, cpu_matmuls_for, load_model, resolve_dtype
 from jaxserve.loader.pooling_config import matryoshka_of, resolve_pooler
 from jaxserve.lora.manager import setup_lora
 from jaxserve.pooling_params import PoolingParams
@@ -125,7 +125,7 @@ class LLMEngine:
                                                 quantization=args.load_quantization(model_path),
                                                 expert_parallel=args.enable_expert_parallel,
                                                 hf_overrides=args.model_overrides())
-        weights = bf16_tiles_for(weights, args.dtype)
+        weights = cpu_matmuls_for(weights, args.dtype, self.mesh.size)
         self.tokenizer = _load_tokenizer(args, model_path, reader, self.model_config)
         # A pooling model (runner "pooling") computes embeddings: prefill-only requests whose
         # runner pools hidden states instead of sampling (engine/pooling.py).
@@ -155,7 +155,7 @@ class LLMEngine:
                                load_format=args.load_format, seed=args.seed,
                                quantization=args.load_quantization(draft_path),
                                expert_parallel=args.enable_expert_parallel)
-            draft = (draft[0], bf16_tiles_for(draft[1], args.dtype))
+            draft = (draft[0], cpu_matmuls_for(draft[1], args.dtype, self.mesh.size))
             draft_plan = plan_for(draft[0], self.mesh, args.enable_expert_parallel)
         # Sized per device: a block costs its heads on one device, the budget is one device's.
         per_block = sum(kvc.bytes_per_block(c.num_layers, args.block_size,

@@ -15,10 +15,12 @@ group so each group is contiguous). `bits=8` (GGUF's Q8_0) holds signed int8 cod
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
+from jaxserve.layers import int4_cpu
 from jaxserve.layers.experts import register_ragged
 from jaxserve.layers.linear import register_linear
 
@@ -49,6 +51,11 @@ class Int4Weight:
     out_shards: the same for the output columns (column-parallel, a vocabulary-split head).
     bf16_min_rows: f32 activations of at least this many rows are rounded to bf16 and multiply tiles
       dequantised to bf16 (f32 accumulation); None: tiles in the activation dtype (`with_bf16_tiles`).
+    fused_max_rows: activations of at most this many rows take the fused CPU kernel
+      (layers/int4_cpu.py) where it fits; None: always the tiles (`with_fused_kernel`).
+    layer: an int32 index, or None. When set, every array keeps its leading stacked-layer axis and
+      this weight is that layer's slice (the layer scan's way to hand the fused kernel a whole
+      stack without XLA copying the layer out of it; `scan_layers`).
     """
 
     q: jax.Array
@@ -61,6 +68,8 @@ class Int4Weight:
     bits: int = 4
     out_shards: int = 1
     bf16_min_rows: int | None = None
+    fused_max_rows: int | None = None
+    layer: jax.Array | None = None
 
     @property
     def pack(self) -> int:
@@ -69,7 +78,8 @@ class Int4Weight:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (*self.q.shape[:-2], self.q.shape[-2] * self.pack, self.q.shape[-1])
+        lead = self.q.shape[1 if self.layer is not None else 0:-2]
+        return (*lead, self.q.shape[-2] * self.pack, self.q.shape[-1])
 
     @property
     def dtype(self):
@@ -80,8 +90,13 @@ class Int4Weight:
         return sum(a.nbytes for a in (self.q, self.scale, self.zero, self.perm, self.offset) if a is not None)
 
 
-jax.tree_util.register_dataclass(Int4Weight, data_fields=["q", "scale", "zero", "perm", "offset"],
-                                 meta_fields=["group_size", "in_shards", "bits", "out_shards", "bf16_min_rows"])
+jax.tree_util.register_dataclass(Int4Weight, data_fields=["q", "scale", "zero", "perm", "offset", "layer"],
+                                 meta_fields=["group_size", "in_shards", "bits", "out_shards", "bf16_min_rows",
+                                              "fused_max_rows"])
+
+
+def _is_int4(x) -> bool:
+    return isinstance(x, Int4Weight)
 
 
 def with_bf16_tiles(weights, min_rows: int = BF16_MIN_ROWS):
@@ -90,7 +105,42 @@ def with_bf16_tiles(weights, min_rows: int = BF16_MIN_ROWS):
     Teacher-forced agreement with the f32 tiles 0.996 and perplexity ratio 0.9996 on the default
     model (benchmarks/RESULTS.md); the result of a row then depends on how many rows its step had."""
     return jax.tree.map(lambda w: dataclasses.replace(w, bf16_min_rows=min_rows) if isinstance(w, Int4Weight) else w,
-                        weights, is_leaf=lambda x: isinstance(x, Int4Weight))
+                        weights, is_leaf=_is_int4)
+
+
+def with_fused_kernel(weights, max_rows: int = int4_cpu.FUSED_MAX_ROWS):
+    """`weights` (any pytree) with every `Int4Weight`'s matmul of at most `max_rows` rows taking the
+    fused CPU kernel where it fits (`Int4Weight.fused_max_rows`; call `int4_cpu.load()` first)."""
+    return jax.tree.map(lambda w: dataclasses.replace(w, fused_max_rows=max_rows) if isinstance(w, Int4Weight) else w,
+                        weights, is_leaf=_is_int4)
+
+
+def scan_layers(body, carry, xs):
+    """`lax.scan(body, carry, xs)` over stacked layers `xs = (layer weights, layer indices, ...)`,
+    except that each stacked `Int4Weight` with the fused kernel on is not sliced by the scan: the
+    body gets it whole with `layer` set to the step's index, and the kernel reads that layer in
+    place (a scan copies each step's slice of its inputs out of the stack first)."""
+    weights, ids, *rest = xs
+    leaves, tree = jax.tree.flatten(weights, is_leaf=_is_int4)
+    kept = {i: w for i, w in enumerate(leaves)
+            if _is_int4(w) and w.fused_max_rows is not None and w.layer is None and w.q.ndim == 3}
+    if not kept:
+        return jax.lax.scan(body, carry, xs)[0]
+    sliced = [None if i in kept else w for i, w in enumerate(leaves)]
+
+    def step(carry, xs):
+        part, layer, *rest = xs
+        whole = [dataclasses.replace(kept[i], layer=layer) if i in kept else w for i, w in enumerate(part)]
+        return body(carry, (tree.unflatten(whole), layer, *rest))
+    return jax.lax.scan(step, carry, (sliced, ids, *rest))[0]
+
+
+def _at_layer(w: Int4Weight) -> Int4Weight:
+    """A `layer`-indexed weight as the plain slice (for the tiles)."""
+    def cut(a):
+        return None if a is None else jax.lax.dynamic_index_in_dim(a, w.layer, keepdims=False)
+    return dataclasses.replace(w, q=cut(w.q), scale=cut(w.scale), zero=cut(w.zero), perm=cut(w.perm),
+                               offset=cut(w.offset), layer=None)
 
 
 def unpack(q: jax.Array) -> jax.Array:
@@ -182,7 +232,12 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
     time into x.dtype (f32 accumulation; f32 tiles for bf16/f16 on CPU; bf16 tiles for f32 rows as
     `w.bf16_min_rows` says). Under tensor parallelism
     each device's block (`in_shards` slices of the rows, `out_shards` of the columns) is tiled on
-    its own, so no tile straddles two devices; row-parallel partial sums are added once at the end."""
+    its own, so no tile straddles two devices; row-parallel partial sums are added once at the end.
+    Up to `w.fused_max_rows` rows go to the fused CPU kernel instead, where it takes the weight."""
+    if _fused(x, w):
+        return _fused_matmul(x, w).astype(out_dtype or x.dtype)
+    if w.layer is not None:
+        w = _at_layer(w)
     if w.q.ndim != 2:
         raise ValueError(f"int4 linear takes one [in/8, out] matrix, got codes {w.q.shape} "
                          "(stacked layers are sliced off by lax.scan, experts by grouped_linear)")
@@ -241,6 +296,39 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
             out = put(out, C * nc, ns - C * nc)
     y = out.sum(0) if S > 1 else out[0]
     return y.reshape(*lead, N).astype(out_dtype or x.dtype)
+
+
+def _fused(x: jax.Array, w: Int4Weight) -> bool:
+    return (w.fused_max_rows is not None and math.prod(x.shape[:-1]) <= min(w.fused_max_rows, int4_cpu.MAX_ROWS)
+            and w.in_shards == 1 and w.out_shards == 1
+            and int4_cpu.fits(w.q, w.scale, w.zero, w.offset, w.group_size, w.bits, w.layer is not None))
+
+
+@jax.custom_vjp
+def _fused_matmul(x: jax.Array, w: Int4Weight) -> jax.Array:
+    """x [..., in] @ w through the fused CPU kernel -> [..., out] f32."""
+    K, N = w.shape
+    lead = x.shape[:-1]
+    if w.perm is not None:
+        perm = w.perm if w.layer is None else jax.lax.dynamic_index_in_dim(w.perm, w.layer, keepdims=False)
+        x = jnp.take(x, perm, axis=-1)
+    y = int4_cpu.matmul(x.reshape(-1, K), w.q, w.scale, w.zero, w.offset, w.layer, w.group_size, w.bits)
+    return y.reshape(*lead, N)
+
+
+def _fused_fwd(x, w):
+    return _fused_matmul(x, w), (x, w)
+
+
+def _fused_bwd(res, g):
+    """Gradients through the tiles (the kernel has no transpose): the same matmul, differentiable."""
+    x, w = res
+    dx, dw = jax.vjp(lambda x, w: int4_linear(x, w, out_dtype=jnp.float32), x,
+                     dataclasses.replace(w, fused_max_rows=None))[1](g)
+    return dx, dataclasses.replace(dw, fused_max_rows=w.fused_max_rows)
+
+
+_fused_matmul.defvjp(_fused_fwd, _fused_bwd)
 
 
 @register_ragged(Int4Weight)

@@ -23,7 +23,8 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.host_memory import release_freed_host_memory
-from jaxserve.layers.int4 import with_bf16_tiles
+from jaxserve.layers import int4_cpu
+from jaxserve.layers.int4 import Int4Weight, with_bf16_tiles, with_fused_kernel
 from jaxserve.loader.hf_overrides import apply_hf_overrides
 from jaxserve.models.registry import get_model
 from jaxserve.sharding.mesh import make_mesh
@@ -46,13 +47,22 @@ def resolve_dtype(dtype: str, platform: str | None = None):
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}") from None
 
 
-def bf16_tiles_for(weights, dtype: str, platform: str | None = None):
-    """`weights` as the engine runs them with `--dtype dtype`: with "auto" on CPU (f32 activations),
-    quantized weights take batches of `BF16_MIN_ROWS` rows or more through bf16 tiles
-    (`layers.int4.with_bf16_tiles`; XLA:CPU's bf16 dot is the faster one there). An explicit
-    "float32" keeps f32 tiles: every row's result then is independent of its batch."""
-    if dtype == "auto" and resolve_dtype(dtype, platform) == jnp.float32:     # f32 activations: CPU
-        return with_bf16_tiles(weights)
+def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None = None):
+    """`weights` as the engine runs them with `--dtype dtype` on `devices` devices: with "auto" on
+    CPU (f32 activations), quantized weights take batches of `BF16_MIN_ROWS` rows or more through
+    bf16 tiles (`layers.int4.with_bf16_tiles`; XLA:CPU's bf16 dot is the faster one there) and, on
+    one device, steps of at most `int4_cpu.FUSED_MAX_ROWS` rows through the fused CPU kernel
+    (`layers.int4.with_fused_kernel`) when it builds here. An explicit "float32" keeps f32 tiles:
+    every row's result then is independent of its batch."""
+    if dtype != "auto" or resolve_dtype(dtype, platform) != jnp.float32:     # f32 activations: CPU
+        return weights
+    weights = with_bf16_tiles(weights)
+    if devices == 1 and any(isinstance(w, Int4Weight) for w in jax.tree.leaves(
+            weights, is_leaf=lambda x: isinstance(x, Int4Weight))):
+        why = int4_cpu.load()
+        if why is None:
+            return with_fused_kernel(weights)
+        logger.info("quantized matmuls of few rows use XLA's tiles, not the fused CPU kernel: %s", why)
     return weights
 
 

@@ -26,6 +26,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.layers import moe
 from jaxserve.layers.embedding import tied_logits
 from jaxserve.layers.experts import ExpertWeight
+from jaxserve.layers.int4 import scan_layers
 from jaxserve.layers.linear import DenseWeight, linear
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import (
@@ -235,9 +236,11 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array, theta: float | None = No
 def run_layers(body, carry, xs, num_layers: int, each_layer=None):
     """Scan `body(carry, xs) -> (carry, None)` over the stacked layers `xs` (layer weights
     first), or with `each_layer` (calibration, eager) run them one at a time in a Python loop,
-    each on what `each_layer(index, layer_weights)` returns. Returns the final carry."""
+    each on what `each_layer(index, layer_weights)` returns. Returns the final carry. `xs` is
+    (layer weights, layer indices, ...): the scan hands int4 weights on the fused CPU kernel to the
+    body whole, indexed by the layer (`layers.int4.scan_layers`)."""
     if each_layer is None:
-        return jax.lax.scan(body, carry, xs)[0]
+        return scan_layers(body, carry, xs)
     for i in range(num_layers):
         w, *rest = jax.tree.map(lambda a, i=i: a[i], xs)
         carry, _ = body(carry, (each_layer(i, w), *rest))

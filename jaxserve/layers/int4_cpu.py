@@ -1,0 +1,124 @@
+"""The fused CPU kernel for quantized matmuls of a few rows (batch-1 decode): csrc/int4_matvec.cc.
+
+XLA:CPU multiplies an `Int4Weight` by dequantising a tile of it into memory and running its dot
+on the tile: at one or two rows that costs a 4-byte write and read of every weight for a
+half-byte (int4) or one-byte (int8) read. The kernel reads the codes once and accumulates
+`scale * sum(x * code) + bias * sum(x)` per group, on XLA's own intra-op threads: 3-4x the tiled
+matmul on this model's matrices at two rows (benchmarks/RESULTS.md).
+
+It is C++ compiled on first use with the machine's compiler (`$CXX`, else c++ / g++ / clang++,
+`-O3 -march=native`) against jaxlib's XLA FFI headers, cached in `~/.cache/jaxserve/kernels`
+(`$JAXSERVE_KERNEL_CACHE`) under a key of the source, compiler, jaxlib and CPU, and registered
+as an FFI target. Without a compiler, or with `JAXSERVE_CPU_KERNELS=0`, `load()` says why and the
+matmuls stay XLA's tiles. The engine turns it on (`Int4Weight.fused_max_rows`) with
+`--dtype auto` on one CPU device; `--dtype float32` keeps the tiles at every batch size, so a
+row's result never depends on its batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+TARGET = "jaxserve_int4_matvec"
+MAX_ROWS = 8              # the kernel's own limit (its accumulators are templated on the rows)
+FUSED_MAX_ROWS = 4        # the engine's: above 4 rows the tiled dot was as fast (RESULTS.md)
+SOURCE = Path(__file__).with_name("csrc") / "int4_matvec.cc"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or next(
+        (p for p in map(shutil.which, ("c++", "g++", "clang++")) if p), None)
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU model and its flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    return Path(os.path.expanduser(os.environ.get("JAXSERVE_KERNEL_CACHE", "~/.cache/jaxserve/kernels")))
+
+
+def build(cxx: str) -> Path:
+    """Compile SOURCE with `cxx` into the cache (once per key) and return the library's path.
+    Raises RuntimeError with the compiler's message when it fails."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, jax.ffi.include_dir(),
+                                    jax.__version__, _cpu_signature()]).encode()).hexdigest()[:20]
+    out = _cache_dir() / f"int4_matvec-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)      # the same filesystem: an atomic rename
+    os.close(fd)
+    base = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    try:
+        for arch in (["-march=native"], []):       # a compiler without -march=native: its default target
+            done = subprocess.run(base[:2] + arch + base[2:], capture_output=True, text=True, timeout=300)
+            if done.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"{' '.join(base)} failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, out)         # concurrent builders (test workers) each rename a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def load() -> str | None:
+    """Build and register the kernel once per process. None when it is ready, else why not."""
+    if os.environ.get("JAXSERVE_CPU_KERNELS", "1") == "0":
+        return "JAXSERVE_CPU_KERNELS=0"
+    cxx = _compiler()
+    if cxx is None:
+        return "no C++ compiler found (set CXX)"
+    try:
+        lib = ctypes.CDLL(str(build(cxx)))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveInt4Matvec), platform="cpu")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return f"the kernel did not build: {e}"
+    return None
+
+
+def fits(q, scale, zero, offset, group_size: int, bits: int, stacked: bool) -> bool:
+    """Whether the kernel takes these arrays (else the caller uses the tiles)."""
+    n = scale.shape[-1]
+    return (bits in (4, 8) and q.ndim == 2 + stacked and scale.dtype == jnp.float32
+            and q.dtype == (jnp.int32 if bits == 4 else jnp.int8) and n % 16 == 0 and group_size % 8 == 0
+            and (zero is None or zero.dtype == jnp.uint8) and (offset is None or offset.dtype == jnp.float32))
+
+
+def matmul(x: jax.Array, q, scale, zero, offset, layer, group_size: int, bits: int) -> jax.Array:
+    """x [M, K] f32 (M <= MAX_ROWS) @ the quantized [K, N] weight (the `layer` slice of a
+    [L, ...] stack when `layer` is an index, else 2-D arrays) -> [M, N] f32. `load()` first."""
+    M = x.shape[0]
+    if M > MAX_ROWS:
+        raise ValueError(f"the fused int4 kernel takes at most {MAX_ROWS} rows, got {M}")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, scale.shape[-1]), jnp.float32))
+    return call(x.astype(jnp.float32), q, scale,
+                jnp.zeros((0,), jnp.uint8) if zero is None else zero,
+                jnp.zeros((0,), jnp.float32) if offset is None else offset,
+                jnp.asarray(0 if layer is None else layer, jnp.int32),
+                group_size=np.int64(group_size), bits=np.int64(bits))

@@ -1,0 +1,184 @@
+"""The fused CPU kernel for quantized matmuls of a few rows (layers/int4_cpu.py, csrc/int4_matvec.cc):
+it builds here, matches the dequantised reference for every weight variant, takes a stacked layer
+in place under the layer scan, has gradients, is chosen only where it should be, and falls back
+to XLA's tiles with the reason when it cannot build."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.layers import int4 as int4_layer
+from jaxserve.layers import int4_cpu
+from jaxserve.layers.int4 import Int4Weight, pack, ref_int4_matmul, scan_layers, with_fused_kernel
+from jaxserve.layers.linear import linear
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    """The kernel must build on the CI machines (they have a C++ compiler): a skip would hide it."""
+    assert int4_cpu.load() is None, int4_cpu.load()
+
+
+def _weight(rng, k, n, g, kind, layers=None, act_order=False):
+    """kind: "offset" (GGUF Q4_1), "zero" (GPTQ/AWQ uint8 zero points), "symmetric" (zero 8), "int8"
+    (GGUF Q8_0). `layers`: stacked [layers, ...] arrays."""
+    lead = () if layers is None else (layers,)
+    if kind == "int8":
+        q = jnp.asarray(rng.integers(-127, 128, (*lead, k, n)), jnp.int8)
+    else:
+        q = pack(jnp.asarray(rng.integers(0, 16, (*lead, k, n)), jnp.uint8))
+    groups = (*lead, k // g, n)
+    scale = jnp.asarray(rng.random(groups) * 0.02, jnp.float32)
+    return Int4Weight(q, scale,
+                      zero=jnp.asarray(rng.integers(0, 16, groups), jnp.uint8) if kind == "zero" else None,
+                      perm=jnp.asarray(rng.permutation(k), jnp.int32) if act_order else None, group_size=g,
+                      offset=jnp.asarray(rng.random(groups) * 0.01, jnp.float32) if kind == "offset" else None,
+                      bits=8 if kind == "int8" else 4)
+
+
+def _close(y, ref, tol=1e-5):
+    np.testing.assert_allclose(y, ref, rtol=tol, atol=0.2 * tol * float(jnp.abs(ref).max()))
+
+
+@pytest.mark.parametrize("kind", ["offset", "zero", "symmetric", "int8"])
+@pytest.mark.parametrize("k,n,g", [(576, 1536, 32), (1536, 576, 32), (256, 48, 128), (64, 208, 64)])
+def test_kernel_matches_the_dequantised_reference(kind, k, n, g):
+    """Every row count up to the kernel's limit; column counts that are whole 64-column blocks, a
+    3-vector block (48) and a block plus a remainder vector (208); one group and many."""
+    rng = np.random.default_rng(k + n)
+    w = _weight(rng, k, n, g, kind)
+    call = jax.jit(lambda x, w: int4_cpu.matmul(x, w.q, w.scale, w.zero, w.offset, None, w.group_size, w.bits))
+    for rows in range(1, int4_cpu.MAX_ROWS + 1):
+        x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+        _close(call(x, w), ref_int4_matmul(x, w))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_linear_takes_the_kernel_up_to_its_rows_and_the_tiles_above(act_order):
+    rng = np.random.default_rng(1)
+    w = with_fused_kernel(_weight(rng, 256, 96, 32, "zero", act_order=act_order), max_rows=4)
+    for lead in [(1,), (2,), (2, 2), (5,), (3, 4)]:
+        x = jnp.asarray(rng.standard_normal((*lead, 256)), jnp.float32)
+        fn = jax.jit(linear)
+        fused = int4_cpu.TARGET in fn.lower(x, w).as_text()
+        assert fused == (int(np.prod(lead)) <= 4)
+        y = fn(x, w)
+        assert y.shape == (*lead, 96) and y.dtype == jnp.float32
+        _close(y, ref_int4_matmul(x, w))
+    # the head's f32 logits from bf16 rows, and a weight split over devices: the tiles
+    x = jnp.asarray(rng.standard_normal((2, 256)), jnp.bfloat16)
+    assert linear(x, w, out_dtype=jnp.float32).dtype == jnp.float32
+    split = dataclasses.replace(w, in_shards=2)
+    assert int4_cpu.TARGET not in jax.jit(linear).lower(x, split).as_text()
+
+
+@pytest.mark.parametrize("kind", ["offset", "int8"])
+def test_the_layer_scan_hands_the_kernel_the_whole_stack(kind):
+    """`scan_layers` (models' run_layers) passes a stacked fused weight whole with its layer index:
+    the custom call's operand is the [layers, ...] stack (no per-layer copy), and the result is
+    the per-layer reference's."""
+    rng = np.random.default_rng(2)
+    L, k, g = 3, 128, 32
+    w = with_fused_kernel(_weight(rng, k, k, g, kind, layers=L))
+    bias = jnp.asarray(rng.standard_normal((L, k)), jnp.float32)
+
+    def body(h, xs):
+        lw, layer, b = xs
+        return jnp.tanh(linear(h, lw["w"]) + b), None
+
+    def run(x, w):
+        return scan_layers(body, x, ({"w": w}, jnp.arange(L, dtype=jnp.int32), bias))
+
+    x = jnp.asarray(rng.standard_normal((2, k)), jnp.float32)
+    text = jax.jit(run).lower(x, w).as_text()
+    assert int4_cpu.TARGET in text
+    q_type = f"tensor<{L}x{k // 8 if kind != 'int8' else k}x{k}x{'i32' if kind != 'int8' else 'i8'}>"
+    assert any(int4_cpu.TARGET in line and q_type in line for line in text.splitlines()), "stack not passed whole"
+    ref = x
+    for i in range(L):
+        one = Int4Weight(w.q[i], w.scale[i], offset=None if w.offset is None else w.offset[i],
+                         group_size=g, bits=w.bits)
+        ref = jnp.tanh(ref_int4_matmul(ref, one) + bias[i])
+    _close(jax.jit(run)(x, w), ref, 1e-4)      # three layers of summation-order rounding
+    # without the kernel the scan slices as before, with the same numbers
+    plain = dataclasses.replace(w, fused_max_rows=None)
+    assert int4_cpu.TARGET not in jax.jit(run).lower(x, plain).as_text()
+    _close(jax.jit(run)(x, plain), ref, 1e-4)
+
+
+def test_gradients_through_the_kernel_are_the_tiles_gradients():
+    rng = np.random.default_rng(3)
+    w = _weight(rng, 128, 64, 32, "offset")
+    fused = with_fused_kernel(w)
+    x = jnp.asarray(rng.standard_normal((2, 128)), jnp.float32)
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(linear(x, w)))
+
+    gx, gw = jax.grad(loss, argnums=(0, 1), allow_int=True)(x, fused)
+    rx, rw = jax.grad(loss, argnums=(0, 1), allow_int=True)(x, w)
+    _close(gx, rx)
+    _close(gw.scale, rw.scale)
+    _close(gw.offset, rw.offset)
+
+
+def test_the_cpu_default_dtype_turns_the_kernel_on_for_one_device_only():
+    from jaxserve.loader.loader import cpu_matmuls_for
+    w = {"w": _weight(np.random.default_rng(4), 64, 16, 32, "offset"), "dense": jnp.ones(3)}
+    on = cpu_matmuls_for(w, "auto", 1, platform="cpu")["w"]
+    assert on.fused_max_rows == int4_cpu.FUSED_MAX_ROWS and on.bf16_min_rows == int4_layer.BF16_MIN_ROWS
+    assert cpu_matmuls_for(w, "auto", 2, platform="cpu")["w"].fused_max_rows is None       # tensor parallel
+    assert cpu_matmuls_for(w, "float32", 1, platform="cpu")["w"].fused_max_rows is None    # batch-invariant
+    assert cpu_matmuls_for(w, "auto", 1, platform="gpu")["w"].fused_max_rows is None
+
+
+def test_no_compiler_or_a_failed_build_falls_back_to_the_tiles_with_the_reason(monkeypatch, tmp_path, caplog):
+    from jaxserve.loader import loader
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    build = int4_cpu.load.__wrapped__           # uncached: the process's registered kernel stays
+    monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "0")
+    assert build() == "JAXSERVE_CPU_KERNELS=0"
+    monkeypatch.delenv("JAXSERVE_CPU_KERNELS")
+    monkeypatch.setenv("CXX", "false")          # a compiler that fails
+    assert build().startswith("the kernel did not build")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert build().startswith("the kernel did not build")
+    assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("tmp*"))
+    monkeypatch.setattr(int4_cpu, "load", lambda: "no C++ compiler found (set CXX)")
+    w = {"w": _weight(np.random.default_rng(5), 64, 16, 32, "offset")}
+    with caplog.at_level(logging.INFO, logger=loader.__name__):
+        out = loader.cpu_matmuls_for(w, "auto", 1, platform="cpu")
+    assert out["w"].fused_max_rows is None and out["w"].bf16_min_rows is not None
+    assert "no C++ compiler found" in caplog.text
+
+
+def test_the_default_model_on_the_kernel_generates_what_the_float32_tiles_do(llm):
+    """End to end at batch 1 (the 2-token bucket, the head's 2 sampler rows): `--dtype auto` runs
+    the kept Q4_1/Q8_0 GGUF's decode steps through the kernel; the shared engine (float32) through
+    the f32 tiles. The same greedy tokens; the logprobs differ at bf16's level because "auto"
+    also prefills the prompt (a 16-row step) through bf16 tiles."""
+    from conftest import SHARED_LLM_KWARGS
+
+    from jaxserve import LLM, SamplingParams
+    fast = LLM(warmup=False, **{**SHARED_LLM_KWARGS, "dtype": "auto", "max_num_seqs": 4})
+    try:
+        weights = fast.llm_engine.runner.weights
+        fused = [w for w in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, Int4Weight))
+                 if isinstance(w, Int4Weight)]
+        assert fused and all(w.fused_max_rows == int4_cpu.FUSED_MAX_ROWS for w in fused)
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
+        for prompt in ["The capital of France is", "def fibonacci(n):"]:
+            a = fast.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            b = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            assert a.token_ids == b.token_ids
+            la = [next(iter(d.values())).logprob for d in a.logprobs]
+            lb = [next(iter(d.values())).logprob for d in b.logprobs]
+            np.testing.assert_allclose(la, lb, atol=0.1)
+    finally:
+        fast.shutdown()
