@@ -1,6 +1,7 @@
 """Server start-up time: spawn `jaxserve serve` and time until /health answers 200.
 
-Cold: an empty --compilation-cache-dir (every model program is compiled). Warm: the same
+Cold: an empty --compilation-cache-dir (every model program is compiled) and an empty cache for
+the fused CPU kernel's build (JAXSERVE_KERNEL_CACHE). Warm: the same
 directory again (programs are loaded from the persistent XLA cache). The server log's own
 timestamps split the time into phases (python + jax import, tokenizer + weights, KV pool,
 warm-up compile/load, and the background warm-up's end). After /health answers 200 one
@@ -79,7 +80,9 @@ def run_once(cache_dir: str, model: str | None, extra: list[str], tree: str | No
     port = free_port()
     cmd = [sys.executable, "-m", "jaxserve.server.cli", "serve", *([model] if model else []),
            "--port", str(port), "--compilation-cache-dir", cache_dir, *extra]
-    env = dict(os.environ, PYTHONPATH=tree) if tree else None
+    # the fused CPU kernel's build cache beside the XLA one: a cold start compiles it too
+    env = dict(os.environ, JAXSERVE_KERNEL_CACHE=os.path.join(cache_dir, "kernels"),
+               **({"PYTHONPATH": tree} if tree else {}))
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     t0 = time.time()
     # `python -m` puts the working directory first on sys.path: run in the tree itself

@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -69,6 +70,7 @@ def build(cxx: str) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)      # the same filesystem: an atomic rename
     os.close(fd)
     base = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
@@ -80,6 +82,7 @@ def build(cxx: str) -> Path:
         else:
             raise RuntimeError(f"{' '.join(base)} failed:\n{done.stderr[-2000:]}")
         os.replace(tmp, out)         # concurrent builders (test workers) each rename a whole file
+        logger.info("built the fused CPU kernel in %.1f s: %s", time.perf_counter() - start, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

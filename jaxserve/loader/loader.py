@@ -61,6 +61,7 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
             weights, is_leaf=lambda x: isinstance(x, Int4Weight))):
         why = int4_cpu.load()
         if why is None:
+            logger.info("quantized matmuls of up to %d rows use the fused CPU kernel", int4_cpu.FUSED_MAX_ROWS)
             return with_fused_kernel(weights)
         logger.info("quantized matmuls of few rows use XLA's tiles, not the fused CPU kernel: %s", why)
     return weights
