@@ -63,14 +63,18 @@ def test_kernel_matches_the_dequantised_reference(kind, k, n, g):
 def test_linear_takes_the_kernel_up_to_its_rows_and_the_tiles_above(act_order):
     rng = np.random.default_rng(1)
     w = with_fused_kernel(_weight(rng, 256, 96, 32, "zero", act_order=act_order), max_rows=4)
-    for lead in [(1,), (2,), (2, 2), (5,), (3, 4)]:
+    for lead in [(1,), (2,), (2, 2), (5,), (3, 4), (0,)]:
         x = jnp.asarray(rng.standard_normal((*lead, 256)), jnp.float32)
         fn = jax.jit(linear)
         fused = int4_cpu.TARGET in fn.lower(x, w).as_text()
-        assert fused == (int(np.prod(lead)) <= 4)
+        assert fused == (1 <= int(np.prod(lead)) <= 4)
         y = fn(x, w)
         assert y.shape == (*lead, 96) and y.dtype == jnp.float32
-        _close(y, ref_int4_matmul(x, w))
+        if y.size:
+            _close(y, ref_int4_matmul(x, w))
+    # under vmap the call runs once per batch entry
+    x = jnp.asarray(rng.standard_normal((3, 2, 256)), jnp.float32)
+    _close(jax.jit(jax.vmap(linear, in_axes=(0, None)))(x, w), ref_int4_matmul(x, w))
     # the head's f32 logits from bf16 rows, and a weight split over devices: the tiles
     x = jnp.asarray(rng.standard_normal((2, 256)), jnp.bfloat16)
     assert linear(x, w, out_dtype=jnp.float32).dtype == jnp.float32

@@ -299,7 +299,7 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
 
 
 def _fused(x: jax.Array, w: Int4Weight) -> bool:
-    return (w.fused_max_rows is not None and math.prod(x.shape[:-1]) <= min(w.fused_max_rows, int4_cpu.MAX_ROWS)
+    return (w.fused_max_rows is not None and 1 <= math.prod(x.shape[:-1]) <= min(w.fused_max_rows, int4_cpu.MAX_ROWS)
             and w.in_shards == 1 and w.out_shards == 1
             and int4_cpu.fits(w.q, w.scale, w.zero, w.offset, w.group_size, w.bits, w.layer is not None))
 

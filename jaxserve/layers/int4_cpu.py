@@ -119,7 +119,8 @@ def matmul(x: jax.Array, q, scale, zero, offset, layer, group_size: int, bits: i
     M = x.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"the fused int4 kernel takes at most {MAX_ROWS} rows, got {M}")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, scale.shape[-1]), jnp.float32))
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, scale.shape[-1]), jnp.float32),
+                            vmap_method="sequential")
     return call(x.astype(jnp.float32), q, scale,
                 jnp.zeros((0,), jnp.uint8) if zero is None else zero,
                 jnp.zeros((0,), jnp.float32) if offset is None else offset,
