@@ -123,7 +123,7 @@ def scan_layers(body, carry, xs):
     weights, ids, *rest = xs
     leaves, tree = jax.tree.flatten(weights, is_leaf=_is_int4)
     kept = {i: w for i, w in enumerate(leaves)
-            if _is_int4(w) and w.fused_max_rows is not None and w.layer is None and w.q.ndim == 3}
+            if _is_int4(w) and w.fused_max_rows is not None and w.q.ndim == 3}
     if not kept:
         return jax.lax.scan(body, carry, xs)[0]
     sliced = [None if i in kept else w for i, w in enumerate(leaves)]

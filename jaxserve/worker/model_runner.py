@@ -342,16 +342,14 @@ class ModelRunner:
         step_out = self.run_model(inputs)
         if self.drafter is not None:        # the draft's K/V for the same tokens (async)
             self.drafter.catch_up(inputs)
-        # the sampled-token logprobs only when a request asks: each array fetched costs host time
         want_lp = any(batch.requests[rid].sampling_params.logprobs is not None for rid in layout.sample_rows)
-        res, scores = jax.device_get((step_out[0] if want_lp else step_out[0].token_ids, step_out[1]))
-        token_ids = res.token_ids if want_lp else res
+        res, scores = jax.device_get((step_out[0] if want_lp else step_out[0].tokens_only(), step_out[1]))
         if compiled and not want_prompt_lp:          # a first run's compile is not its cost
             self._time_step(len(inputs.tokens), time.perf_counter() - t0)
         for rid, r in layout.sample_rows.items():
             d = drafts[rid]
-            n = accept(token_ids[r:r + len(d) + 1], d) + 1 if d else 1
-            tokens = [int(t) for t in token_ids[r:r + n]]
+            n = accept(res.token_ids[r:r + len(d) + 1], d) + 1 if d else 1
+            tokens = [int(t) for t in res.token_ids[r:r + n]]
             out.sampled[rid] = tokens
             if batch.requests[rid].sampling_params.logprobs is not None:
                 out.logprobs[rid] = [(float(res.logprob[i]), int(res.rank[i]), res.top_ids[i],
