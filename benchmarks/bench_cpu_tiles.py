@@ -55,25 +55,29 @@ def nll(llm: LLM, texts: list[str]) -> list[tuple[float, int]]:
 
 
 def quality(engines: dict[str, LLM]) -> None:
+    """Each engine after the first against the first (the reference): perplexity and agreement."""
     rows = [json.loads(line) for line in HELDOUT.read_text().splitlines() if line.strip()]
     names, texts = [r["name"] for r in rows], [r["text"] for r in rows]
-    (base_name, base), (name, fast) = engines.items()
+    (base_name, base), *others = engines.items()
     outs = base.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     runs = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
-    forced = fast.generate([{"prompt_token_ids": p + g} for p, g in runs],
-                           SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-    agree = sum(step[tok].rank == 1 for (p, g), o in zip(runs, forced)
-                for step, tok in zip(o.prompt_logprobs[len(p):], g))
-    total = sum(len(g) for _, g in runs)
-    a, b = nll(base, texts), nll(fast, texts)
+    a = nll(base, texts)
     count = sum(c for _, c in a)
-    ppl_a, ppl_b = (math.exp(sum(s for s, _ in x) / count) for x in (a, b))
+    ppl_a = math.exp(sum(s for s, _ in a) / count)
     print(f"\nquality, {len(texts)} held-out texts ({count} scored tokens), {len(PROMPTS)} prompts x 32 tokens forced")
     print("| engine | overall ppl | ratio | teacher-forced agreement | " + " | ".join(names) + " |")
     print("|---|---:|---:|---:|" + "---:|" * len(names))
     print(f"| {base_name} | {ppl_a:.3f} | 1 | 1 | " + " | ".join(f"{math.exp(s / c):.3f}" for s, c in a) + " |")
-    print(f"| {name} | {ppl_b:.3f} | {ppl_b / ppl_a:.4f} | {agree / total:.3f} | "
-          + " | ".join(f"{math.exp(s / c):.3f}" for s, c in b) + " |", flush=True)
+    for name, fast in others:
+        forced = fast.generate([{"prompt_token_ids": p + g} for p, g in runs],
+                               SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+        agree = sum(step[tok].rank == 1 for (p, g), o in zip(runs, forced)
+                    for step, tok in zip(o.prompt_logprobs[len(p):], g))
+        total = sum(len(g) for _, g in runs)
+        b = nll(fast, texts)
+        ppl_b = math.exp(sum(s for s, _ in b) / count)
+        print(f"| {name} | {ppl_b:.3f} | {ppl_b / ppl_a:.4f} | {agree / total:.3f} | "
+              + " | ".join(f"{math.exp(s / c):.3f}" for s, c in b) + " |", flush=True)
 
 
 def main() -> None:

@@ -59,6 +59,80 @@ def test_kernel_matches_the_dequantised_reference(kind, k, n, g):
         _close(call(x, w), ref_int4_matmul(x, w))
 
 
+def _int8_parts(x, g):
+    """x as the kernel's int8_x takes it: per block of 32 (16, 8) inputs a scale d = max|x| / 127,
+    codes round(x / d) and the rest's codes round(254 (x / d - code)), both clipped to +-127."""
+    x = np.asarray(x, np.float32)
+    qb = 32 if g % 32 == 0 else 16 if g % 16 == 0 else 8
+    xb = x.reshape(x.shape[0], -1, qb)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    d = amax / np.float32(127)
+    t = (xb * np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0)).astype(np.float32)
+    hi = np.clip(np.rint(t), -127, 127)
+    lo = np.clip(np.rint((t - hi) * np.float32(254)), -127, 127)
+    return jnp.asarray((hi * d + lo * (d / np.float32(254))).reshape(x.shape), jnp.float32)
+
+
+def _avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx2" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def builds():
+    """target -> the integer dot product it has: the machine's own build, and where the CPU has
+    AVX2 one compiled without AVX-512 (the AVX2 path, whatever this CPU's best is)."""
+    out = {int4_cpu.TARGET: int4_cpu.int8_dot()}
+    if _avx2():
+        path = int4_cpu.build(int4_cpu._compiler(), ("-mno-avx512f",))
+        out["jaxserve_int4_matvec_avx2"] = int4_cpu.register(path, "jaxserve_int4_matvec_avx2")
+        assert out["jaxserve_int4_matvec_avx2"] == "AVX2"
+    return {t: dot for t, dot in out.items() if dot is not None}
+
+
+@pytest.mark.parametrize("kind", ["offset", "zero", "symmetric"])
+@pytest.mark.parametrize("k,n,g", [(576, 1536, 32), (1536, 576, 32), (256, 48, 128), (96, 208, 48), (64, 32, 8)])
+def test_int8_x_is_the_product_of_its_int8_parts(builds, kind, k, n, g):
+    """int8_x: the result is the f32 product of x as its two int8 parts (the integer dot products
+    are exact), and that x is within 1/(127 * 508) of each block's max|x| of x."""
+    if not builds:
+        pytest.skip("no integer dot product in this CPU's kernel build")
+    rng = np.random.default_rng(k + n + g)
+    w = _weight(rng, k, n, g, kind)
+    for target in builds:
+        call = jax.jit(lambda x, w: int4_cpu.matmul(x, w.q, w.scale, w.zero, w.offset, None, w.group_size,
+                                                    w.bits, int8_x=True, target=target))
+        for rows in range(1, int4_cpu.MAX_ROWS + 1):
+            x = jnp.asarray(rng.standard_normal((rows, k)) * np.exp(rng.standard_normal((rows, k))), jnp.float32)
+            parts = _int8_parts(x, g)
+            _close(call(x, w), ref_int4_matmul(parts, w))
+            qb = 32 if g % 32 == 0 else 16 if g % 16 == 0 else 8
+            block_max = np.repeat(np.abs(np.asarray(x)).reshape(rows, -1, qb).max(-1), qb, axis=1)
+            assert np.all(np.abs(np.asarray(parts) - np.asarray(x)) <= block_max / (127 * 508) * 1.02)   # f32 rounding
+
+
+def test_int8_x_takes_int4_codes_only_and_the_engine_asks_for_it_where_built(builds):
+    rng = np.random.default_rng(6)
+    w8 = _weight(rng, 64, 32, 32, "int8")
+    x = jnp.ones((2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="int8_x needs int4 codes"):
+        int4_cpu.matmul(x, w8.q, w8.scale, None, None, None, 32, 8, int8_x=True)
+    if int4_cpu.int8_dot() is None:
+        with pytest.raises(ValueError, match="no integer dot product"):
+            with_fused_kernel(w8, int8_x=True)
+        return
+    # a Q8_0 weight under int8_x keeps f32 activations (the flag is for int4 codes)
+    fused = with_fused_kernel({"w8": w8, "w4": _weight(rng, 64, 32, 32, "offset")}, int8_x=True)
+    assert fused["w8"].fused_int8_x and fused["w4"].fused_int8_x
+    _close(jax.jit(linear)(x, fused["w8"]), ref_int4_matmul(x, w8))
+    _close(jax.jit(linear)(x, fused["w4"]), ref_int4_matmul(_int8_parts(x, 32), fused["w4"]))
+    from jaxserve.loader.loader import cpu_matmuls_for
+    assert cpu_matmuls_for({"w": w8}, "auto", 1, platform="cpu")["w"].fused_int8_x
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 def test_linear_takes_the_kernel_up_to_its_rows_and_the_tiles_above(act_order):
     rng = np.random.default_rng(1)
@@ -164,7 +238,8 @@ def test_no_compiler_or_a_failed_build_falls_back_to_the_tiles_with_the_reason(m
 
 def test_the_default_model_on_the_kernel_generates_what_the_float32_tiles_do(llm):
     """End to end at batch 1 (the 2-token bucket, the head's 2 sampler rows): `--dtype auto` runs
-    the kept Q4_1/Q8_0 GGUF's decode steps through the kernel; the shared engine (float32) through
+    the kept Q4_1/Q8_0 GGUF's decode steps through the kernel (the Q4_1 layers with int8 parts of
+    x where the build has an integer dot product); the shared engine (float32) through
     the f32 tiles. The same greedy tokens; the logprobs differ at bf16's level because "auto"
     also prefills the prompt (a 16-row step) through bf16 tiles."""
     from conftest import SHARED_LLM_KWARGS
@@ -176,6 +251,7 @@ def test_the_default_model_on_the_kernel_generates_what_the_float32_tiles_do(llm
         fused = [w for w in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, Int4Weight))
                  if isinstance(w, Int4Weight)]
         assert fused and all(w.fused_max_rows == int4_cpu.FUSED_MAX_ROWS for w in fused)
+        assert all(w.fused_int8_x == (int4_cpu.int8_dot() is not None) for w in fused)
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
         for prompt in ["The capital of France is", "def fibonacci(n):"]:
             a = fast.generate([prompt], params, use_tqdm=False)[0].outputs[0]

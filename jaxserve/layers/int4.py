@@ -53,6 +53,9 @@ class Int4Weight:
       dequantised to bf16 (f32 accumulation); None: tiles in the activation dtype (`with_bf16_tiles`).
     fused_max_rows: activations of at most this many rows take the fused CPU kernel
       (layers/int4_cpu.py) where it fits; None: always the tiles (`with_fused_kernel`).
+    fused_int8_x: int4 matmuls in the fused kernel split their activations into two int8 parts per
+      block of 32 inputs (to 1.6e-5 of the block's max) and sum integer dot products
+      (`int4_cpu.int8_dot()`; the CPU's `--dtype auto`).
     layer: an int32 index, or None. When set, every array keeps its leading stacked-layer axis and
       this weight is that layer's slice (the layer scan's way to hand the fused kernel a whole
       stack without XLA copying the layer out of it; `scan_layers`).
@@ -70,6 +73,7 @@ class Int4Weight:
     bf16_min_rows: int | None = None
     fused_max_rows: int | None = None
     layer: jax.Array | None = None
+    fused_int8_x: bool = False
 
     @property
     def pack(self) -> int:
@@ -92,7 +96,7 @@ class Int4Weight:
 
 jax.tree_util.register_dataclass(Int4Weight, data_fields=["q", "scale", "zero", "perm", "offset", "layer"],
                                  meta_fields=["group_size", "in_shards", "bits", "out_shards", "bf16_min_rows",
-                                              "fused_max_rows"])
+                                              "fused_max_rows", "fused_int8_x"])
 
 
 def _is_int4(x) -> bool:
@@ -108,11 +112,15 @@ def with_bf16_tiles(weights, min_rows: int = BF16_MIN_ROWS):
                         weights, is_leaf=_is_int4)
 
 
-def with_fused_kernel(weights, max_rows: int = int4_cpu.FUSED_MAX_ROWS):
+def with_fused_kernel(weights, max_rows: int = int4_cpu.FUSED_MAX_ROWS, int8_x: bool = False):
     """`weights` (any pytree) with every `Int4Weight`'s matmul of at most `max_rows` rows taking the
-    fused CPU kernel where it fits (`Int4Weight.fused_max_rows`; call `int4_cpu.load()` first)."""
-    return jax.tree.map(lambda w: dataclasses.replace(w, fused_max_rows=max_rows) if isinstance(w, Int4Weight) else w,
-                        weights, is_leaf=_is_int4)
+    fused CPU kernel where it fits (`Int4Weight.fused_max_rows`; call `int4_cpu.load()` first), and
+    with `int8_x` the int4 ones taking their activations as int8 parts (`Int4Weight.fused_int8_x`;
+    needs `int4_cpu.int8_dot()`)."""
+    if int8_x and int4_cpu.int8_dot() is None:
+        raise ValueError("int8_x: the fused CPU kernel has no integer dot product here (int4_cpu.int8_dot())")
+    return jax.tree.map(lambda w: dataclasses.replace(w, fused_max_rows=max_rows, fused_int8_x=int8_x)
+                        if isinstance(w, Int4Weight) else w, weights, is_leaf=_is_int4)
 
 
 def scan_layers(body, carry, xs):
@@ -312,7 +320,8 @@ def _fused_matmul(x: jax.Array, w: Int4Weight) -> jax.Array:
     if w.perm is not None:
         perm = w.perm if w.layer is None else jax.lax.dynamic_index_in_dim(w.perm, w.layer, keepdims=False)
         x = jnp.take(x, perm, axis=-1)
-    y = int4_cpu.matmul(x.reshape(-1, K), w.q, w.scale, w.zero, w.offset, w.layer, w.group_size, w.bits)
+    y = int4_cpu.matmul(x.reshape(-1, K), w.q, w.scale, w.zero, w.offset, w.layer, w.group_size, w.bits,
+                        int8_x=w.fused_int8_x and w.bits == 4)
     return y.reshape(*lead, N)
 
 

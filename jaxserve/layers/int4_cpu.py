@@ -13,6 +13,12 @@ as an FFI target. Without a compiler, or with `JAXSERVE_CPU_KERNELS=0`, `load()`
 matmuls stay XLA's tiles. The engine turns it on (`Int4Weight.fused_max_rows`) with
 `--dtype auto` on one CPU device; `--dtype float32` keeps the tiles at every batch size, so a
 row's result never depends on its batch.
+
+With `int8_x` the int4 matmuls split each block of 32 inputs of x into two int8 parts (a scale
+max|x| / 127 and the rounded codes, then the rounded rest at 1/254 of that scale: x to 1.6e-5 of
+the block's max|x|, near f32) and sum code * x as exact integer dot products (AVX512-VNNI, else
+AVX2) instead of a convert and a float multiply-add per code and row. `int8_dot()` says whether
+this build has them; `Int4Weight.fused_int8_x` asks for it (the engine's `--dtype auto`).
 """
 
 from __future__ import annotations
@@ -60,12 +66,13 @@ def _cache_dir() -> Path:
     return Path(os.path.expanduser(os.environ.get("JAXSERVE_KERNEL_CACHE", "~/.cache/jaxserve/kernels")))
 
 
-def build(cxx: str) -> Path:
-    """Compile SOURCE with `cxx` into the cache (once per key) and return the library's path.
-    Raises RuntimeError with the compiler's message when it fails."""
+def build(cxx: str, flags: tuple[str, ...] = ()) -> Path:
+    """Compile SOURCE with `cxx` (and extra `flags`, e.g. a narrower target) into the cache (once
+    per key) and return the library's path. Raises RuntimeError with the compiler's message when
+    it fails."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, jax.ffi.include_dir(),
-                                    jax.__version__, _cpu_signature()]).encode()).hexdigest()[:20]
+                                    jax.__version__, _cpu_signature(), *flags]).encode()).hexdigest()[:20]
     out = _cache_dir() / f"int4_matvec-{key}.so"
     if out.exists():
         return out
@@ -73,7 +80,8 @@ def build(cxx: str) -> Path:
     start = time.perf_counter()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)      # the same filesystem: an atomic rename
     os.close(fd)
-    base = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    base = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-Wno-psabi", "-isystem", jax.ffi.include_dir(),
+            str(SOURCE), "-o", tmp, *flags]
     try:
         for arch in (["-march=native"], []):       # a compiler without -march=native: its default target
             done = subprocess.run(base[:2] + arch + base[2:], capture_output=True, text=True, timeout=300)
@@ -98,11 +106,28 @@ def load() -> str | None:
     if cxx is None:
         return "no C++ compiler found (set CXX)"
     try:
-        lib = ctypes.CDLL(str(build(cxx)))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveInt4Matvec), platform="cpu")
+        _INT8_DOT[0] = register(build(cxx), TARGET)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return f"the kernel did not build: {e}"
     return None
+
+
+_INT8_DOTS = {1: "AVX512-VNNI", 2: "AVX2"}
+_INT8_DOT: list[str | None] = [None]
+
+
+def register(library: Path, target: str) -> str | None:
+    """Register a built kernel library as the FFI target `target`; returns its integer dot product
+    (what `int8_dot()` reports for it)."""
+    lib = ctypes.CDLL(str(library))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.JaxserveInt4Matvec), platform="cpu")
+    return _INT8_DOTS.get(lib.JaxserveInt4Int8Dot())
+
+
+def int8_dot() -> str | None:
+    """The integer dot product the loaded kernel runs `int8_x` matmuls on (\"AVX512-VNNI\" or
+    \"AVX2\"), or None: not loaded, or no such instructions in this build (then `int8_x` is refused)."""
+    return _INT8_DOT[0] if load() is None else None
 
 
 def fits(q, scale, zero, offset, group_size: int, bits: int, stacked: bool) -> bool:
@@ -113,16 +138,22 @@ def fits(q, scale, zero, offset, group_size: int, bits: int, stacked: bool) -> b
             and (zero is None or zero.dtype == jnp.uint8) and (offset is None or offset.dtype == jnp.float32))
 
 
-def matmul(x: jax.Array, q, scale, zero, offset, layer, group_size: int, bits: int) -> jax.Array:
+def matmul(x: jax.Array, q, scale, zero, offset, layer, group_size: int, bits: int,
+           int8_x: bool = False, target: str = TARGET) -> jax.Array:
     """x [M, K] f32 (M <= MAX_ROWS) @ the quantized [K, N] weight (the `layer` slice of a
-    [L, ...] stack when `layer` is an index, else 2-D arrays) -> [M, N] f32. `load()` first."""
+    [L, ...] stack when `layer` is an index, else 2-D arrays) -> [M, N] f32. `load()` first (or
+    `register` a build as `target`). `int8_x` (int4 codes, a build with an integer dot product):
+    x as two int8 parts per block of 32 inputs."""
     M = x.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"the fused int4 kernel takes at most {MAX_ROWS} rows, got {M}")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, scale.shape[-1]), jnp.float32),
+    if int8_x and (bits != 4 or (target == TARGET and int8_dot() is None)):
+        raise ValueError("int8_x needs int4 codes and a kernel built with an integer dot product "
+                         f"(bits={bits}, int8_dot()={int8_dot()})")
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, scale.shape[-1]), jnp.float32),
                             vmap_method="sequential")
     return call(x.astype(jnp.float32), q, scale,
                 jnp.zeros((0,), jnp.uint8) if zero is None else zero,
                 jnp.zeros((0,), jnp.float32) if offset is None else offset,
                 jnp.asarray(0 if layer is None else layer, jnp.int32),
-                group_size=np.int64(group_size), bits=np.int64(bits))
+                group_size=np.int64(group_size), bits=np.int64(bits), int8_x=bool(int8_x))

@@ -61,8 +61,11 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
             weights, is_leaf=lambda x: isinstance(x, Int4Weight))):
         why = int4_cpu.load()
         if why is None:
-            logger.info("quantized matmuls of up to %d rows use the fused CPU kernel", int4_cpu.FUSED_MAX_ROWS)
-            return with_fused_kernel(weights)
+            dot = int4_cpu.int8_dot()
+            logger.info("quantized matmuls of up to %d rows use the fused CPU kernel%s", int4_cpu.FUSED_MAX_ROWS,
+                        f", int4 ones with int8 activations ({dot})" if dot else
+                        " (f32 activations: this build has no integer dot product)")
+            return with_fused_kernel(weights, int8_x=dot is not None)
         logger.info("quantized matmuls of few rows use XLA's tiles, not the fused CPU kernel: %s", why)
     return weights
 
