@@ -103,8 +103,8 @@ def test_int8_x_is_the_product_of_its_int8_parts(builds, kind, k, n, g):
     rng = np.random.default_rng(k + n + g)
     w = _weight(rng, k, n, g, kind)
     for target in builds:
-        call = jax.jit(lambda x, w: int4_cpu.matmul(x, w.q, w.scale, w.zero, w.offset, None, w.group_size,
-                                                    w.bits, int8_x=True, target=target))
+        call = jax.jit(lambda x, w, target=target: int4_cpu.matmul(x, w.q, w.scale, w.zero, w.offset, None,
+                                                                   w.group_size, w.bits, int8_x=True, target=target))
         for rows in range(1, int4_cpu.MAX_ROWS + 1):
             x = jnp.asarray(rng.standard_normal((rows, k)) * np.exp(rng.standard_normal((rows, k))), jnp.float32)
             parts = _int8_parts(x, g)
