@@ -84,7 +84,8 @@ if cfg["profile"]:
     # The cache is donated and threaded through, as in the step (else each call copies it).
     def layers_fn():
         fwd = jax.jit(lambda w, c, x: model.forward(w, c, x.tokens, x.positions, x.meta, cfg=mc,
-                                                    backend="reference", plan=runner.plan),
+                                                    backend=getattr(runner, "backend", "reference"),
+                                                    plan=runner.plan),
                       donate_argnums=(1,))
         def layers():
             hidden, runner.cache = fwd(runner.weights, runner.cache, x)

@@ -239,7 +239,8 @@ def test_no_compiler_or_a_failed_build_falls_back_to_the_tiles_with_the_reason(m
 def test_the_default_model_on_the_kernel_generates_what_the_float32_tiles_do(llm):
     """End to end at batch 1 (the 2-token bucket, the head's 2 sampler rows): `--dtype auto` runs
     the kept Q4_1/Q8_0 GGUF's decode steps through the kernel (the Q4_1 layers with int8 parts of
-    x where the build has an integer dot product); the shared engine (float32) through
+    x where the build has an integer dot product) and its decode attention through the CPU
+    attention kernel; the shared engine (float32) through
     the f32 tiles. The same greedy tokens; the logprobs differ at bf16's level because "auto"
     also prefills the prompt (a 16-row step) through bf16 tiles."""
     from conftest import SHARED_LLM_KWARGS
@@ -252,6 +253,7 @@ def test_the_default_model_on_the_kernel_generates_what_the_float32_tiles_do(llm
                  if isinstance(w, Int4Weight)]
         assert fused and all(w.fused_max_rows == int4_cpu.FUSED_MAX_ROWS for w in fused)
         assert all(w.fused_int8_x == (int4_cpu.int8_dot() is not None) for w in fused)
+        assert fast.llm_engine.runner.backend == "cpu" and llm.llm_engine.runner.backend == "reference"
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
         for prompt in ["The capital of France is", "def fibonacci(n):"]:
             a = fast.generate([prompt], params, use_tqdm=False)[0].outputs[0]

@@ -22,6 +22,7 @@ import logging
 
 import jax
 
+from jaxserve.attention import cpu_kernel
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.attention.reference import ragged_paged_attention_ref
@@ -29,11 +30,12 @@ from jaxserve.pallas import measured as measured_kernels
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("reference", "pallas", "mosaic")
+BACKENDS = ("reference", "pallas", "mosaic", "cpu")
 ALIASES = {"triton": "pallas"}
 MOSAIC_MIN_JAX = (0, 11)
 # What a backend that failed to compile falls back to, in order.
-FALLBACK = {"mosaic": ("pallas", "reference"), "pallas": ("reference",), "reference": ()}
+FALLBACK = {"mosaic": ("pallas", "reference"), "pallas": ("reference",), "cpu": ("reference",),
+            "reference": ()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,13 +108,20 @@ def mosaic_problem(case: AttentionCase, platform: Platform) -> str | None:
 def select_backend(name: str, case: AttentionCase | None = None,
                    platform: Platform | None = None,
                    measured: tuple[measured_kernels.Measurement, ...] = measured_kernels.MEASURED) -> str:
-    """`attention_backend` -> "reference", "pallas" or "mosaic" for this case and platform.
+    """`attention_backend` -> "reference", "pallas", "mosaic" or "cpu" for this case and platform
+    ("auto" never answers "cpu": the engine turns the CPU's "reference" into it, `cpu_backend`).
     Raises ValueError for an unknown name, or for "mosaic" where it cannot run (the reason named).
     `measured`: the table of GPU measurements `auto` may pick from (injectable in tests)."""
     name = ALIASES.get(name, name)
     if name != "auto" and name not in BACKENDS:
         raise ValueError(f"attention_backend must be 'auto', {', '.join(map(repr, BACKENDS + tuple(ALIASES)))}; "
                          f"got {name!r}")
+    if name == "cpu":
+        problem = cpu_kernel.problem(None if case is None else case.kv_dtype, case is not None and case.latent,
+                                     (platform or current_platform()).backend)
+        if problem:
+            raise ValueError(f"attention_backend='cpu': the CPU decode kernel {problem}")
+        return name
     if case is not None and case.sinks and name != "reference":
         if name != "auto":
             raise ValueError(f"attention_backend={name!r}: the {name} kernel {SINKS_PROBLEM}; use 'reference' "
@@ -172,6 +181,22 @@ def _kernel(backend: str):
     return paged_attention.ragged_paged_attention
 
 
+def cpu_backend(selected: str, asked: str, dtype: str, devices: int, case: AttentionCase) -> str:
+    """The engine's attention backend: `selected` (select_backend's answer to `asked`), except
+    that "auto" on one CPU device with `--dtype auto` runs decodes through the CPU kernel ("cpu")
+    where it serves the case (f32 KV pages, no latent cache) and builds here; `--dtype float32`
+    keeps the reference path's numbers."""
+    if selected != "reference" or asked != "auto" or dtype != "auto" or devices != 1 or case.sinks:
+        return selected
+    problem = cpu_kernel.problem(case.kv_dtype, case.latent, current_platform().backend)
+    if problem is None:
+        logger.info("attention: decodes through the CPU kernel (backend 'cpu'), prefill chunks the reference path")
+        return "cpu"
+    if current_platform().backend == "cpu":
+        logger.info("attention: the reference path, not the CPU decode kernel: %s", problem)
+    return selected
+
+
 def paged_attention(q, cache: kvc.KVCache, layer, meta: AttentionMetadata, *, backend: str,
                     sm_scale: float, sliding_window: int | None = None,
                     soft_cap: float | None = None, sinks: jax.Array | None = None
@@ -187,16 +212,17 @@ def paged_attention(q, cache: kvc.KVCache, layer, meta: AttentionMetadata, *, ba
                       v_scale=None if cache.latent else kvc.layer_view(cache.v_scale))
     args = (q, kvc.layer_view(cache.k), None if cache.latent else kvc.layer_view(cache.v), meta)
     opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **scales)
-    if cache.latent and backend != "reference":
+    if cache.latent and backend not in ("reference", "cpu"):
         raise ValueError(f"attention backend {backend!r} {LATENT_PROBLEM}")
-    if backend != "reference":
+    if backend not in ("reference", "cpu"):
         if sinks is not None:
             raise ValueError(f"attention backend {backend!r} {SINKS_PROBLEM}")
         # the kernels take fp8 pages (a uint8 `codes` pool exists only on CPU: interpret mode)
         args = (q, kvc.as_values(args[1], cache.codes), kvc.as_values(args[2], cache.codes), meta)
         return _kernel(backend)(*args, **opts), cache
     out, (k, v, ks, vs) = ragged_paged_attention_ref(*args, **opts, return_pages=True,
-                                                     page_codes=cache.codes, sinks=sinks)
+                                                     page_codes=cache.codes, sinks=sinks,
+                                                     cpu_kernel=backend == "cpu")
     shape, scale_shape = cache.k.shape, cache.k.shape[:-1]
     return out, kvc.KVCache(k.reshape(shape), None if v is None else v.reshape(shape),
                             None if ks is None else ks.reshape(scale_shape),

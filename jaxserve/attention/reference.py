@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.attention.cpu_kernel import decode_attention
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.pallas.common import layer_window, token_layout
 
@@ -153,7 +154,7 @@ def _attend_rows(qf, out, pages, tables, rows: _Rows, *, rows_per_step: int, chu
 def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, sm_scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None,
                                k_scale=None, v_scale=None, return_pages: bool = False,
-                               page_codes: str | None = None, sinks=None):
+                               page_codes: str | None = None, sinks=None, cpu_kernel: bool = False):
     """q [T, H, D]; k_pages, v_pages [R, B, K, D]; scales [R, B, K] or None -> [T, H, D].
     `sinks` [H] or None: attention sinks (gpt-oss), a learned logit per head added to every
     softmax denominator (softmax over [scores, sink], the sink's column dropped).
@@ -168,6 +169,8 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
     Two groups of query rows, each an online-softmax loop over chunks of KV gathered from the
     pages: tokens of short chunks (decodes) one per row, sorted by context length; longer chunks
     (prefill) in rows of `_TILE` tokens, so a context is gathered once per tile, not per token.
+    `cpu_kernel` (attention backend "cpu"): the short chunks' tokens go to the CPU decode kernel
+    instead (attention/cpu_kernel.py; f32 pages with K and V only, else this path as usual).
     """
     T, H, D = q.shape
     B, K = k_pages.shape[1], k_pages.shape[2]
@@ -182,9 +185,15 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
         sinks = sinks.astype(jnp.float32).reshape(K, H // K)
     opts = dict(chunk=chunk, sliding_window=sliding_window, soft_cap=soft_cap, page_codes=page_codes,
                 sinks=sinks)
-    out, pages = _attend_rows(qf, out, pages, tables, _token_rows(meta, T),
-                              rows_per_step=min(_TOKEN_ROWS, T), **opts)
-    out, pages = _attend_rows(qf, out, pages, tables, _tile_rows(meta, T, min(_TILE, T)),
-                              rows_per_step=_TILE_ROWS, **opts)
+    if (cpu_kernel and page_codes is None and k_scale is None and v_pages is not None
+            and k_pages.dtype == v_pages.dtype == jnp.float32):
+        out = decode_attention(qf, k_pages, v_pages, tables, meta, short=_SHORT, window=sliding_window,
+                               soft_cap=soft_cap, sinks=sinks)
+    else:
+        out, pages = _attend_rows(qf, out, pages, tables, _token_rows(meta, T),
+                                  rows_per_step=min(_TOKEN_ROWS, T), **opts)
+    if T >= _SHORT:      # else no chunk is long enough for a tile (the 2-token bucket)
+        out, pages = _attend_rows(qf, out, pages, tables, _tile_rows(meta, T, min(_TILE, T)),
+                                  rows_per_step=_TILE_ROWS, **opts)
     out = out.reshape(T, H, D).astype(q.dtype)
     return (out, pages) if return_pages else out

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import jax
 
-from jaxserve.attention import AttentionCase, select_backend
+from jaxserve.attention import AttentionCase, cpu_backend, select_backend
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import DEFAULT_COMPILATION_CACHE_DIR, EngineArgs
 from jaxserve.core.request import InvalidRequestError, Request, RequestStatus
@@ -171,8 +171,9 @@ class LLMEngine:
         # Simulated CPU devices share the host's memory: there a budget covers all of them.
         host_copies = self.mesh.size if jax.default_backend() == "cpu" else 1
         self.scheduler_config = args.scheduler_config(self.max_model_len)
-        selected = select_backend(args.attention_backend,
-                                  AttentionCase.of(cfg, dtype, kv_dtype, args.block_size))
+        case = AttentionCase.of(cfg, dtype, kv_dtype, args.block_size)
+        selected = cpu_backend(select_backend(args.attention_backend, case), args.attention_backend, args.dtype,
+                               self.mesh.size, case)
         if args.fp8_kernel != "auto":
             weights = with_kernel(weights, args.fp8_kernel)
         fp8_kernels = kernels_in(weights)

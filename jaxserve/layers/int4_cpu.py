@@ -45,6 +45,9 @@ TARGET = "jaxserve_int4_matvec"
 MAX_ROWS = 8              # the kernel's own limit (its accumulators are templated on the rows)
 FUSED_MAX_ROWS = 4        # the engine's: above 4 rows the tiled dot was as fast (RESULTS.md)
 SOURCE = Path(__file__).with_name("csrc") / "int4_matvec.cc"
+# built into the same library: the decode attention kernel (attention/cpu_kernel.py wraps it)
+ATTENTION_TARGET = "jaxserve_paged_attention"
+ATTENTION_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cc"
 
 
 def _compiler() -> str | None:
@@ -71,7 +74,8 @@ def build(cxx: str, flags: tuple[str, ...] = ()) -> Path:
     per key) and return the library's path. Raises RuntimeError with the compiler's message when
     it fails."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, jax.ffi.include_dir(),
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), ATTENTION_SOURCE.read_text(), cxx, version,
+                                    jax.ffi.include_dir(),
                                     jax.__version__, _cpu_signature(), *flags]).encode()).hexdigest()[:20]
     out = _cache_dir() / f"int4_matvec-{key}.so"
     if out.exists():
@@ -80,8 +84,8 @@ def build(cxx: str, flags: tuple[str, ...] = ()) -> Path:
     start = time.perf_counter()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)      # the same filesystem: an atomic rename
     os.close(fd)
-    base = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-Wno-psabi", "-isystem", jax.ffi.include_dir(),
-            str(SOURCE), "-o", tmp, *flags]
+    base = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-Wno-psabi", "-isystem",
+            jax.ffi.include_dir(), str(SOURCE), str(ATTENTION_SOURCE), "-o", tmp, *flags]
     try:
         for arch in (["-march=native"], []):       # a compiler without -march=native: its default target
             done = subprocess.run(base[:2] + arch + base[2:], capture_output=True, text=True, timeout=300)
@@ -106,7 +110,7 @@ def load() -> str | None:
     if cxx is None:
         return "no C++ compiler found (set CXX)"
     try:
-        _INT8_DOT[0] = register(build(cxx), TARGET)
+        _INT8_DOT[0] = register(build(cxx), TARGET, ATTENTION_TARGET)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return f"the kernel did not build: {e}"
     return None
@@ -116,11 +120,13 @@ _INT8_DOTS = {1: "AVX512-VNNI", 2: "AVX2"}
 _INT8_DOT: list[str | None] = [None]
 
 
-def register(library: Path, target: str) -> str | None:
-    """Register a built kernel library as the FFI target `target`; returns its integer dot product
-    (what `int8_dot()` reports for it)."""
+def register(library: Path, target: str, attention_target: str | None = None) -> str | None:
+    """Register a built kernel library's matmul as the FFI target `target` (and its attention as
+    `attention_target`); returns its integer dot product (what `int8_dot()` reports for it)."""
     lib = ctypes.CDLL(str(library))
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.JaxserveInt4Matvec), platform="cpu")
+    if attention_target is not None:
+        jax.ffi.register_ffi_target(attention_target, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
     return _INT8_DOTS.get(lib.JaxserveInt4Int8Dot())
 
 

@@ -130,6 +130,7 @@ class ModelRunner:
                                         plan.replicated)
         model = get_model(model_config.architecture)
         self._model = model
+        self.backend = backend          # the attention backend the step programs use
         k = max_logprobs
 
         def step(weights, cache, pen, x: StepInputs):

@@ -1,0 +1,46 @@
+"""The CPU decode attention kernel (layers/csrc/paged_attention.cc, built and registered with the
+fused int4 kernel by `layers.int4_cpu.load()`): attention backend "cpu".
+
+It attends the tokens of short chunks (decodes, `reference._SHORT`), each token's G query heads of
+a kv head reading the K and V rows of its context from the pages in place; the reference path's
+tiles still attend long chunks (prefill) in the same call. XLA:CPU runs the reference path's
+decode loops as many small gathers, dots and fusions: ~40 us a layer at batch 1 on the default
+model, most of it per-op overhead (benchmarks/RESULTS.md).
+
+f32 pages only: fp8 / int8 KV caches and the latent cache (no V pages) stay on the reference path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.attention.metadata import AttentionMetadata
+from jaxserve.layers import int4_cpu
+
+
+def problem(kv_dtype, latent: bool, platform: str) -> str | None:
+    """Why the kernel cannot serve this case (None: it can)."""
+    if platform != "cpu":
+        return f"it runs on CPU only (this is {platform})"
+    if latent:
+        return "it has no latent-cache (multi-head latent attention) layout"
+    if kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.float32:
+        return f"it reads f32 KV pages only (the cache is {jnp.dtype(kv_dtype).name})"
+    return int4_cpu.load()
+
+
+def decode_attention(qf: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array,
+                     meta: AttentionMetadata, *, short: int, window, soft_cap: float | None,
+                     sinks: jax.Array | None) -> jax.Array:
+    """qf [T, K, G, D] f32 (scaled), pages [R, B, K, D] f32, tables [S, M] (offset to the layer's
+    rows) -> [T, K, G, D]: each token of a sequence whose chunk has fewer than `short` new tokens
+    attended, zeros elsewhere. `window`: a static int, a [1] int32 array (this layer's), or None."""
+    win = jnp.zeros((1,), jnp.int32) if window is None else jnp.asarray(window, jnp.int32).reshape(1)
+    call = jax.ffi.ffi_call(int4_cpu.ATTENTION_TARGET, jax.ShapeDtypeStruct(qf.shape, jnp.float32),
+                            vmap_method="sequential")
+    return call(qf, k_pages, v_pages, tables.astype(jnp.int32), meta.kv_lens.astype(jnp.int32),
+                meta.cu_q_lens.astype(jnp.int32), meta.num_seqs.astype(jnp.int32).reshape(-1)[:1], win,
+                jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
+                soft_cap=np.float32(soft_cap or 0.0), short_len=np.int64(short))

@@ -1,0 +1,184 @@
+// Paged attention of the decode-like tokens of a step on CPU: out [T, K, G, D] for every token of
+// a sequence whose chunk has fewer than `short_len` new tokens, zeros elsewhere (the reference
+// path's tiles attend the longer chunks, attention/reference.py). An XLA FFI custom call that
+// attention/cpu_kernel.py wraps and layers/int4_cpu.py builds with the int4 kernel.
+//
+// Why: XLA:CPU runs the reference path's decode attention as two nested loops of gathers, dots
+// and small fusions, ~40 us a layer at batch 1 with a short context, most of it per-op overhead.
+// Here each (token, kv head) reads its context's K and V rows from the pages once, in place: the
+// G query heads of the kv head share each K row (scores, then softmax, then the V rows).
+//
+// q is scaled already (sm_scale); the pages are f32 [R, B, K, D] (the layer's rows of the stacked
+// cache; the tables are offset to them). Sliding window (a token sees itself and window - 1
+// earlier tokens; 0: none), soft cap (cap * tanh(s / cap); 0: none) and sinks (a logit per head in
+// the softmax denominator, no value) as the reference path applies them.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Attn {
+  const float* q;       // [T, K, G, D]
+  const float* k;       // [R, B, K, D]
+  const float* v;
+  const int32_t* tables;  // [S, M]
+  const float* sinks;   // [K, G] or null
+  float* out;           // [T, K, G, D]
+  int64_t T, K, G, D, R, B, M;
+  float soft_cap;
+  // per token: its sequence's table row, first and last KV position (-1: not attended here)
+  std::vector<int64_t> seq, first, last;
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// One token's one kv head: scores of its G query heads over the context, softmax, values.
+void attend(const Attn& a, int64_t t, int64_t kh, std::vector<float>& s) {
+  const int64_t G = a.G, D = a.D, K = a.K;
+  float* out = a.out + (t * K + kh) * G * D;
+  std::memset(out, 0, G * D * sizeof(float));
+  if (a.last[t] < 0) return;
+  const int64_t p0 = a.first[t], n = a.last[t] - p0 + 1;
+  const float* q = a.q + (t * K + kh) * G * D;
+  const int32_t* table = a.tables + a.seq[t] * a.M;
+  s.resize(G * n);
+  auto row = [&](const float* pages, int64_t p) {
+    const int64_t page = table[p / a.B];
+    return pages + ((page * a.B + p % a.B) * K + kh) * D;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    const float* kr = row(a.k, p0 + i);
+    for (int64_t g = 0; g < G; ++g) {
+      float x = dot(q + g * D, kr, D);
+      if (a.soft_cap > 0.f) x = a.soft_cap * std::tanh(x / a.soft_cap);
+      s[g * n + i] = x;
+    }
+  }
+  std::vector<float> denom(G);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s.data() + g * n;
+    const float sink = a.sinks ? a.sinks[kh * G + g] : -INFINITY;
+    float m = sink;
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
+    float l = a.sinks ? std::exp(sink - m) : 0.f;
+    for (int64_t i = 0; i < n; ++i) l += (sg[i] = std::exp(sg[i] - m));
+    denom[g] = l;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float* vr = row(a.v, p0 + i);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = s[g * n + i];
+      float* o = out + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] += p * vr[d];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = denom[g] > 0.f ? 1.f / denom[g] : 0.f;
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] *= inv;
+  }
+}
+
+// (token, kv head) units claimed from a shared counter by the caller and XLA's intra-op pool
+// threads; the caller waits only for units another thread has claimed.
+struct Work {
+  Attn a;
+  int64_t units, per_claim;
+  std::atomic<int64_t> next{0}, done{0};
+  void run() {
+    std::vector<float> s;
+    for (;;) {
+      const int64_t u0 = next.fetch_add(per_claim);
+      if (u0 >= units) return;
+      const int64_t u1 = std::min(units, u0 + per_claim);
+      for (int64_t u = u0; u < u1; ++u) attend(a, u / a.K, u % a.K, s);
+      done.fetch_add(u1 - u0, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> kv_lens,
+                ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> sinks,
+                ffi::ResultBuffer<ffi::F32> out, float soft_cap, int64_t short_len) {
+  auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || v.dimensions().size() != 4)
+    return ffi::Error::InvalidArgument("paged_attention: q [T, K, G, D], pages [R, B, K, D], tables [S, M]");
+  auto w = std::make_shared<Work>();
+  Attn& a = w->a;
+  a.T = qd[0], a.K = qd[1], a.G = qd[2], a.D = qd[3], a.R = kd[0], a.B = kd[1], a.M = td[1];
+  const int64_t S = td[0];
+  if (kd[2] != a.K || kd[3] != a.D || kv_lens.element_count() != S || cu_q_lens.element_count() != S + 1 ||
+      (sinks.element_count() && sinks.element_count() != a.K * a.G))
+    return ffi::Error::InvalidArgument("paged_attention: mismatched shapes");
+  a.q = q.typed_data(), a.k = k.typed_data(), a.v = v.typed_data(), a.tables = tables.typed_data();
+  a.sinks = sinks.element_count() ? sinks.typed_data() : nullptr;
+  a.out = out->typed_data();
+  a.soft_cap = soft_cap;
+  a.seq.assign(a.T, 0), a.first.assign(a.T, 0), a.last.assign(a.T, -1);
+  const int32_t* cu = cu_q_lens.typed_data();
+  const int32_t* lens = kv_lens.typed_data();
+  const int64_t seqs = std::min<int64_t>(S, num_seqs.typed_data()[0]);
+  const int64_t win = window.element_count() ? window.typed_data()[0] : 0;
+  int64_t total = 0;  // KV rows read, for the choice of threads
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t q_len = cu[s + 1] - cu[s];
+    if (q_len <= 0 || q_len >= short_len) continue;
+    for (int64_t t = std::max<int64_t>(cu[s], 0); t < std::min<int64_t>(cu[s + 1], a.T); ++t) {
+      const int64_t pos = lens[s] - q_len + (t - cu[s]);
+      if (pos < 0 || pos >= a.M * a.B) continue;
+      a.seq[t] = s;
+      a.last[t] = pos;
+      a.first[t] = win > 0 ? std::max<int64_t>(0, pos - win + 1) : 0;
+      total += pos - a.first[t] + 1;
+    }
+  }
+  for (int64_t t = 0; t < a.T; ++t)  // table entries must name pages that exist
+    for (int64_t p = a.first[t] / a.B; a.last[t] >= 0 && p <= a.last[t] / a.B; ++p) {
+      const int32_t page = a.tables[a.seq[t] * a.M + p];
+      if (page < 0 || page >= a.R) return ffi::Error::InvalidArgument("paged_attention: block id out of range");
+    }
+  w->units = a.T * a.K;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const bool parallel = threads > 1 && total * a.K * a.G * a.D >= (1 << 16) && w->units > 1;
+  w->per_claim = parallel ? std::max<int64_t>(1, w->units / (threads * 4)) : w->units;
+  if (parallel)
+    for (int64_t t = 1; t < threads; ++t) pool.Schedule([w] { w->run(); });
+  w->run();
+  while (w->done.load(std::memory_order_acquire) < w->units) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("short_len"));

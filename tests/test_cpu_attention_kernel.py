@@ -1,0 +1,96 @@
+"""The CPU decode attention kernel (attention backend "cpu": attention/cpu_kernel.py,
+layers/csrc/paged_attention.cc) inside the reference path: the same results as the dense oracle on
+every case of the kernel tests (decodes by the kernel, prefill chunks by the reference tiles,
+quantised or bf16 caches by the reference path as before), sliding windows static and per layer,
+soft cap, attention sinks; and where "auto" picks it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_paged_attention_kernel import CASES, MANY_ROWS, SMALL_ROWS, TOL, make_batch, max_err, naive_attention
+
+from jaxserve.attention import reference
+from jaxserve.layers import int4_cpu
+from jaxserve.pallas.paged_attention import ref_ragged_paged_attention
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    assert int4_cpu.load() is None, int4_cpu.load()
+
+
+def _run(case, seed=0, **kw):
+    q, k, v, meta, ks, vs = make_batch(case, seed)
+    args = dict(sm_scale=1.0 / np.sqrt(case.D), sliding_window=case.window, soft_cap=case.soft_cap,
+                k_scale=ks, v_scale=vs)
+    fn = jax.jit(lambda q, k, v, meta, ks, vs: reference.ragged_paged_attention_ref(
+        q, k, v, meta, **{**args, "k_scale": ks, "v_scale": vs}, cpu_kernel=True, **kw))
+    text = fn.lower(q, k, v, meta, ks, vs).as_text()
+    return fn(q, k, v, meta, ks, vs), ref_ragged_paged_attention(q, k, v, meta, **args), text, meta
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_kernel_case_matches_the_oracle(name):
+    case = CASES[name]
+    got, want, text, meta = _run(case, seed=sum(map(ord, name)))
+    assert max_err(got, want) <= TOL[case.dtype], name
+    assert not np.asarray(got[int(meta.cu_q_lens[-1]):]).any()       # padding tokens stay zero
+    f32_pages = case.kv == "auto" and case.dtype == "float32"
+    assert (int4_cpu.ATTENTION_TARGET in text) == f32_pages, "the kernel takes f32 K/V pages only"
+
+
+@pytest.mark.parametrize("name", list(MANY_ROWS))
+def test_decodes_and_tiles_side_by_side(name, monkeypatch):
+    """Small tuning constants: chunks of 4+ tokens are tiles (the reference's), shorter ones the
+    kernel's, in one call."""
+    for key, value in SMALL_ROWS.items():
+        monkeypatch.setattr(reference, key, value)
+    case = MANY_ROWS[name]
+    got, want, _, _ = _run(case)
+    assert max_err(got, want) <= TOL[case.dtype]
+
+
+def test_sinks_and_a_per_layer_window():
+    case = dataclasses.replace(CASES["sliding_window"], window=None)
+    q, k, v, meta, _, _ = make_batch(case, 3)
+    H = q.shape[1]
+    sinks = jnp.asarray(np.random.default_rng(0).standard_normal(H), jnp.float32)
+    sm = 1.0 / np.sqrt(case.D)
+    for window in (None, 24):
+        m = meta if window is None else dataclasses.replace(meta, sliding_window=jnp.asarray([window], jnp.int32))
+        got = reference.ragged_paged_attention_ref(q, k, v, m, sm_scale=sm, sinks=sinks, cpu_kernel=True)
+        want = naive_attention(q, k, v, meta, sm_scale=sm, window=window, sinks=np.asarray(sinks))
+        assert max_err(got, want) <= 1e-5
+
+
+def test_auto_picks_the_kernel_on_cpu_with_f32_pages_only():
+    from jaxserve.attention import cpu_kernel
+    assert cpu_kernel.problem(jnp.float32, False, "cpu") is None
+    assert "latent" in cpu_kernel.problem(jnp.float32, True, "cpu")
+    assert "f32 KV pages" in cpu_kernel.problem(jnp.bfloat16, False, "cpu")
+    assert "CPU only" in cpu_kernel.problem(jnp.float32, False, "gpu")
+
+
+def test_selection_by_name_and_by_the_engine():
+    from jaxserve.attention.backend import FALLBACK, AttentionCase, Platform, cpu_backend, select_backend
+    case = AttentionCase(jnp.float32, jnp.float32, 9, 3, 64, 16)
+    cpu = Platform("cpu")
+    assert select_backend("cpu", case, cpu) == "cpu" and FALLBACK["cpu"] == ("reference",)
+    with pytest.raises(ValueError, match="f32 KV pages"):
+        select_backend("cpu", dataclasses.replace(case, kv_dtype=jnp.uint8), cpu)
+    with pytest.raises(ValueError, match="CPU only"):
+        select_backend("cpu", case, Platform("gpu", "9.0"))
+    assert select_backend("auto", case, cpu) == "reference"          # the engine decides (below)
+    # `--dtype auto` on one CPU device: the kernel; float32, several devices, a named backend or
+    # attention sinks keep the reference path
+    assert cpu_backend("reference", "auto", "auto", 1, case) == "cpu"
+    assert cpu_backend("reference", "auto", "float32", 1, case) == "reference"
+    assert cpu_backend("reference", "auto", "auto", 2, case) == "reference"
+    assert cpu_backend("reference", "reference", "auto", 1, case) == "reference"
+    assert cpu_backend("reference", "auto", "auto", 1, dataclasses.replace(case, sinks=True)) == "reference"
+    assert cpu_backend("reference", "auto", "auto", 1, dataclasses.replace(case, kv_dtype=jnp.uint8)) == "reference"
