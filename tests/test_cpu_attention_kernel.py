@@ -1,8 +1,8 @@
-"""The CPU decode attention kernel (attention backend "cpu": attention/cpu_kernel.py,
+"""The CPU paged attention kernel (attention backend "cpu": attention/cpu_kernel.py,
 layers/csrc/paged_attention.cc) inside the reference path: the same results as the dense oracle on
-every case of the kernel tests (decodes by the kernel, prefill chunks by the reference tiles,
-quantised or bf16 caches by the reference path as before), sliding windows static and per layer,
-soft cap, attention sinks; and where "auto" picks it."""
+every case of the kernel tests (quantised or bf16 caches by the reference path as before), sliding
+windows static and per layer, soft cap, attention sinks; a prompt's numbers the same whether it is
+attended in one chunk or several; and where "auto" picks it."""
 
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ def test_every_kernel_case_matches_the_oracle(name):
 
 @pytest.mark.parametrize("name", list(MANY_ROWS))
 def test_decodes_and_tiles_side_by_side(name, monkeypatch):
-    """Small tuning constants: chunks of 4+ tokens are tiles (the reference's), shorter ones the
-    kernel's, in one call."""
+    """Decodes, chunks and tiles in one step (the reference's small tuning constants, which the
+    kernel ignores: every token alike)."""
     for key, value in SMALL_ROWS.items():
         monkeypatch.setattr(reference, key, value)
     case = MANY_ROWS[name]

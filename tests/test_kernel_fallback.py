@@ -105,8 +105,8 @@ def test_an_attention_kernel_that_fails_to_compile_falls_back_to_the_reference(m
 def test_an_fp8_kernel_that_fails_to_compile_falls_back_to_the_xla_matmul(monkeypatch, caplog):
     from jaxserve.pallas import fp8_matmul
 
-    want, _, kernels = _generate(quantization="fp8", fp8_kernel="xla")
-    assert kernels == {"xla"}
+    want, attention, kernels = _generate(quantization="fp8", fp8_kernel="xla")
+    assert kernels == {"xla"} and attention == "cpu"      # the CPU kernel: --dtype auto, one device
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected: Mosaic GPU lowering failed")
@@ -114,7 +114,7 @@ def test_an_fp8_kernel_that_fails_to_compile_falls_back_to_the_xla_matmul(monkey
     monkeypatch.setattr(fp8_matmul, "fp8_matmul_mgpu", broken)
     caplog.set_level(logging.WARNING, "jaxserve.engine.fallback")
     got, backend, kernels = _generate(quantization="fp8", fp8_kernel="mosaic")
-    assert got == want and backend == "reference" and kernels == {"xla"}
+    assert got == want and backend == attention and kernels == {"xla"}
     assert "fp8 matmul pallas failed" in caplog.text
 
 

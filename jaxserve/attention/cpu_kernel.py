@@ -1,11 +1,12 @@
-"""The CPU decode attention kernel (layers/csrc/paged_attention.cc, built and registered with the
+"""The CPU paged attention kernel (layers/csrc/paged_attention.cc, built and registered with the
 fused int4 kernel by `layers.int4_cpu.load()`): attention backend "cpu".
 
-It attends the tokens of short chunks (decodes, `reference._SHORT`), each token's G query heads of
-a kv head reading the K and V rows of its context from the pages in place; the reference path's
-tiles still attend long chunks (prefill) in the same call. XLA:CPU runs the reference path's
-decode loops as many small gathers, dots and fusions: ~40 us a layer at batch 1 on the default
-model, most of it per-op overhead (benchmarks/RESULTS.md).
+Each token's G query heads of a kv head read the K and V rows of its context from the pages in
+place (scores, softmax, values) on XLA's intra-op threads. XLA:CPU runs the reference path's decode
+loops as many small gathers, dots and fusions: ~40 us a layer at batch 1 on the default model,
+most of it per-op overhead (benchmarks/RESULTS.md). Every token is attended alike whatever its
+chunk, so a prompt gets the same numbers prefilled whole, in chunks or after a prefix-cache hit
+(the engine's greedy outputs with and without speculation or the prefix cache stay identical).
 
 f32 pages only: fp8 / int8 KV caches and the latent cache (no V pages) stay on the reference path.
 """
@@ -31,16 +32,19 @@ def problem(kv_dtype, latent: bool, platform: str) -> str | None:
     return int4_cpu.load()
 
 
-def decode_attention(qf: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array,
-                     meta: AttentionMetadata, *, short: int, window, soft_cap: float | None,
-                     sinks: jax.Array | None) -> jax.Array:
+def paged_attention(qf: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array,
+                    meta: AttentionMetadata, *, window, soft_cap: float | None,
+                    sinks: jax.Array | None) -> jax.Array:
     """qf [T, K, G, D] f32 (scaled), pages [R, B, K, D] f32, tables [S, M] (offset to the layer's
-    rows) -> [T, K, G, D]: each token of a sequence whose chunk has fewer than `short` new tokens
-    attended, zeros elsewhere. `window`: a static int, a [1] int32 array (this layer's), or None."""
+    rows) -> [T, K, G, D]: every real token attended, padding tokens zeros. `window`: a static
+    int, a [1] int32 array (this layer's), or None; `sinks` [K, G] f32 or None."""
+    why = int4_cpu.load()
+    if why is not None:
+        raise RuntimeError(f"attention backend 'cpu': the CPU kernel library is not available: {why}")
     win = jnp.zeros((1,), jnp.int32) if window is None else jnp.asarray(window, jnp.int32).reshape(1)
     call = jax.ffi.ffi_call(int4_cpu.ATTENTION_TARGET, jax.ShapeDtypeStruct(qf.shape, jnp.float32),
                             vmap_method="sequential")
     return call(qf, k_pages, v_pages, tables.astype(jnp.int32), meta.kv_lens.astype(jnp.int32),
                 meta.cu_q_lens.astype(jnp.int32), meta.num_seqs.astype(jnp.int32).reshape(-1)[:1], win,
                 jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
-                soft_cap=np.float32(soft_cap or 0.0), short_len=np.int64(short))
+                soft_cap=np.float32(soft_cap or 0.0))

@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.attention.cpu_kernel import decode_attention
+from jaxserve.attention.cpu_kernel import paged_attention as cpu_paged_attention
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.pallas.common import layer_window, token_layout
 
@@ -169,8 +169,8 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
     Two groups of query rows, each an online-softmax loop over chunks of KV gathered from the
     pages: tokens of short chunks (decodes) one per row, sorted by context length; longer chunks
     (prefill) in rows of `_TILE` tokens, so a context is gathered once per tile, not per token.
-    `cpu_kernel` (attention backend "cpu"): the short chunks' tokens go to the CPU decode kernel
-    instead (attention/cpu_kernel.py; f32 pages with K and V only, else this path as usual).
+    `cpu_kernel` (attention backend "cpu"): every token goes to the CPU kernel instead
+    (attention/cpu_kernel.py; f32 pages with K and V only, else this path as usual).
     """
     T, H, D = q.shape
     B, K = k_pages.shape[1], k_pages.shape[2]
@@ -187,13 +187,13 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
                 sinks=sinks)
     if (cpu_kernel and page_codes is None and k_scale is None and v_pages is not None
             and k_pages.dtype == v_pages.dtype == jnp.float32):
-        out = decode_attention(qf, k_pages, v_pages, tables, meta, short=_SHORT, window=sliding_window,
-                               soft_cap=soft_cap, sinks=sinks)
+        out = cpu_paged_attention(qf, k_pages, v_pages, tables, meta, window=sliding_window, soft_cap=soft_cap,
+                                  sinks=sinks)
     else:
         out, pages = _attend_rows(qf, out, pages, tables, _token_rows(meta, T),
                                   rows_per_step=min(_TOKEN_ROWS, T), **opts)
-    if T >= _SHORT:      # else no chunk is long enough for a tile (the 2-token bucket)
-        out, pages = _attend_rows(qf, out, pages, tables, _tile_rows(meta, T, min(_TILE, T)),
-                                  rows_per_step=_TILE_ROWS, **opts)
+        if T >= _SHORT:      # else no chunk is long enough for a tile (the 2-token bucket)
+            out, pages = _attend_rows(qf, out, pages, tables, _tile_rows(meta, T, min(_TILE, T)),
+                                      rows_per_step=_TILE_ROWS, **opts)
     out = out.reshape(T, H, D).astype(q.dtype)
     return (out, pages) if return_pages else out

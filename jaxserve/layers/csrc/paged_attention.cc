@@ -1,12 +1,13 @@
-// Paged attention of the decode-like tokens of a step on CPU: out [T, K, G, D] for every token of
-// a sequence whose chunk has fewer than `short_len` new tokens, zeros elsewhere (the reference
-// path's tiles attend the longer chunks, attention/reference.py). An XLA FFI custom call that
-// attention/cpu_kernel.py wraps and layers/int4_cpu.py builds with the int4 kernel.
+// Paged attention on CPU: out [T, K, G, D] for every real token of the step (zeros for padding).
+// An XLA FFI custom call that attention/cpu_kernel.py wraps and layers/int4_cpu.py builds with the
+// int4 kernel.
 //
 // Why: XLA:CPU runs the reference path's decode attention as two nested loops of gathers, dots
 // and small fusions, ~40 us a layer at batch 1 with a short context, most of it per-op overhead.
 // Here each (token, kv head) reads its context's K and V rows from the pages once, in place: the
-// G query heads of the kv head share each K row (scores, then softmax, then the V rows).
+// G query heads of the kv head share each K row (scores, then softmax, then the V rows). A token's
+// result depends only on its query and its context, never on how its step was chunked or batched:
+// a prompt computed in one chunk, in several, or after a prefix-cache hit gets the same numbers.
 //
 // q is scaled already (sm_scale); the pages are f32 [R, B, K, D] (the layer's rows of the stacked
 // cache; the tables are offset to them). Sliding window (a token sees itself and window - 1
@@ -40,11 +41,33 @@ struct Attn {
   std::vector<int64_t> seq, first, last;
 };
 
-inline float dot(const float* a, const float* b, int64_t n) {
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// exp(x) for x <= 0 (softmax after the max is subtracted) in plain arithmetic the compiler
+// vectorizes: x = n ln2 + r with |r| <= ln2 / 2, Cephes' degree-5 polynomial for exp(r) (relative
+// error ~1e-7, as libm's expf), times 2^n built in the exponent bits; below -87 it is 0.
+inline float exp_neg(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &e, sizeof(bits));
+  bits += static_cast<int32_t>(n) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return x <= -87.f ? 0.f : out;
 }
 
 // One token's one kv head: scores of its G query heads over the context, softmax, values.
@@ -57,18 +80,22 @@ void attend(const Attn& a, int64_t t, int64_t kh, std::vector<float>& s) {
   const float* q = a.q + (t * K + kh) * G * D;
   const int32_t* table = a.tables + a.seq[t] * a.M;
   s.resize(G * n);
-  auto row = [&](const float* pages, int64_t p) {
-    const int64_t page = table[p / a.B];
-    return pages + ((page * a.B + p % a.B) * K + kh) * D;
+  // the context page by page: K (then V) rows of one page are contiguous but for the heads
+  const int64_t B = a.B, stride = K * D;
+  auto for_rows = [&](const float* pages, auto&& fn) {
+    for (int64_t blk = p0 / B; blk <= a.last[t] / B; ++blk) {
+      const float* base = pages + (table[blk] * B * K + kh) * D;
+      const int64_t i0 = std::max(p0, blk * B), i1 = std::min(a.last[t] + 1, (blk + 1) * B);
+      for (int64_t i = i0; i < i1; ++i) fn(i - p0, base + (i - blk * B) * stride);
+    }
   };
-  for (int64_t i = 0; i < n; ++i) {
-    const float* kr = row(a.k, p0 + i);
+  for_rows(a.k, [&](int64_t i, const float* kr) {
     for (int64_t g = 0; g < G; ++g) {
       float x = dot(q + g * D, kr, D);
       if (a.soft_cap > 0.f) x = a.soft_cap * std::tanh(x / a.soft_cap);
       s[g * n + i] = x;
     }
-  }
+  });
   std::vector<float> denom(G);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = s.data() + g * n;
@@ -76,18 +103,21 @@ void attend(const Attn& a, int64_t t, int64_t kh, std::vector<float>& s) {
     float m = sink;
     for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
     float l = a.sinks ? std::exp(sink - m) : 0.f;
-    for (int64_t i = 0; i < n; ++i) l += (sg[i] = std::exp(sg[i] - m));
+#pragma omp simd reduction(+ : l)
+    for (int64_t i = 0; i < n; ++i) {
+      sg[i] = exp_neg(sg[i] - m);
+      l += sg[i];
+    }
     denom[g] = l;
   }
-  for (int64_t i = 0; i < n; ++i) {
-    const float* vr = row(a.v, p0 + i);
+  for_rows(a.v, [&](int64_t i, const float* __restrict vr) {
     for (int64_t g = 0; g < G; ++g) {
       const float p = s[g * n + i];
-      float* o = out + g * D;
+      float* __restrict o = out + g * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) o[d] += p * vr[d];
     }
-  }
+  });
   for (int64_t g = 0; g < G; ++g) {
     const float inv = denom[g] > 0.f ? 1.f / denom[g] : 0.f;
     for (int64_t d = 0; d < D; ++d) out[g * D + d] *= inv;
@@ -116,7 +146,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> kv_lens,
                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                 ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> sinks,
-                ffi::ResultBuffer<ffi::F32> out, float soft_cap, int64_t short_len) {
+                ffi::ResultBuffer<ffi::F32> out, float soft_cap) {
   auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || v.dimensions().size() != 4)
     return ffi::Error::InvalidArgument("paged_attention: q [T, K, G, D], pages [R, B, K, D], tables [S, M]");
@@ -139,7 +169,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   int64_t total = 0;  // KV rows read, for the choice of threads
   for (int64_t s = 0; s < seqs; ++s) {
     const int64_t q_len = cu[s + 1] - cu[s];
-    if (q_len <= 0 || q_len >= short_len) continue;
+    if (q_len <= 0) continue;
     for (int64_t t = std::max<int64_t>(cu[s], 0); t < std::min<int64_t>(cu[s + 1], a.T); ++t) {
       const int64_t pos = lens[s] - q_len + (t - cu[s]);
       if (pos < 0 || pos >= a.M * a.B) continue;
@@ -180,5 +210,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("short_len"));
+                                  .Attr<float>("soft_cap"));
