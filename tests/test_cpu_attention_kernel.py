@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_paged_attention_kernel import CASES, MANY_ROWS, SMALL_ROWS, TOL, make_batch, max_err, naive_attention
+from test_paged_attention_kernel import CASES, MANY_ROWS, SMALL_ROWS, TOL, Case, make_batch, max_err, naive_attention
 
 from jaxserve.attention import reference
 from jaxserve.layers import int4_cpu
@@ -94,3 +94,18 @@ def test_selection_by_name_and_by_the_engine():
     assert cpu_backend("reference", "reference", "auto", 1, case) == "reference"
     assert cpu_backend("reference", "auto", "auto", 1, dataclasses.replace(case, sinks=True)) == "reference"
     assert cpu_backend("reference", "auto", "auto", 1, dataclasses.replace(case, kv_dtype=jnp.uint8)) == "reference"
+
+
+def test_a_token_gets_the_same_numbers_in_any_chunk():
+    """The last 10 tokens of a 40-token prompt attended with the whole prompt, and alone after a
+    prefix-cache hit on the first 30: bit for bit the same (what keeps greedy outputs identical
+    with speculation and with the prefix cache), though the reference path's would differ."""
+    case = Case(q_lens=(40,), ctx=(0,), T=48, S=2, K=3, G=3, D=64, N=16, M=4)
+    q, k, v, meta, _, _ = make_batch(case, 5)
+    tail = dataclasses.replace(meta, cu_q_lens=jnp.asarray([0, 10, 10], jnp.int32),
+                               slot_mapping=meta.slot_mapping)
+    q_tail = jnp.zeros_like(q).at[:10].set(q[30:40])
+    run = jax.jit(lambda q, m: reference.ragged_paged_attention_ref(q, k, v, m, sm_scale=0.125, cpu_kernel=True))
+    whole, part = np.asarray(run(q, meta)), np.asarray(run(q_tail, tail))
+    np.testing.assert_array_equal(part[:10], whole[30:40])
+    assert not part[10:].any()

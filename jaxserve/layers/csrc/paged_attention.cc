@@ -70,6 +70,45 @@ inline float exp_neg(float x) {
   return x <= -87.f ? 0.f : out;
 }
 
+typedef float vf __attribute__((vector_size(64)));
+constexpr int L = 16;
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// r[m] = the sum of v[m]'s 16 lanes, for 16 vectors at once: a tree of shuffles and adds that
+// pairs every vector's lanes the same way (l + 8, then + 4, + 2, + 1), so a sum never depends on
+// which slot its vector had.
+inline vf reduce16(const vf* v) {
+  vf w[8], x[4], y[2];
+  for (int k = 0; k < 8; ++k)
+    w[k] = __builtin_shufflevector(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * k], v[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int k = 0; k < 4; ++k)
+    x[k] = __builtin_shufflevector(w[2 * k], w[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(w[2 * k], w[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int k = 0; k < 2; ++k)
+    y[k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(x[2 * k], x[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Scores of query q [D] against 16 K rows: each a product per lane over D / 16 chunks, then one
+// reduce16 (D a multiple of 16). Rows past the context are a row of zeros.
+inline vf scores16(const float* q, const float* const* rows, int64_t D) {
+  vf acc[L];
+  for (int m = 0; m < L; ++m) {
+    vf a = load(q) * load(rows[m]);
+    for (int64_t c = L; c < D; c += L) a += load(q + c) * load(rows[m] + c);
+    acc[m] = a;
+  }
+  return reduce16(acc);
+}
+
 // One token's one kv head: scores of its G query heads over the context, softmax, values.
 void attend(const Attn& a, int64_t t, int64_t kh, std::vector<float>& s) {
   const int64_t G = a.G, D = a.D, K = a.K;
@@ -89,13 +128,40 @@ void attend(const Attn& a, int64_t t, int64_t kh, std::vector<float>& s) {
       for (int64_t i = i0; i < i1; ++i) fn(i - p0, base + (i - blk * B) * stride);
     }
   };
-  for_rows(a.k, [&](int64_t i, const float* kr) {
-    for (int64_t g = 0; g < G; ++g) {
-      float x = dot(q + g * D, kr, D);
-      if (a.soft_cap > 0.f) x = a.soft_cap * std::tanh(x / a.soft_cap);
-      s[g * n + i] = x;
-    }
-  });
+  if (D % L == 0) {
+    // 16 positions at a time (their row pointers gathered by the page walk)
+    static const std::vector<float> zeros(1024);
+    std::vector<float> pad;
+    const float* zero = zeros.data();
+    if (D > 1024) pad.assign(D, 0.f), zero = pad.data();
+    const float* rows[L];
+    int filled = 0;
+    int64_t start = 0;
+    auto flush = [&]() {
+      for (int m = filled; m < L; ++m) rows[m] = zero;
+      for (int64_t g = 0; g < G; ++g) {
+        const vf sc = scores16(q + g * D, rows, D);
+        for (int m = 0; m < filled; ++m) s[g * n + start + m] = sc[m];
+      }
+      start += filled;
+      filled = 0;
+    };
+    for_rows(a.k, [&](int64_t, const float* kr) {
+      rows[filled++] = kr;
+      if (filled == L) flush();
+    });
+    if (filled) flush();
+    if (a.soft_cap > 0.f)
+      for (int64_t i = 0; i < G * n; ++i) s[i] = a.soft_cap * std::tanh(s[i] / a.soft_cap);
+  } else {
+    for_rows(a.k, [&](int64_t i, const float* kr) {
+      for (int64_t g = 0; g < G; ++g) {
+        float x = dot(q + g * D, kr, D);
+        if (a.soft_cap > 0.f) x = a.soft_cap * std::tanh(x / a.soft_cap);
+        s[g * n + i] = x;
+      }
+    });
+  }
   std::vector<float> denom(G);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = s.data() + g * n;
