@@ -109,3 +109,11 @@ def test_a_token_gets_the_same_numbers_in_any_chunk():
     whole, part = np.asarray(run(q, meta)), np.asarray(run(q_tail, tail))
     np.testing.assert_array_equal(part[:10], whole[30:40])
     assert not part[10:].any()
+
+
+def test_a_block_id_outside_the_pages_is_an_error_not_a_read_out_of_bounds():
+    case = CASES["decode_only"]
+    q, k, v, meta, _, _ = make_batch(case, 0)
+    bad = dataclasses.replace(meta, block_tables=meta.block_tables.at[0, 0].set(k.shape[0] + 5))
+    with pytest.raises(Exception, match="block id out of range"):
+        jax.block_until_ready(reference.ragged_paged_attention_ref(q, k, v, bad, sm_scale=0.125, cpu_kernel=True))

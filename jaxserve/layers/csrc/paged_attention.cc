@@ -236,6 +236,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   for (int64_t s = 0; s < seqs; ++s) {
     const int64_t q_len = cu[s + 1] - cu[s];
     if (q_len <= 0) continue;
+    int64_t from = a.M * a.B, reach = -1;  // the sequence's first and last positions read
     for (int64_t t = std::max<int64_t>(cu[s], 0); t < std::min<int64_t>(cu[s + 1], a.T); ++t) {
       const int64_t pos = lens[s] - q_len + (t - cu[s]);
       if (pos < 0 || pos >= a.M * a.B) continue;
@@ -243,13 +244,14 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
       a.last[t] = pos;
       a.first[t] = win > 0 ? std::max<int64_t>(0, pos - win + 1) : 0;
       total += pos - a.first[t] + 1;
+      from = std::min(from, a.first[t]);
+      reach = std::max(reach, pos);
     }
-  }
-  for (int64_t t = 0; t < a.T; ++t)  // table entries must name pages that exist
-    for (int64_t p = a.first[t] / a.B; a.last[t] >= 0 && p <= a.last[t] / a.B; ++p) {
-      const int32_t page = a.tables[a.seq[t] * a.M + p];
+    for (int64_t p = from / a.B; reach >= 0 && p <= reach / a.B; ++p) {  // table entries must name pages that exist
+      const int32_t page = a.tables[s * a.M + p];
       if (page < 0 || page >= a.R) return ffi::Error::InvalidArgument("paged_attention: block id out of range");
     }
+  }
   w->units = a.T * a.K;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const bool parallel = threads > 1 && total * a.K * a.G * a.D >= (1 << 16) && w->units > 1;
