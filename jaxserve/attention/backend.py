@@ -183,14 +183,15 @@ def _kernel(backend: str):
 
 def cpu_backend(selected: str, asked: str, dtype: str, devices: int, case: AttentionCase) -> str:
     """The engine's attention backend: `selected` (select_backend's answer to `asked`), except
-    that "auto" on one CPU device with `--dtype auto` runs decodes through the CPU kernel ("cpu")
+    that "auto" on one CPU device with `--dtype auto` runs attention through the CPU kernel ("cpu")
     where it serves the case (f32 KV pages, no latent cache) and builds here; `--dtype float32`
-    keeps the reference path's numbers."""
+    keeps the reference path's numbers, and models with attention sinks (gpt-oss) keep it too
+    (the kernel applies sinks, `--attention-backend cpu`, but auto has not been measured there)."""
     if selected != "reference" or asked != "auto" or dtype != "auto" or devices != 1 or case.sinks:
         return selected
     problem = cpu_kernel.problem(case.kv_dtype, case.latent, current_platform().backend)
     if problem is None:
-        logger.info("attention: decodes through the CPU kernel (backend 'cpu'), prefill chunks the reference path")
+        logger.info("attention: the CPU kernel (backend 'cpu')")
         return "cpu"
     if current_platform().backend == "cpu":
         logger.info("attention: the reference path, not the CPU decode kernel: %s", problem)
