@@ -1,4 +1,6 @@
-"""The fused CPU kernel for quantized matmuls of a few rows (batch-1 decode): csrc/int4_matvec.cc.
+"""The fused CPU kernel for quantized matmuls of a few rows (batch-1 decode): csrc/int4_matvec.cc;
+its library also holds the CPU paged attention kernel (csrc/paged_attention.cc, wrapped by
+attention/cpu_kernel.py), built and registered with it.
 
 XLA:CPU multiplies an `Int4Weight` by dequantising a tile of it into memory and running its dot
 on the tile: at one or two rows that costs a 4-byte write and read of every weight for a
