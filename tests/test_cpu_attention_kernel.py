@@ -94,6 +94,9 @@ def test_selection_by_name_and_by_the_engine():
     assert cpu_backend("reference", "reference", "auto", 1, case) == "reference"
     assert cpu_backend("reference", "auto", "auto", 1, dataclasses.replace(case, sinks=True)) == "reference"
     assert cpu_backend("reference", "auto", "auto", 1, dataclasses.replace(case, kv_dtype=jnp.uint8)) == "reference"
+    assert cpu_backend("cpu", "cpu", "float32", 1, case) == "cpu"                  # asked by name
+    with pytest.raises(ValueError, match="one device"):
+        cpu_backend("cpu", "cpu", "auto", 2, case)
 
 
 def test_a_token_gets_the_same_numbers_in_any_chunk():

@@ -120,7 +120,7 @@ def select_backend(name: str, case: AttentionCase | None = None,
         problem = cpu_kernel.problem(None if case is None else case.kv_dtype, case is not None and case.latent,
                                      (platform or current_platform()).backend)
         if problem:
-            raise ValueError(f"attention_backend='cpu': the CPU decode kernel {problem}")
+            raise ValueError(f"attention_backend='cpu': the CPU attention kernel {problem}")
         return name
     if case is not None and case.sinks and name != "reference":
         if name != "auto":
@@ -187,6 +187,9 @@ def cpu_backend(selected: str, asked: str, dtype: str, devices: int, case: Atten
     where it serves the case (f32 KV pages, no latent cache) and builds here; `--dtype float32`
     keeps the reference path's numbers, and models with attention sinks (gpt-oss) keep it too
     (the kernel applies sinks, `--attention-backend cpu`, but auto has not been measured there)."""
+    if selected == "cpu" and devices != 1:
+        raise ValueError(f"attention_backend='cpu': the CPU attention kernel runs on one device, not {devices} "
+                         "(tensor parallelism takes 'reference' or 'auto')")
     if selected != "reference" or asked != "auto" or dtype != "auto" or devices != 1 or case.sinks:
         return selected
     problem = cpu_kernel.problem(case.kv_dtype, case.latent, current_platform().backend)
@@ -194,7 +197,7 @@ def cpu_backend(selected: str, asked: str, dtype: str, devices: int, case: Atten
         logger.info("attention: the CPU kernel (backend 'cpu')")
         return "cpu"
     if current_platform().backend == "cpu":
-        logger.info("attention: the reference path, not the CPU decode kernel: %s", problem)
+        logger.info("attention: the reference path, not the CPU attention kernel: %s", problem)
     return selected
 
 
