@@ -50,6 +50,7 @@ SOURCE = Path(__file__).with_name("csrc") / "int4_matvec.cc"
 # built into the same library: the decode attention kernel (attention/cpu_kernel.py wraps it)
 ATTENTION_TARGET = "jaxserve_paged_attention"
 ATTENTION_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cc"
+HEADERS = (Path(__file__).with_name("csrc") / "claims.h",)    # included by both sources
 
 
 def _compiler() -> str | None:
@@ -76,7 +77,8 @@ def build(cxx: str, flags: tuple[str, ...] = ()) -> Path:
     per key) and return the library's path. Raises RuntimeError with the compiler's message when
     it fails."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), ATTENTION_SOURCE.read_text(), cxx, version,
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), ATTENTION_SOURCE.read_text(),
+                                    *(h.read_text() for h in HEADERS), cxx, version,
                                     jax.ffi.include_dir(),
                                     jax.__version__, _cpu_signature(), *flags]).encode()).hexdigest()[:20]
     out = _cache_dir() / f"int4_matvec-{key}.so"

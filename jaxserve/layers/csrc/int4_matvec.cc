@@ -22,21 +22,16 @@
 // the product of the dequantised x with the weight, in f32. `JaxserveInt4Int8Dot()` says which
 // instructions this build has (0: none, so `int8_x` is refused).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <chrono>
 #include <cstring>
-#include <condition_variable>
 #include <memory>
-#include <mutex>
-#include <thread>
-#include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
+#include "claims.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -277,75 +272,6 @@ void run(const Problem& p, int64_t b0, int64_t b1) {
   }
 }
 
-// Blocks are claimed from a shared counter by the calling thread and by tasks on XLA's intra-op
-// pool; the caller waits only for blocks another thread has claimed, so a task the pool never
-// runs costs nothing and nothing can deadlock.
-struct Shared {
-  Problem p;
-  int64_t blocks, per_claim;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  void work() {
-    for (;;) {
-      int64_t b0 = next.fetch_add(per_claim);
-      if (b0 >= blocks) return;
-      int64_t b1 = std::min(blocks, b0 + per_claim);
-      run(p, b0, b1);
-      done.fetch_add(b1 - b0, std::memory_order_release);
-    }
-  }
-};
-
-// Helper threads of our own that spin a while for the next call before they sleep: at batch 1 a
-// step makes ~200 calls of 10-50 us each, a few us apart, and a thread woken from sleep for each
-// (XLA's pool) arrives when the call is half done.
-class Helpers {
- public:
-  explicit Helpers(int n) {
-    for (int i = 0; i < n; ++i) threads_.emplace_back([this] { loop(); });
-  }
-  int size() const { return static_cast<int>(threads_.size()); }
-  void submit(const std::shared_ptr<Shared>& job) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      job_ = job;
-      gen_.fetch_add(1, std::memory_order_release);
-    }
-    cv_.notify_all();
-  }
-
- private:
-  void loop() {
-    uint64_t seen = 0;
-    for (;;) {
-      auto t0 = std::chrono::steady_clock::now();
-      int spins = 0;
-      while (gen_.load(std::memory_order_acquire) == seen) {
-        if (++spins % 256 == 0 && std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(300)) {
-          std::unique_lock<std::mutex> lock(mu_);
-          cv_.wait(lock, [&] { return gen_.load(std::memory_order_acquire) != seen; });
-          break;
-        }
-#if defined(__x86_64__) || defined(__i386__)
-        _mm_pause();
-#endif
-      }
-      std::shared_ptr<Shared> job;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        job = job_;
-        seen = gen_.load(std::memory_order_acquire);
-      }
-      if (job) job->work();
-    }
-  }
-  std::vector<std::thread> threads_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::shared_ptr<Shared> job_;
-  std::atomic<uint64_t> gen_{0};
-};
-
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                 ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::U8> zero,
                 ffi::Buffer<ffi::F32> offset, ffi::Buffer<ffi::S32> layer,
@@ -422,21 +348,15 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
     for (int64_t i = 0; i < M * K; ++i)
       xq[i] = bits == 4 ? std::ldexp(xd0[i], -4 * static_cast<int>(i % K % 8)) : xd0[i];
   }
-  auto sh = std::make_shared<Shared>();
   const void* qp = static_cast<const char*>(q.untyped_data()) + l * codes * (bits == 4 ? 4 : 1);
-  sh->p = Problem{qp, scale.typed_data() + l * groups,
+  const Problem p{qp, scale.typed_data() + l * groups,
                   zero.element_count() ? zero.typed_data() + l * groups : nullptr,
                   offset.element_count() ? offset.typed_data() + l * groups : nullptr,
                   y->typed_data(), M, K, N, group_size, bits, bits == 4 ? 8.f : 0.f, xsum.get(),
                   xq.get(), xi.get(), xdq.get(), qb};
-  sh->blocks = (N + NB - 1) / NB;
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const bool parallel = threads > 1 && K * N >= (1 << 15) && sh->blocks > 1;
-  sh->per_claim = parallel ? (sh->blocks + threads - 1) / threads : sh->blocks;
-  if (parallel)
-    for (int64_t t = 1; t < threads; ++t) pool.Schedule([sh] { sh->work(); });
-  sh->work();
-  while (sh->done.load(std::memory_order_acquire) < sh->blocks) std::this_thread::yield();
+  // blocks of NB columns, each thread one contiguous range of them (a claim per thread)
+  jaxserve::run_claims(pool, (N + NB - 1) / NB, K * N >= (1 << 15), 1,
+                       [&p](int64_t b0, int64_t b1) { run(p, b0, b1); });
   return ffi::Error::Success();
 }
 

@@ -14,14 +14,12 @@
 // earlier tokens; 0: none), soft cap (cap * tanh(s / cap); 0: none) and sinks (a logit per head in
 // the softmax denominator, no value) as the reference path applies them.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "claims.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -118,7 +116,8 @@ void attend(const Attn& a, int64_t t, int64_t kh, std::vector<float>& s) {
   const int64_t p0 = a.first[t], n = a.last[t] - p0 + 1;
   const float* q = a.q + (t * K + kh) * G * D;
   const int32_t* table = a.tables + a.seq[t] * a.M;
-  s.resize(G * n);
+  s.resize(G * n + G);
+  float* denom = s.data() + G * n;
   // the context page by page: K (then V) rows of one page are contiguous but for the heads
   const int64_t B = a.B, stride = K * D;
   auto for_rows = [&](const float* pages, auto&& fn) {
@@ -162,7 +161,6 @@ void attend(const Attn& a, int64_t t, int64_t kh, std::vector<float>& s) {
       }
     });
   }
-  std::vector<float> denom(G);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = s.data() + g * n;
     const float sink = a.sinks ? a.sinks[kh * G + g] : -INFINITY;
@@ -190,24 +188,6 @@ void attend(const Attn& a, int64_t t, int64_t kh, std::vector<float>& s) {
   }
 }
 
-// (token, kv head) units claimed from a shared counter by the caller and XLA's intra-op pool
-// threads; the caller waits only for units another thread has claimed.
-struct Work {
-  Attn a;
-  int64_t units, per_claim;
-  std::atomic<int64_t> next{0}, done{0};
-  void run() {
-    std::vector<float> s;
-    for (;;) {
-      const int64_t u0 = next.fetch_add(per_claim);
-      if (u0 >= units) return;
-      const int64_t u1 = std::min(units, u0 + per_claim);
-      for (int64_t u = u0; u < u1; ++u) attend(a, u / a.K, u % a.K, s);
-      done.fetch_add(u1 - u0, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> kv_lens,
                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
@@ -216,8 +196,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || v.dimensions().size() != 4)
     return ffi::Error::InvalidArgument("paged_attention: q [T, K, G, D], pages [R, B, K, D], tables [S, M]");
-  auto w = std::make_shared<Work>();
-  Attn& a = w->a;
+  Attn a;
   a.T = qd[0], a.K = qd[1], a.G = qd[2], a.D = qd[3], a.R = kd[0], a.B = kd[1], a.M = td[1];
   const int64_t S = td[0];
   if (kd[2] != a.K || kd[3] != a.D || kv_lens.element_count() != S || cu_q_lens.element_count() != S + 1 ||
@@ -252,14 +231,11 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
       if (page < 0 || page >= a.R) return ffi::Error::InvalidArgument("paged_attention: block id out of range");
     }
   }
-  w->units = a.T * a.K;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const bool parallel = threads > 1 && total * a.K * a.G * a.D >= (1 << 16) && w->units > 1;
-  w->per_claim = parallel ? std::max<int64_t>(1, w->units / (threads * 4)) : w->units;
-  if (parallel)
-    for (int64_t t = 1; t < threads; ++t) pool.Schedule([w] { w->run(); });
-  w->run();
-  while (w->done.load(std::memory_order_acquire) < w->units) std::this_thread::yield();
+  // (token, kv head) units, four claims per thread
+  jaxserve::run_claims(pool, a.T * a.K, total * a.K * a.G * a.D >= (1 << 16), 4, [&a](int64_t u0, int64_t u1) {
+    std::vector<float> s;
+    for (int64_t u = u0; u < u1; ++u) attend(a, u / a.K, u % a.K, s);
+  });
   return ffi::Error::Success();
 }
 
