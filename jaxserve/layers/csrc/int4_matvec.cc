@@ -15,12 +15,13 @@
 // Written with GCC / Clang vector extensions and compiled with -march=native: 16-lane vectors are
 // one AVX-512 register, two AVX2 ones or four NEON ones.
 //
-// With `int8_x` (int4 codes only), x is itself quantised per block of up to 32 inputs to int8
-// (scale max|x| / 127, as llama.cpp's Q8_1 activations) and each block's sum of code * x is an
-// exact integer dot product: AVX512-VNNI's vpdpbusd (64 byte products a instruction) or AVX2's
-// vpmaddubsw + vpmaddwd, in place of a convert and M float multiply-adds per code; the result is
-// the product of the dequantised x with the weight, in f32. `JaxserveInt4Int8Dot()` says which
-// instructions this build has (0: none, so `int8_x` is refused).
+// With `int8_x` (int4 codes only), x is split per block of up to 32 inputs into two int8 parts
+// (codes at scale d = max|x| / 127, then the rounded rest at d / 254: x to 1.6e-5 of the block's
+// max; one part alone, llama.cpp's Q8_1, measured below the project's quality bar) and each part's
+// sum of code * x is an exact integer dot product: AVX512-VNNI's vpdpbusd (64 byte products an
+// instruction) or AVX2's vpmaddubsw + vpmaddwd, in place of a convert and M float multiply-adds
+// per code; the result is the product of that x with the weight, in f32. `JaxserveInt4Int8Dot()`
+// says which instructions this build has (0: none, so `int8_x` is refused).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
