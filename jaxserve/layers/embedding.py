@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.layers.int4 import Int4Weight, dequantize
+from jaxserve.layers.int4 import Int4Weight, dequantize, take_columns
 from jaxserve.layers.linear import linear
 
 
@@ -25,11 +25,9 @@ def embed_rows(table, ids: jax.Array) -> jax.Array:
     if not isinstance(table, Int4Weight):
         return table[ids]
 
-    def cols(a):
-        return None if a is None else jnp.take(a, ids, axis=-1)
-
-    w = dequantize(cols(table.q), cols(table.scale), cols(table.zero), table.group_size,
-                   offset=cols(table.offset), bits=table.bits)               # [E, T]
+    c = take_columns(table, ids)
+    w = dequantize(c.q, c.scale, c.zero, c.group_size, offset=c.offset, bits=c.bits,
+                   zero_point=c.zero_point)                                  # [E, T]
     return w.T
 
 

@@ -19,9 +19,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.layers import int4_cpu
-from jaxserve.layers.experts import register_ragged
+from jaxserve.layers.experts import ExpertWeight, register_ragged
 from jaxserve.layers.linear import register_linear
 
 PACK = 8                      # int4 codes per int32 word
@@ -32,6 +33,7 @@ TILE_BYTES = 4 << 20          # dequantised bytes per tile, at most (one tile wh
 # it for one or two rows; benchmarks/RESULTS.md)
 BF16_MIN_ROWS = 16
 MIN_TILE_COLS = 256           # narrowest column tile before the tile splits the input rows too
+COL_BLOCK = 64                # columns per block of the fused CPU kernel's layout (`cpu_layout`)
 
 
 @dataclasses.dataclass
@@ -59,6 +61,11 @@ class Int4Weight:
     layer: an int32 index, or None. When set, every array keeps its leading stacked-layer axis and
       this weight is that layer's slice (the layer scan's way to hand the fused kernel a whole
       stack without XLA copying the layer out of it; `scan_layers`).
+    zero_point: the zero point of every group when `zero` is None; None: 8 for bits 4
+      (symmetric), 0 for bits 8.
+    col_block: 0, or the fused CPU kernel's layout (`cpu_layout`): every array [..., rows, out]
+      stored as column blocks [..., out / col_block, rows, col_block], so that a thread's columns
+      are one contiguous run of memory.
     """
 
     q: jax.Array
@@ -74,6 +81,8 @@ class Int4Weight:
     fused_max_rows: int | None = None
     layer: jax.Array | None = None
     fused_int8_x: bool = False
+    zero_point: int | None = None
+    col_block: int = 0
 
     @property
     def pack(self) -> int:
@@ -82,12 +91,20 @@ class Int4Weight:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        lead = self.q.shape[1 if self.layer is not None else 0:-2]
-        return (*lead, self.q.shape[-2] * self.pack, self.q.shape[-1])
+        blocked = 1 if self.col_block else 0
+        lead = self.q.shape[1 if self.layer is not None else 0:-2 - blocked]
+        out = self.q.shape[-1] * (self.q.shape[-3] if blocked else 1)
+        return (*lead, self.q.shape[-2] * self.pack, out)
 
     @property
     def dtype(self):
-        return self.scale.dtype
+        """What it computes in: f32 (f16 scales are storage only; `cpu_layout`)."""
+        return jnp.dtype(jnp.float32) if self.scale.dtype == jnp.float16 else self.scale.dtype
+
+    @property
+    def group_zero(self) -> int:
+        """The groups' zero point when `zero` is None."""
+        return (SYMMETRIC_ZERO if self.bits == 4 else 0) if self.zero_point is None else self.zero_point
 
     @property
     def nbytes(self) -> int:
@@ -96,7 +113,7 @@ class Int4Weight:
 
 jax.tree_util.register_dataclass(Int4Weight, data_fields=["q", "scale", "zero", "perm", "offset", "layer"],
                                  meta_fields=["group_size", "in_shards", "bits", "out_shards", "bf16_min_rows",
-                                              "fused_max_rows", "fused_int8_x"])
+                                              "fused_max_rows", "fused_int8_x", "zero_point", "col_block"])
 
 
 def _is_int4(x) -> bool:
@@ -123,6 +140,84 @@ def with_fused_kernel(weights, max_rows: int = int4_cpu.FUSED_MAX_ROWS, int8_x: 
                         if isinstance(w, Int4Weight) else w, weights, is_leaf=_is_int4)
 
 
+def _to_blocks(a: jax.Array | None, cb: int) -> jax.Array | None:
+    """[..., rows, out] -> [..., out / cb, rows, cb]."""
+    if a is None:
+        return None
+    *lead, rows, out = a.shape
+    return jnp.swapaxes(a.reshape(*lead, rows, out // cb, cb), -3, -2)
+
+
+def _from_blocks(a: jax.Array | None) -> jax.Array | None:
+    """The inverse of `_to_blocks`."""
+    if a is None:
+        return None
+    *lead, nb, rows, cb = a.shape
+    return jnp.swapaxes(a, -3, -2).reshape(*lead, rows, nb * cb)
+
+
+def _exact_f16(a: jax.Array | None) -> bool:
+    return a is None or bool(jnp.all(a.astype(jnp.float16).astype(a.dtype) == a))
+
+
+def cpu_layout(w: Int4Weight, col_block: int = COL_BLOCK) -> Int4Weight:
+    """`w` laid out for the fused CPU kernel, the same matrix (every dequantised value unchanged):
+
+    - column blocks (`Int4Weight.col_block`): a thread's columns are one run of memory (the
+      kernel read this model's matrices at 40-43 GB/s so, 20-24 in the checkpoint layout);
+    - a `zero` array, or a zero point under an `offset`, folded into the offset
+      (`offset - zero * scale`, what both the kernel and `dequantize` add), zero point 0: GGUF
+      Q4_1's offset is then its f16 `m` again;
+    - scales and offsets in f16 when every value is one (GGUF's and GPTQ's are): 0.625 bytes a
+      weight for Q4_1, as the file has it, instead of 0.75.
+
+    A weight on several devices, or whose columns are not whole blocks, is returned as it is."""
+    if w.col_block or w.in_shards != 1 or w.out_shards != 1 or w.shape[-1] % col_block:
+        return w
+    scale, zero, offset, zero_point = w.scale, w.zero, w.offset, w.zero_point
+    if zero is not None or (offset is not None and w.group_zero):
+        s = scale.astype(jnp.float32)
+        zp = zero.astype(jnp.float32) if zero is not None else float(w.group_zero)
+        folded = (0.0 if offset is None else offset.astype(jnp.float32)) - zp * s
+        # a zero array stays where its fold is no f16 pair (GPTQ's zeros times f16 scales): one
+        # byte a group, not two more
+        if zero is None or (_exact_f16(scale) and _exact_f16(folded)):
+            zero, offset, zero_point = None, folded, 0
+    if scale.dtype == jnp.float32 and _exact_f16(scale) and _exact_f16(offset):
+        scale, offset = scale.astype(jnp.float16), None if offset is None else offset.astype(jnp.float16)
+    return dataclasses.replace(w, q=_to_blocks(w.q, col_block), scale=_to_blocks(scale, col_block),
+                               zero=_to_blocks(zero, col_block), offset=_to_blocks(offset, col_block),
+                               zero_point=zero_point, col_block=col_block)
+
+
+def with_cpu_layout(weights):
+    """`weights` (any pytree) with every `Int4Weight` on the fused kernel laid out for it
+    (`cpu_layout`); experts (inside an `ExpertWeight`) keep theirs."""
+    def relay(w):
+        return cpu_layout(w) if _is_int4(w) and w.fused_max_rows is not None else w
+    return jax.tree.map(relay, weights, is_leaf=lambda x: _is_int4(x) or isinstance(x, ExpertWeight))
+
+
+def checkpoint_layout(w: Int4Weight) -> Int4Weight:
+    """A `cpu_layout` weight's arrays back in [..., rows, out] (the same matrix)."""
+    if not w.col_block:
+        return w
+    return dataclasses.replace(w, q=_from_blocks(w.q), scale=_from_blocks(w.scale), zero=_from_blocks(w.zero),
+                               offset=_from_blocks(w.offset), col_block=0)
+
+
+def take_columns(w: Int4Weight, ids: jax.Array) -> Int4Weight:
+    """The matrix's columns `ids` [T] (an unstacked weight): [rows, T] arrays in the checkpoint layout."""
+    def cols(a):
+        if a is None:
+            return None
+        if w.col_block:
+            return a[ids // w.col_block, :, ids % w.col_block].T        # [T, rows] -> [rows, T]
+        return jnp.take(a, ids, axis=-1)
+    return dataclasses.replace(w, q=cols(w.q), scale=cols(w.scale), zero=cols(w.zero), offset=cols(w.offset),
+                               col_block=0)
+
+
 def scan_layers(body, carry, xs):
     """`lax.scan(body, carry, xs)` over stacked layers `xs = (layer weights, layer indices, ...)`,
     except that each stacked `Int4Weight` with the fused kernel on is not sliced by the scan: the
@@ -131,7 +226,7 @@ def scan_layers(body, carry, xs):
     weights, ids, *rest = xs
     leaves, tree = jax.tree.flatten(weights, is_leaf=_is_int4)
     kept = {i: w for i, w in enumerate(leaves)
-            if _is_int4(w) and w.fused_max_rows is not None and w.q.ndim == 3}
+            if _is_int4(w) and w.fused_max_rows is not None and len(w.shape) == 3}
     if not kept:
         return jax.lax.scan(body, carry, xs)[0]
     sliced = [None if i in kept else w for i, w in enumerate(leaves)]
@@ -165,10 +260,11 @@ def pack(codes: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.sum(c << shifts, axis=-2, dtype=jnp.uint32), jnp.int32)
 
 
-def dequantize(q, scale, zero=None, group_size: int = 128, dtype=jnp.float32, offset=None, bits: int = 4) -> jax.Array:
+def dequantize(q, scale, zero=None, group_size: int = 128, dtype=jnp.float32, offset=None, bits: int = 4,
+               zero_point: int | None = None) -> jax.Array:
     """Codes [..., in / 8, out] (int8 [..., in, out] with bits=8) with their group scales (and
     zeros, offsets) -> [..., in, out] in `dtype` (rows in storage order). The reference; the matmul
-    calls it one tile at a time.
+    calls it one tile at a time. `zero_point`: as `Int4Weight.zero_point`.
 
     Computed as `code * scale + bias` with the per-group `bias = offset - zero * scale` (1/g of the
     elements): one multiply-add a weight, not a subtract, multiply and add. Exact where the
@@ -184,10 +280,11 @@ def dequantize(q, scale, zero=None, group_size: int = 128, dtype=jnp.float32, of
     g = group_size
     s = scale.astype(jnp.float32)
     bias = None
+    zp = (SYMMETRIC_ZERO if bits == 4 else 0) if zero_point is None else zero_point
     if zero is not None:
         bias = -zero.astype(jnp.float32) * s
-    elif bits == 4:
-        bias = -float(SYMMETRIC_ZERO) * s
+    elif zp:
+        bias = -float(zp) * s
     if offset is not None:
         bias = offset.astype(jnp.float32) if bias is None else bias + offset.astype(jnp.float32)
     grouped = codes.reshape(*codes.shape[:-2], codes.shape[-2] // g, g, codes.shape[-1]).astype(jnp.float32)
@@ -201,7 +298,8 @@ def ref_int4_matmul(x: jax.Array, w: Int4Weight) -> jax.Array:
     """x [..., in] @ the whole dequantised matrix, f32 (the test oracle)."""
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
-    full = dequantize(w.q, w.scale, w.zero, w.group_size, offset=w.offset, bits=w.bits)
+    w = checkpoint_layout(w)
+    full = dequantize(w.q, w.scale, w.zero, w.group_size, offset=w.offset, bits=w.bits, zero_point=w.zero_point)
     return jnp.einsum("...k,ko->...o", x.astype(jnp.float32), full, precision="highest")
 
 
@@ -244,18 +342,25 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
     Up to `w.fused_max_rows` rows go to the fused CPU kernel instead, where it takes the weight."""
     if _fused(x, w):
         return _fused_matmul(x, w).astype(out_dtype or x.dtype)
-    if w.layer is not None:
+    layer = None                 # a stack in column blocks: the layer `cut` copies its tiles from
+    if w.col_block and int4_cpu.load() is None:
+        layer, w = w.layer, dataclasses.replace(w, layer=None)
+    elif w.col_block:            # no kernel library to copy them: XLA's transpose (slow, correct)
+        w = checkpoint_layout(_at_layer(w) if w.layer is not None else w)
+    elif w.layer is not None:
         w = _at_layer(w)
-    if w.q.ndim != 2:
+    if len(w.shape) != 2 + (layer is not None):
         raise ValueError(f"int4 linear takes one [in/8, out] matrix, got codes {w.q.shape} "
                          "(stacked layers are sliced off by lax.scan, experts by grouped_linear)")
-    K, N = w.shape
-    P = w.pack
+    K, N = w.shape[-2:]
+    P, cb = w.pack, w.col_block
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
     lead = x.shape[:-1]
     xm = x.reshape(-1, K)
     M, S, So, g = xm.shape[0], w.in_shards, w.out_shards, w.group_size
+    if cb and (S > 1 or So > 1):
+        raise ValueError("an Int4Weight in column blocks (cpu_layout) is on one device")
     ks, ns = K // S, N // So                           # rows, columns per device block
     cdt = x.dtype
     if w.bf16_min_rows is not None and cdt == jnp.float32 and M >= w.bf16_min_rows:
@@ -266,6 +371,8 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
         cdt, xm = jnp.float32, xm.astype(jnp.float32)
     acc_t = jnp.float32 if cdt in (jnp.bfloat16, jnp.float16) else cdt
     tk, nc = tile_shape(ks, ns, g, jnp.dtype(cdt).itemsize)
+    if cb:
+        nc = max(cb, nc - nc % cb)                     # whole column blocks
     T, C = ks // tk, ns // nc                          # row tiles, whole column tiles per block (static)
 
     # [S, rows, (So,) cols] views (bitcasts): a split of the rows (columns) over devices stays a
@@ -274,7 +381,9 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
     # operands in place, not scans over them: XLA copies a scan's stacked inputs every call.
     split = (So,) if So > 1 else ()
     def view(a, per):
-        return None if a is None else a.reshape(S, ks // per, *split, ns)
+        if a is None or cb:                        # column blocks: `cut` reads the arrays in place
+            return a
+        return a.reshape(S, ks // per, *split, ns)
     qs, ss, zs, os_ = view(w.q, P), view(w.scale, g), view(w.zero, g), view(w.offset, g)
     xs = xm.reshape(M, S, ks)
     spec = "msk,sokn->smon" if split else "msk,skn->smn"
@@ -283,11 +392,15 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
         """Output columns [c0, c0 + width) of every device block: [S, M, (So,) width]."""
         def tile(t, acc):
             def cut(a, per):
+                if a is None:
+                    return None
+                if cb:                          # column blocks: the same [1, r, width], copied out
+                    return int4_cpu.unblock(a, layer, t * (tk // per), c0 // cb, tk // per, width // cb)[None]
                 a = jax.lax.dynamic_slice_in_dim(a, t * (tk // per), tk // per, 1)
                 a = jax.lax.dynamic_slice_in_dim(a, c0, width, a.ndim - 1)
                 return jnp.swapaxes(a, 1, 2) if split else a                  # [S, (So,) r, width]
-            wt = dequantize(cut(qs, P), cut(ss, g), None if zs is None else cut(zs, g), g, cdt,
-                            None if os_ is None else cut(os_, g), w.bits)     # this tile only
+            wt = dequantize(cut(qs, P), cut(ss, g), cut(zs, g), g, cdt, cut(os_, g), w.bits,
+                            zero_point=w.zero_point)                          # this tile only
             return acc + jnp.einsum(spec, jax.lax.dynamic_slice_in_dim(xs, t * tk, tk, 2), wt,
                                     preferred_element_type=acc_t)
         zero = jnp.zeros((S, M, *split, width), acc_t)
@@ -307,9 +420,14 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
 
 
 def _fused(x: jax.Array, w: Int4Weight) -> bool:
-    return (w.fused_max_rows is not None and 1 <= math.prod(x.shape[:-1]) <= min(w.fused_max_rows, int4_cpu.MAX_ROWS)
+    return (w.fused_max_rows is not None and 1 <= math.prod(x.shape[:-1]) <= w.fused_max_rows
             and w.in_shards == 1 and w.out_shards == 1
-            and int4_cpu.fits(w.q, w.scale, w.zero, w.offset, w.group_size, w.bits, w.layer is not None))
+            and int4_cpu.fits(w.q, w.scale, w.zero, w.offset, w.group_size, w.bits, w.layer is not None,
+                              w.col_block))
+
+
+def _int8_x(w: Int4Weight) -> bool:
+    return w.fused_int8_x and w.bits == 4
 
 
 @jax.custom_vjp
@@ -321,7 +439,7 @@ def _fused_matmul(x: jax.Array, w: Int4Weight) -> jax.Array:
         perm = w.perm if w.layer is None else jax.lax.dynamic_index_in_dim(w.perm, w.layer, keepdims=False)
         x = jnp.take(x, perm, axis=-1)
     y = int4_cpu.matmul(x.reshape(-1, K), w.q, w.scale, w.zero, w.offset, w.layer, w.group_size, w.bits,
-                        int8_x=w.fused_int8_x and w.bits == 4)
+                        int8_x=_int8_x(w), zero_point=w.group_zero, col_block=w.col_block)
     return y.reshape(*lead, N)
 
 
@@ -333,7 +451,14 @@ def _fused_bwd(res, g):
     """Gradients through the tiles (the kernel has no transpose): the same matmul, differentiable."""
     x, w = res
     dx, dw = jax.vjp(lambda x, w: int4_linear(x, w, out_dtype=jnp.float32), x,
-                     dataclasses.replace(w, fused_max_rows=None))[1](g)
+                     dataclasses.replace(checkpoint_layout(w), fused_max_rows=None))[1](g)
+    if w.col_block:       # the cotangents back in column blocks (integer codes' are float0 zeros)
+        def back(d, like):
+            if d is None or d.dtype == jax.dtypes.float0:
+                return None if like is None else np.zeros(like.shape, jax.dtypes.float0)
+            return _to_blocks(d, w.col_block)
+        dw = dataclasses.replace(dw, q=back(dw.q, w.q), scale=back(dw.scale, w.scale), zero=back(dw.zero, w.zero),
+                                 offset=back(dw.offset, w.offset), col_block=w.col_block)
     return dx, dataclasses.replace(dw, fused_max_rows=w.fused_max_rows)
 
 
@@ -346,7 +471,9 @@ def int4_ragged(x: jax.Array, w: Int4Weight, group_sizes: jax.Array) -> jax.Arra
     No grouped int4 kernel: the experts are dequantised into x.dtype for the call (X * in * out
     elements of temporaries), rows put back in checkpoint order (each expert has its own act-order
     permutation, so x cannot be permuted instead). The tiles layout never materialises them."""
-    full = dequantize(w.q, w.scale, w.zero, w.group_size, x.dtype, offset=w.offset, bits=w.bits)   # [X, in, out]
+    w = checkpoint_layout(w)
+    full = dequantize(w.q, w.scale, w.zero, w.group_size, x.dtype, offset=w.offset, bits=w.bits,
+                      zero_point=w.zero_point)                                                   # [X, in, out]
     if w.perm is not None:
         full = jnp.take_along_axis(full, jnp.argsort(w.perm, axis=-1)[..., None], axis=-2)
     pref = jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else None

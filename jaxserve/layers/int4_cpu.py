@@ -21,6 +21,11 @@ max|x| / 127 and the rounded codes, then the rounded rest at 1/254 of that scale
 the block's max|x|, near f32) and sum code * x as exact integer dot products (AVX512-VNNI, else
 AVX2) instead of a convert and a float multiply-add per code and row. `int8_dot()` says whether
 this build has them; `Int4Weight.fused_int8_x` asks for it (the engine's `--dtype auto`).
+
+The engine also lays those weights out for the kernel (`layers.int4.cpu_layout`: column blocks
+of 64, f16 scales where exact), which doubles the bytes a second it reads; the tiles, which still
+take steps of more rows, copy each tile back to the checkpoint layout first (`unblock`,
+csrc/unblock.cc, in the same library).
 """
 
 from __future__ import annotations
@@ -44,13 +49,16 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 TARGET = "jaxserve_int4_matvec"
-MAX_ROWS = 8              # the kernel's own limit (its accumulators are templated on the rows)
+MAX_ROWS = 8              # rows per pass over the weight (its accumulators are templated on the rows)
 FUSED_MAX_ROWS = 4        # the engine's: above 4 rows the tiled dot was as fast (RESULTS.md)
 SOURCE = Path(__file__).with_name("csrc") / "int4_matvec.cc"
 # built into the same library: the decode attention kernel (attention/cpu_kernel.py wraps it)
 ATTENTION_TARGET = "jaxserve_paged_attention"
 ATTENTION_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cc"
 HEADERS = (Path(__file__).with_name("csrc") / "claims.h",)    # included by both sources
+UNBLOCK_TARGET = "jaxserve_unblock"       # column blocks -> the checkpoint layout, for the tiles
+UNBLOCK_SOURCE = Path(__file__).with_name("csrc") / "unblock.cc"
+SOURCES = (SOURCE, ATTENTION_SOURCE, UNBLOCK_SOURCE)
 
 
 def _compiler() -> str | None:
@@ -73,11 +81,11 @@ def _cache_dir() -> Path:
 
 
 def build(cxx: str, flags: tuple[str, ...] = ()) -> Path:
-    """Compile SOURCE with `cxx` (and extra `flags`, e.g. a narrower target) into the cache (once
+    """Compile SOURCES with `cxx` (and extra `flags`, e.g. a narrower target) into the cache (once
     per key) and return the library's path. Raises RuntimeError with the compiler's message when
     it fails."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), ATTENTION_SOURCE.read_text(),
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES),
                                     *(h.read_text() for h in HEADERS), cxx, version,
                                     jax.ffi.include_dir(),
                                     jax.__version__, _cpu_signature(), *flags]).encode()).hexdigest()[:20]
@@ -89,7 +97,7 @@ def build(cxx: str, flags: tuple[str, ...] = ()) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)      # the same filesystem: an atomic rename
     os.close(fd)
     base = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-Wno-psabi", "-isystem",
-            jax.ffi.include_dir(), str(SOURCE), str(ATTENTION_SOURCE), "-o", tmp, *flags]
+            jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp, *flags]
     try:
         for arch in (["-march=native"], []):       # a compiler without -march=native: its default target
             done = subprocess.run(base[:2] + arch + base[2:], capture_output=True, text=True, timeout=300)
@@ -131,6 +139,7 @@ def register(library: Path, target: str, attention_target: str | None = None) ->
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.JaxserveInt4Matvec), platform="cpu")
     if attention_target is not None:
         jax.ffi.register_ffi_target(attention_target, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(UNBLOCK_TARGET, jax.ffi.pycapsule(lib.JaxserveUnblock), platform="cpu")
     return _INT8_DOTS.get(lib.JaxserveInt4Int8Dot())
 
 
@@ -140,30 +149,47 @@ def int8_dot() -> str | None:
     return _INT8_DOT[0] if load() is None else None
 
 
-def fits(q, scale, zero, offset, group_size: int, bits: int, stacked: bool) -> bool:
-    """Whether the kernel takes these arrays (else the caller uses the tiles)."""
-    n = scale.shape[-1]
-    return (bits in (4, 8) and q.ndim == 2 + stacked and scale.dtype == jnp.float32
+def fits(q, scale, zero, offset, group_size: int, bits: int, stacked: bool, col_block: int = 0) -> bool:
+    """Whether the kernel takes these arrays (else the caller uses the tiles): [(L,) rows, N], or
+    with `col_block` [(L,) N / col_block, rows, col_block]; f32 or f16 scales (offsets alike)."""
+    n = scale.shape[-1] * (scale.shape[-3] if col_block else 1)
+    return (bits in (4, 8) and q.ndim == 2 + stacked + bool(col_block) and scale.dtype in (jnp.float32, jnp.float16)
             and q.dtype == (jnp.int32 if bits == 4 else jnp.int8) and n % 16 == 0 and group_size % 8 == 0
-            and (zero is None or zero.dtype == jnp.uint8) and (offset is None or offset.dtype == jnp.float32))
+            and col_block % 64 == 0 and (zero is None or zero.dtype == jnp.uint8)
+            and (offset is None or offset.dtype == scale.dtype))
 
 
 def matmul(x: jax.Array, q, scale, zero, offset, layer, group_size: int, bits: int,
-           int8_x: bool = False, target: str = TARGET) -> jax.Array:
-    """x [M, K] f32 (M <= MAX_ROWS) @ the quantized [K, N] weight (the `layer` slice of a
+           int8_x: bool = False, target: str = TARGET, zero_point: int | None = None,
+           col_block: int = 0) -> jax.Array:
+    """x [M, K] f32 (MAX_ROWS rows a pass over the weight) @ the quantized [K, N] weight (the `layer` slice of a
     [L, ...] stack when `layer` is an index, else 2-D arrays) -> [M, N] f32. `load()` first (or
     `register` a build as `target`). `int8_x` (int4 codes, a build with an integer dot product):
-    x as two int8 parts per block of 32 inputs."""
+    x as two int8 parts per block of 32 inputs. `zero_point`: the groups' zero point without a
+    `zero` array (default 8 for int4, 0 for int8); `col_block`: the arrays are column blocks
+    [(L,) N / col_block, rows, col_block] (`Int4Weight.col_block`)."""
     M = x.shape[0]
-    if M > MAX_ROWS:
-        raise ValueError(f"the fused int4 kernel takes at most {MAX_ROWS} rows, got {M}")
     if int8_x and (bits != 4 or (target == TARGET and int8_dot() is None)):
         raise ValueError("int8_x needs int4 codes and a kernel built with an integer dot product "
                          f"(bits={bits}, int8_dot()={int8_dot()})")
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, scale.shape[-1]), jnp.float32),
-                            vmap_method="sequential")
+    n = scale.shape[-1] * (scale.shape[-3] if col_block else 1)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, n), jnp.float32), vmap_method="sequential")
     return call(x.astype(jnp.float32), q, scale,
                 jnp.zeros((0,), jnp.uint8) if zero is None else zero,
-                jnp.zeros((0,), jnp.float32) if offset is None else offset,
+                jnp.zeros((0,), scale.dtype) if offset is None else offset,
                 jnp.asarray(0 if layer is None else layer, jnp.int32),
-                group_size=np.int64(group_size), bits=np.int64(bits), int8_x=bool(int8_x))
+                group_size=np.int64(group_size), bits=np.int64(bits), int8_x=bool(int8_x),
+                zero_point=np.int64((8 if bits == 4 else 0) if zero_point is None else zero_point),
+                col_block=np.int64(col_block))
+
+
+def unblock(a: jax.Array, layer, row0, block0, rows: int, blocks: int) -> jax.Array:
+    """Rows [row0, row0 + rows) of column blocks [block0, block0 + blocks) of `a`
+    ([(L,) N / cb, R, cb], layer `layer` of a stack) as [rows, blocks * cb]: the checkpoint
+    layout's slice, copied a block row at a time (`load()` first). The tiles take a weight in
+    column blocks (`Int4Weight.col_block`) this way."""
+    cb = a.shape[-1]
+    call = jax.ffi.ffi_call(UNBLOCK_TARGET, jax.ShapeDtypeStruct((rows, blocks * cb), a.dtype))
+    at = jnp.stack([jnp.asarray(0 if layer is None else layer, jnp.int32), jnp.asarray(row0, jnp.int32),
+                    jnp.asarray(block0, jnp.int32)])
+    return call(a, at, rows=np.int64(rows), blocks=np.int64(blocks))
