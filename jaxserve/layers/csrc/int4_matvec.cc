@@ -266,7 +266,8 @@ inline vf to_float(Acc a) {
 template <int M, int V>
 inline void group_int8(const Problem& p, int64_t gi, int64_t n0) {
   const int64_t K = p.K, g = p.g, R = K / 8, B = K / p.qb;
-  const int32_t* q = static_cast<const int32_t*>(p.q) + at(p, R, gi * g / 8, n0) - gi * g / 8 * p.cb;
+  const int64_t r0 = gi * g / 8;                     // the group's first word row
+  const int32_t* q = static_cast<const int32_t*>(p.q) + at(p, R, r0, n0);
   vf a[M][V] = {};
   prefetch_next_group<V>(p, gi, n0);
   for (int64_t b = gi * g / p.qb; b < (gi + 1) * g / p.qb; ++b) {
@@ -275,7 +276,7 @@ inline void group_int8(const Problem& p, int64_t gi, int64_t n0) {
       for (int v = 0; v < V; ++v) hi[m][v] = lo[m][v] = acc_zero();
     for (int64_t r = b * p.qb / 8; r < (b + 1) * p.qb / 8; ++r) {
       for (int v = 0; v < V; ++v) {
-        const Codes c = codes(q + r * p.cb + v * L);
+        const Codes c = codes(q + (r - r0) * p.cb + v * L);
         for (int m = 0; m < M; ++m) {
           const int32_t* x = p.xi + 4 * (m * R + r);
           hi[m][v] = dot(hi[m][v], c, x[0], x[1]);
