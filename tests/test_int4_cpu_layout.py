@@ -1,4 +1,4 @@
-"""The fused CPU kernel's weight layout (`layers.int4.cpu_layout`): column blocks, zero points
+"""The fused CPU kernel's weight layout (`layers.int4_layout.cpu_layout`): column blocks, zero points
 folded into the offsets, f16 scales where every value is one. The same matrix: the dequantised
 values, the kernel's results and the tiles' results are bit-identical to the checkpoint layout's;
 the engine lays its int4 weights out so with `--dtype auto` on one CPU device."""
@@ -17,17 +17,15 @@ from jaxserve.layers import int4_cpu
 from jaxserve.layers.embedding import embed_rows
 from jaxserve.layers.experts import ExpertWeight
 from jaxserve.layers.int4 import (
-    COL_BLOCK,
     Int4Weight,
     checkpoint_layout,
-    cpu_layout,
     dequantize,
     ref_int4_matmul,
     scan_layers,
     with_bf16_tiles,
-    with_cpu_layout,
     with_fused_kernel,
 )
+from jaxserve.layers.int4_layout import COL_BLOCK, cpu_layout, with_cpu_layout
 from jaxserve.layers.linear import linear
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.layers.int4 import Int4Weight, dequantize, take_columns
+from jaxserve.layers.int4 import Int4Weight, dequantize
+from jaxserve.layers.int4_layout import take_columns
 from jaxserve.layers.linear import linear
 
 

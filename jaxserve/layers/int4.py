@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.layers import int4_cpu
-from jaxserve.layers.experts import ExpertWeight, register_ragged
+from jaxserve.layers.experts import register_ragged
 from jaxserve.layers.linear import register_linear
 
 PACK = 8                      # int4 codes per int32 word
@@ -33,7 +33,6 @@ TILE_BYTES = 4 << 20          # dequantised bytes per tile, at most (one tile wh
 # it for one or two rows; benchmarks/RESULTS.md)
 BF16_MIN_ROWS = 16
 MIN_TILE_COLS = 256           # narrowest column tile before the tile splits the input rows too
-COL_BLOCK = 64                # columns per block of the fused CPU kernel's layout (`cpu_layout`)
 
 
 @dataclasses.dataclass
@@ -63,7 +62,7 @@ class Int4Weight:
       stack without XLA copying the layer out of it; `scan_layers`).
     zero_point: the zero point of every group when `zero` is None; None: 8 for bits 4
       (symmetric), 0 for bits 8.
-    col_block: 0, or the fused CPU kernel's layout (`cpu_layout`): every array [..., rows, out]
+    col_block: 0, or the fused CPU kernel's layout (`layers.int4_layout.cpu_layout`): every array [..., rows, out]
       stored as column blocks [..., out / col_block, rows, col_block], so that a thread's columns
       are one contiguous run of memory.
     """
@@ -156,76 +155,12 @@ def _from_blocks(a: jax.Array | None) -> jax.Array | None:
     return jnp.swapaxes(a, -3, -2).reshape(*lead, rows, nb * cb)
 
 
-def _exact_f16(a: np.ndarray | None) -> bool:
-    return a is None or bool(np.all(a.astype(np.float16).astype(a.dtype) == a))
-
-
-def cpu_layout(w: Int4Weight, col_block: int = COL_BLOCK) -> Int4Weight:
-    """`w` laid out for the fused CPU kernel, the same matrix (every dequantised value unchanged):
-
-    - column blocks (`Int4Weight.col_block`): a thread's columns are one run of memory (the
-      kernel read this model's matrices at 40-43 GB/s so, 20-24 in the checkpoint layout);
-    - a `zero` array, or a zero point under an `offset`, folded into the offset
-      (`offset - zero * scale`, what both the kernel and `dequantize` add), zero point 0: GGUF
-      Q4_1's offset is then its f16 `m` again;
-    - scales and offsets in f16 when every value is one (GGUF's and GPTQ's are): 0.625 bytes a
-      weight for Q4_1, as the file has it, instead of 0.75.
-
-    A weight on several devices, or whose columns are not whole blocks, is returned as it is.
-    Done on the host in numpy at load (XLA would compile each step for each shape: 1.75 s)."""
-    if w.col_block or w.in_shards != 1 or w.out_shards != 1 or w.shape[-1] % col_block:
-        return w
-
-    def host(a):
-        return None if a is None else np.asarray(a)
-    scale, zero, offset, zero_point = host(w.scale), host(w.zero), host(w.offset), w.zero_point
-    if zero is not None or (offset is not None and w.group_zero):
-        s = scale.astype(np.float32)
-        zp = zero.astype(np.float32) if zero is not None else np.float32(w.group_zero)
-        folded = (np.float32(0) if offset is None else offset.astype(np.float32)) - zp * s
-        # a zero array stays where its fold is no f16 pair (GPTQ's zeros times f16 scales): one
-        # byte a group, not two more
-        if zero is None or (_exact_f16(scale) and _exact_f16(folded)):
-            zero, offset, zero_point = None, folded, 0
-    if scale.dtype == np.float32 and _exact_f16(scale) and _exact_f16(offset):
-        scale, offset = scale.astype(np.float16), None if offset is None else offset.astype(np.float16)
-
-    def blocks(a, like):
-        if a is None:
-            return None
-        *lead, rows, out = a.shape
-        b = np.ascontiguousarray(np.swapaxes(a.reshape(*lead, rows, out // col_block, col_block), -3, -2))
-        return jax.device_put(b, like.sharding)
-    return dataclasses.replace(w, q=blocks(host(w.q), w.q), scale=blocks(scale, w.scale), zero=blocks(zero, w.scale),
-                               offset=blocks(offset, w.scale), zero_point=zero_point, col_block=col_block)
-
-
-def with_cpu_layout(weights):
-    """`weights` (any pytree) with every `Int4Weight` on the fused kernel laid out for it
-    (`cpu_layout`); experts (inside an `ExpertWeight`) keep theirs."""
-    def relay(w):
-        return cpu_layout(w) if _is_int4(w) and w.fused_max_rows is not None else w
-    return jax.tree.map(relay, weights, is_leaf=lambda x: _is_int4(x) or isinstance(x, ExpertWeight))
-
-
 def checkpoint_layout(w: Int4Weight) -> Int4Weight:
     """A `cpu_layout` weight's arrays back in [..., rows, out] (the same matrix)."""
     if not w.col_block:
         return w
     return dataclasses.replace(w, q=_from_blocks(w.q), scale=_from_blocks(w.scale), zero=_from_blocks(w.zero),
                                offset=_from_blocks(w.offset), col_block=0)
-
-
-def take_columns(w: Int4Weight, ids: jax.Array) -> Int4Weight:
-    """The matrix's columns `ids` [T] (an unstacked weight): [rows, T] arrays in the checkpoint layout."""
-    def cols(a):
-        if a is None:
-            return None
-        if w.col_block:
-            return a[ids // w.col_block, :, ids % w.col_block].T        # [T, rows] -> [rows, T]
-        return jnp.take(a, ids, axis=-1)
-    return dataclasses.replace(w, q=cols(w.q), scale=cols(w.scale), zero=cols(w.zero), offset=cols(w.offset),
-                               col_block=0)
 
 
 def scan_layers(body, carry, xs):

@@ -22,7 +22,7 @@ the block's max|x|, near f32) and sum code * x as exact integer dot products (AV
 AVX2) instead of a convert and a float multiply-add per code and row. `int8_dot()` says whether
 this build has them; `Int4Weight.fused_int8_x` asks for it (the engine's `--dtype auto`).
 
-The engine also lays those weights out for the kernel (`layers.int4.cpu_layout`: column blocks
+The engine also lays those weights out for the kernel (`layers.int4_layout.cpu_layout`: column blocks
 of 64, f16 scales where exact), which doubles the bytes a second it reads; the tiles, which still
 take steps of more rows, copy each tile back to the checkpoint layout first (`unblock`,
 csrc/unblock.cc, in the same library).

@@ -24,7 +24,8 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.host_memory import release_freed_host_memory
 from jaxserve.layers import int4_cpu
-from jaxserve.layers.int4 import Int4Weight, with_bf16_tiles, with_cpu_layout, with_fused_kernel
+from jaxserve.layers.int4 import Int4Weight, with_bf16_tiles, with_fused_kernel
+from jaxserve.layers.int4_layout import with_cpu_layout
 from jaxserve.loader.hf_overrides import apply_hf_overrides
 from jaxserve.models.registry import get_model
 from jaxserve.sharding.mesh import make_mesh
@@ -53,8 +54,8 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
     bf16 tiles (`layers.int4.with_bf16_tiles`; XLA:CPU's bf16 dot is the faster one there) and, on
     one device, steps of at most `int4_cpu.FUSED_MAX_ROWS` rows through the fused CPU kernel
     (`layers.int4.with_fused_kernel`) when it builds here, the weights laid out for it
-    (`layers.int4.with_cpu_layout`: column blocks, f16 scales where exact). An explicit "float32" keeps f32 tiles:
-    every row's result then is independent of its batch."""
+    (`layers.int4_layout.with_cpu_layout`: column blocks, f16 scales where exact). An explicit
+    "float32" keeps f32 tiles: every row's result then is independent of its batch."""
     if dtype != "auto" or resolve_dtype(dtype, platform) != jnp.float32:     # f32 activations: CPU
         return weights
     weights = with_bf16_tiles(weights)

@@ -1,0 +1,82 @@
+"""The fused CPU kernel's weight layout for `Int4Weight` (`cpu_layout`): column blocks, zero points
+folded into the offsets, f16 scales where exact. The engine applies it at load with `--dtype auto`
+on one CPU device (`loader.cpu_matmuls_for`); `layers.int4` runs both layouts (the kernel reads the
+blocks in place, the tiles copy each tile back: `int4_cpu.unblock`) and undoes it
+(`checkpoint_layout`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.layers.experts import ExpertWeight
+from jaxserve.layers.int4 import Int4Weight
+
+COL_BLOCK = 64                # columns per block (the kernel's threads claim 64 columns at a time)
+
+
+def _exact_f16(a: np.ndarray | None) -> bool:
+    return a is None or bool(np.all(a.astype(np.float16).astype(a.dtype) == a))
+
+
+def cpu_layout(w: Int4Weight, col_block: int = COL_BLOCK) -> Int4Weight:
+    """`w` laid out for the fused CPU kernel, the same matrix (every dequantised value unchanged):
+
+    - column blocks (`Int4Weight.col_block`): a thread's columns are one run of memory (the
+      kernel read this model's matrices at 40-43 GB/s so, 20-24 in the checkpoint layout);
+    - a `zero` array, or a zero point under an `offset`, folded into the offset
+      (`offset - zero * scale`, what both the kernel and `dequantize` add), zero point 0: GGUF
+      Q4_1's offset is then its f16 `m` again;
+    - scales and offsets in f16 when every value is one (GGUF's and GPTQ's are): 0.625 bytes a
+      weight for Q4_1, as the file has it, instead of 0.75.
+
+    A weight on several devices, or whose columns are not whole blocks, is returned as it is.
+    Done on the host in numpy at load (XLA would compile each step for each shape: 1.75 s)."""
+    if w.col_block or w.in_shards != 1 or w.out_shards != 1 or w.shape[-1] % col_block:
+        return w
+
+    def host(a):
+        return None if a is None else np.asarray(a)
+    scale, zero, offset, zero_point = host(w.scale), host(w.zero), host(w.offset), w.zero_point
+    if zero is not None or (offset is not None and w.group_zero):
+        s = scale.astype(np.float32)
+        zp = zero.astype(np.float32) if zero is not None else np.float32(w.group_zero)
+        folded = (np.float32(0) if offset is None else offset.astype(np.float32)) - zp * s
+        # a zero array stays where its fold is no f16 pair (GPTQ's zeros times f16 scales): one
+        # byte a group, not two more
+        if zero is None or (_exact_f16(scale) and _exact_f16(folded)):
+            zero, offset, zero_point = None, folded, 0
+    if scale.dtype == np.float32 and _exact_f16(scale) and _exact_f16(offset):
+        scale, offset = scale.astype(np.float16), None if offset is None else offset.astype(np.float16)
+
+    def blocks(a, like):
+        if a is None:
+            return None
+        *lead, rows, out = a.shape
+        b = np.ascontiguousarray(np.swapaxes(a.reshape(*lead, rows, out // col_block, col_block), -3, -2))
+        return jax.device_put(b, like.sharding)
+    return dataclasses.replace(w, q=blocks(host(w.q), w.q), scale=blocks(scale, w.scale), zero=blocks(zero, w.scale),
+                               offset=blocks(offset, w.scale), zero_point=zero_point, col_block=col_block)
+
+
+def with_cpu_layout(weights):
+    """`weights` (any pytree) with every `Int4Weight` on the fused kernel laid out for it
+    (`cpu_layout`); experts (inside an `ExpertWeight`) keep theirs."""
+    def relay(w):
+        return cpu_layout(w) if isinstance(w, Int4Weight) and w.fused_max_rows is not None else w
+    return jax.tree.map(relay, weights, is_leaf=lambda x: isinstance(x, Int4Weight) or isinstance(x, ExpertWeight))
+
+
+def take_columns(w: Int4Weight, ids: jax.Array) -> Int4Weight:
+    """The matrix's columns `ids` [T] (an unstacked weight): [rows, T] arrays in the checkpoint layout."""
+    def cols(a):
+        if a is None:
+            return None
+        if w.col_block:
+            return a[ids // w.col_block, :, ids % w.col_block].T        # [T, rows] -> [rows, T]
+        return jnp.take(a, ids, axis=-1)
+    return dataclasses.replace(w, q=cols(w.q), scale=cols(w.scale), zero=cols(w.zero), offset=cols(w.offset),
+                               col_block=0)
