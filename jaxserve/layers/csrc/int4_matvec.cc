@@ -344,11 +344,12 @@ void run(const Problem& p, int64_t b0, int64_t b1) {
   }
 }
 
-// x's M rows (K inputs each) as the int8_x kernel takes them: per block of qb inputs the high part's scale d = max|x| / 127 and codes round(x / d), the
-// low part's scale d / 254 and codes the rounded rest (x = d hi + d / 254 lo to 1.6e-5 max|x|);
-// the group sums are of that x, so the result is that x times the weight (up to f32 sums).
-// Eight inputs (one word row r) at a time, each code stored straight into its byte of r's
-// four words (on the calling thread before the split, so it is kept vectorised).
+// x's M rows (K inputs each) as the int8_x kernel takes them: per block of qb inputs the high
+// part's scale d = max|x| / 127 and codes round(x / d), the low part's scale d / 254 and codes the
+// rounded rest (x = d hi + d / 254 lo to 1.6e-5 max|x|); the group sums are of that x, so the
+// result is that x times the weight (up to f32 sums). Eight inputs (one word row r) at a time,
+// each code stored straight into its byte of r's four words (on the calling thread before the
+// split, so it is kept vectorised).
 void prepare_int8(const float* xd0, int64_t M, int64_t K, int64_t qb, int64_t G, int64_t group_size,
                   float* xdq, int32_t* xi, float* xsum) {
   const int64_t B = K / qb, R = K / 8;
@@ -410,7 +411,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
   auto qd = q.dimensions();
   const size_t rank = sd.size(), blocked = col_block ? 1 : 0;    // rank: (L,) (N / cb,) rows, N or cb
   if (xd.size() != 2 || rank < 2 + blocked || rank > 3 + blocked || qd.size() != rank)
-    return ffi::Error::InvalidArgument("int4_matvec: x must be [M, K], the weight [(L,) rows, N] or [(L,) N / cb, rows, cb]");
+    return ffi::Error::InvalidArgument(
+        "int4_matvec: x must be [M, K], the weight [(L,) rows, N] or [(L,) N / cb, rows, cb]");
   const int64_t M = xd[0], K = xd[1], G = sd[rank - 2];
   const int64_t N = blocked ? sd[rank - 3] * col_block : sd[rank - 1];
   const int64_t L = rank == 3 + blocked ? sd[0] : 1;
