@@ -35,6 +35,12 @@ BF16_MIN_ROWS = 16
 MIN_TILE_COLS = 256           # narrowest column tile before the tile splits the input rows too
 
 
+def zero_point_of(bits: int, zero_point: int | None = None) -> int:
+    """The zero point of groups without a `zero` array: `zero_point`, by default 8 for int4
+    (symmetric codes) and 0 for int8."""
+    return (SYMMETRIC_ZERO if bits == 4 else 0) if zero_point is None else zero_point
+
+
 @dataclasses.dataclass
 class Int4Weight:
     """A [..., in, out] matrix as 4-bit codes; stacked layers (and experts) lead.
@@ -103,7 +109,7 @@ class Int4Weight:
     @property
     def group_zero(self) -> int:
         """The groups' zero point when `zero` is None."""
-        return (SYMMETRIC_ZERO if self.bits == 4 else 0) if self.zero_point is None else self.zero_point
+        return zero_point_of(self.bits, self.zero_point)
 
     @property
     def nbytes(self) -> int:
@@ -225,7 +231,7 @@ def dequantize(q, scale, zero=None, group_size: int = 128, dtype=jnp.float32, of
     g = group_size
     s = scale.astype(jnp.float32)
     bias = None
-    zp = (SYMMETRIC_ZERO if bits == 4 else 0) if zero_point is None else zero_point
+    zp = zero_point_of(bits, zero_point)
     if zero is not None:
         bias = -zero.astype(jnp.float32) * s
     elif zp:

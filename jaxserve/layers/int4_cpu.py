@@ -162,10 +162,15 @@ def int8_dot() -> str | None:
     return _INT8_DOT[0] if load() is None else None
 
 
+def _columns(scale, col_block: int) -> int:
+    """N of a [(L,) G, N] scale array, or of [(L,) N / col_block, G, col_block]."""
+    return scale.shape[-1] * (scale.shape[-3] if col_block else 1)
+
+
 def fits(q, scale, zero, offset, group_size: int, bits: int, stacked: bool, col_block: int = 0) -> bool:
     """Whether the kernel takes these arrays (else the caller uses the tiles): [(L,) rows, N], or
     with `col_block` [(L,) N / col_block, rows, col_block]; f32 or f16 scales (offsets alike)."""
-    n = scale.shape[-1] * (scale.shape[-3] if col_block else 1)
+    n = _columns(scale, col_block)
     return (bits in (4, 8) and q.ndim == 2 + stacked + bool(col_block) and scale.dtype in (jnp.float32, jnp.float16)
             and q.dtype == (jnp.int32 if bits == 4 else jnp.int8) and n % 16 == 0 and group_size % 8 == 0
             and col_block % 64 == 0 and (zero is None or zero.dtype == jnp.uint8)
@@ -179,14 +184,14 @@ def matmul(x: jax.Array, q, scale, zero, offset, layer, group_size: int, bits: i
     [L, ...] stack when `layer` is an index, else 2-D arrays) -> [M, N] f32. `load()` first (or
     `register` a build as `target`). `int8_x` (int4 codes, a build with an integer dot product):
     x as two int8 parts per block of 32 inputs. `zero_point`: the groups' zero point without a
-    `zero` array (default 8 for int4, 0 for int8); `col_block`: the arrays are column blocks
-    [(L,) N / col_block, rows, col_block] (`Int4Weight.col_block`)."""
+    `zero` array (default 8 for int4, 0 for int8, as `layers.int4.zero_point_of`); `col_block`:
+    the arrays are column blocks [(L,) N / col_block, rows, col_block] (`Int4Weight.col_block`)."""
     M = x.shape[0]
     if int8_x and (bits != 4 or (target == TARGET and int8_dot() is None)):
         raise ValueError("int8_x needs int4 codes and a kernel built with an integer dot product "
                          f"(bits={bits}, int8_dot()={int8_dot()})")
-    n = scale.shape[-1] * (scale.shape[-3] if col_block else 1)
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, n), jnp.float32), vmap_method="sequential")
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, _columns(scale, col_block)), jnp.float32),
+                            vmap_method="sequential")
     return call(x.astype(jnp.float32), q, scale,
                 jnp.zeros((0,), jnp.uint8) if zero is None else zero,
                 jnp.zeros((0,), scale.dtype) if offset is None else offset,

@@ -67,7 +67,7 @@ def with_cpu_layout(weights):
     (`cpu_layout`); experts (inside an `ExpertWeight`) keep theirs."""
     def relay(w):
         return cpu_layout(w) if isinstance(w, Int4Weight) and w.fused_max_rows is not None else w
-    return jax.tree.map(relay, weights, is_leaf=lambda x: isinstance(x, Int4Weight) or isinstance(x, ExpertWeight))
+    return jax.tree.map(relay, weights, is_leaf=lambda x: isinstance(x, (Int4Weight, ExpertWeight)))
 
 
 def take_columns(w: Int4Weight, ids: jax.Array) -> Int4Weight:
