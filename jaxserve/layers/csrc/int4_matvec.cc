@@ -20,8 +20,10 @@
 // model's 210 matrices, 20-24 GB/s the first way, 40-43 the second (benchmarks/RESULTS.md).
 // Scales and offsets are f32, or f16 (`Int4Weight` keeps f16 where every value is one: GGUF's).
 //
-// Written with GCC / Clang vector extensions and compiled with -march=native: 16-lane vectors are
-// one AVX-512 register, two AVX2 ones or four NEON ones.
+// Written with GCC / Clang vector extensions and compiled with -march=native: vectors of L lanes,
+// one register wide: 16 with AVX-512, 8 with AVX2 (GCC lowers a wider generic vector through the
+// stack, element by element: 16 lanes on an AVX2-only CPU ran ~10x slower, benchmarks/RESULTS.md),
+// 16 elsewhere (four NEON registers; not measured).
 //
 // With `int8_x` (int4 codes only), x is split per block of up to 32 inputs into two int8 parts
 // (codes at scale d = max|x| / 127, then the rounded rest at d / 254: x to 1.6e-5 of the block's
@@ -35,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -70,12 +73,15 @@ struct Problem {
   int64_t qb;            // inputs per block (32, 16 or 8: a divisor of g)
 };
 
-typedef float vf __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
+#if defined(__AVX__) && !defined(__AVX512F__)
+constexpr int L = 8;
+#else
 constexpr int L = 16;
-
-typedef _Float16 vh __attribute__((vector_size(32)));
+#endif
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef uint32_t vu __attribute__((vector_size(4 * L)));
+typedef int32_t vi __attribute__((vector_size(4 * L)));
+typedef _Float16 vh __attribute__((vector_size(2 * L)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
@@ -99,15 +105,35 @@ inline V load(const T* p) {
   return v;
 }
 
+// L int8 (uint8) codes from `c`, as f32, widened to int32 first by the x86 widening loads (GCC
+// converts a byte vector to floats, or widens it, one lane at a time).
+template <typename T>
+inline vf bytes_to_float(const T* c) {
+  constexpr bool sign = std::is_signed<T>::value;
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  return (vf)_mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+  return (vf)_mm256_cvtepi32_ps(sign ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#else
+  vi w;
+  for (int i = 0; i < L; ++i) w[i] = c[i];
+  return __builtin_convertvector(w, vf);
+#endif
+}
+
 // Element (r, n) of a [rows, N] weight array in the problem's layout: column blocks of cb columns,
 // each block's rows contiguous ([N / cb, rows, cb]); cb = N is the plain [rows, N]. Row r + i of
 // the same columns is p.cb elements on, and the columns a `group` call takes lie in one block, so
 // it computes one `at` per array (a division) and steps from there.
 inline int64_t at(const Problem& p, int64_t rows, int64_t r, int64_t n) {
-  return n / p.cb * rows * p.cb + r * p.cb + n % p.cb;
+  if (p.cb == p.N) return r * p.N + n;                         // no division where there is none
+  const int64_t blk = p.cb == 64 ? n >> 6 : n / p.cb, col = p.cb == 64 ? n & 63 : n % p.cb;
+  return blk * rows * p.cb + r * p.cb + col;
 }
 
-// 16 scales (offsets) from element `i` of `a`, as f32. f16 through the x86 conversion
+// L scales (offsets) from element `i` of `a`, as f32. f16 through the x86 conversion
 // instructions where there are some (GCC converts a _Float16 vector one lane at a time without
 // AVX512-FP16: measured 40% slower on cached matrices).
 inline vf load_scales(const Problem& p, const void* a, int64_t i) {
@@ -116,12 +142,8 @@ inline vf load_scales(const Problem& p, const void* a, int64_t i) {
 #if defined(__AVX512F__)
   return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
 #elif defined(__F16C__)
-  vf f;
-  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8)));
-  std::memcpy(&f, &lo, sizeof(lo));
-  std::memcpy(reinterpret_cast<char*>(&f) + sizeof(lo), &hi, sizeof(hi));
-  return f;
+  static_assert(L == 8, "F16C without AVX-512: one AVX register of 8 lanes");
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
 #else
   return __builtin_convertvector(load<vh>(h), vf);
 #endif
@@ -156,11 +178,7 @@ inline void epilogue(const Problem& p, int64_t gi, int64_t n0, const vf (&a)[M][
     const int64_t i = i0 + v * L;
     const vf s = load_scales(p, p.scale, i);
     vf zp = vf{} + p.sym;
-    if (p.zero) {
-      vi z;
-      for (int j = 0; j < L; ++j) z[j] = p.zero[i + j];
-      zp = __builtin_convertvector(z, vf);
-    }
+    if (p.zero) zp = bytes_to_float(p.zero + i);
     const vf b = (p.offset ? load_scales(p, p.offset, i) : vf{}) - zp * s;
     for (int m = 0; m < M; ++m) {
       float* out = p.y + m * N + n0 + v * L;
@@ -170,8 +188,8 @@ inline void epilogue(const Problem& p, int64_t gi, int64_t n0, const vf (&a)[M][
   }
 }
 
-// Group gi's contribution to columns [n0, n0 + V * 16) of y (in memory): M x V accumulators in
-// registers (M * V <= 8).
+// Group gi's contribution to columns [n0, n0 + V * L) of y (in memory): M x V accumulators in
+// registers (`vectors`).
 template <int M, int V>
 inline void group(const Problem& p, int64_t gi, int64_t n0) {
   const int64_t K = p.K, g = p.g;
@@ -185,11 +203,14 @@ inline void group(const Problem& p, int64_t gi, int64_t n0) {
       for (int v = 0; v < V; ++v) w[v] = load<vu>(qr + v * L);
       for (int j = 0; j < 8; ++j) {
         // nibble j left in place: code * 16^j (exact in f32) times x * 16^-j (p.xq) is the
-        // same product, powers of two scaling exactly, and one shift a code cheaper
-        const uint32_t mask = 0xFu << (4 * j);
+        // same product, powers of two scaling exactly, and one shift a code cheaper. The top
+        // nibble is shifted down one place (code * 16^6, times 16 x * 16^-7) so every code
+        // converts as a signed int (AVX2 has no unsigned int-to-float conversion).
+        const uint32_t mask = 0xFu << (4 * (j < 7 ? j : 6));
+        const float up = j < 7 ? 1.f : 16.f;
         for (int v = 0; v < V; ++v) {
-          const vf code = __builtin_convertvector(w[v] & mask, vf);
-          for (int m = 0; m < M; ++m) a[m][v] += p.xq[m * K + 8 * r + j] * code;
+          const vf code = __builtin_convertvector((vi)((j < 7 ? w[v] : w[v] >> 4) & mask), vf);
+          for (int m = 0; m < M; ++m) a[m][v] += (p.xq[m * K + 8 * r + j] * up) * code;
         }
       }
     }
@@ -198,11 +219,7 @@ inline void group(const Problem& p, int64_t gi, int64_t n0) {
     for (int64_t k = gi * g; k < (gi + 1) * g; ++k) {
       const int8_t* qk = q + (k - gi * g) * p.cb;
       for (int v = 0; v < V; ++v) {
-        int8_t b[L];
-        std::memcpy(b, qk + v * L, L);
-        vi c;
-        for (int i = 0; i < L; ++i) c[i] = b[i];
-        const vf code = __builtin_convertvector(c, vf);
+        const vf code = bytes_to_float(qk + v * L);
         for (int m = 0; m < M; ++m) a[m][v] += p.xq[m * K + k] * code;
       }
     }
@@ -210,7 +227,7 @@ inline void group(const Problem& p, int64_t gi, int64_t n0) {
   epilogue<M, V>(p, gi, n0, a);
 }
 
-// The integer dot product of 16 columns' packed codes with x's int8 codes: `Codes` holds word row
+// The integer dot product of L columns' packed codes with x's int8 codes: `Codes` holds word row
 // r's even inputs' codes (low nibble of each byte) and odd ones', unsigned bytes 0..15; `dot` adds
 // each column's four byte products of both to an int32 accumulator (no overflow: a block of 32
 // inputs sums to at most 32 * 15 * 127).
@@ -230,30 +247,39 @@ inline Acc dot(Acc a, const Codes& c, int32_t xlo, int32_t xhi) {
 inline vf to_float(Acc a) { return (vf)_mm512_cvtepi32_ps(a.a); }
 #elif defined(__AVX2__)
 #define JAXSERVE_INT8_DOT 2
-struct Acc { __m256i a, b; };
-struct Codes { __m256i lo0, hi0, lo1, hi1; };
-inline Acc acc_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-inline Codes codes(const int32_t* q) {
-  const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-  const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 8));
-  const __m256i m = _mm256_set1_epi32(0x0F0F0F0F);
-  return {_mm256_and_si256(w0, m), _mm256_and_si256(_mm256_srli_epi32(w0, 4), m),
-          _mm256_and_si256(w1, m), _mm256_and_si256(_mm256_srli_epi32(w1, 4), m)};
+constexpr int H = L / 8;   // AVX registers per vector: 1, or 2 with AVX-512F but no VNNI (Skylake-X)
+struct Acc { __m256i a[H]; };
+struct Codes { __m256i lo[H], hi[H]; };
+inline Acc acc_zero() {
+  Acc a;
+  for (int h = 0; h < H; ++h) a.a[h] = _mm256_setzero_si256();
+  return a;
 }
-inline __m256i dot8(__m256i a, __m256i lo, __m256i hi, __m256i xl, __m256i xh) {
-  // u8 x s8 pairs summed to int16 (at most 4 * 15 * 127 after the add), then pairs to int32
-  const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
-  return _mm256_add_epi32(a, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+inline Codes codes(const int32_t* q) {
+  const __m256i m = _mm256_set1_epi32(0x0F0F0F0F);
+  Codes c;
+  for (int h = 0; h < H; ++h) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 8 * h));
+    c.lo[h] = _mm256_and_si256(w, m);
+    c.hi[h] = _mm256_and_si256(_mm256_srli_epi32(w, 4), m);
+  }
+  return c;
 }
 inline Acc dot(Acc a, const Codes& c, int32_t xlo, int32_t xhi) {
   const __m256i xl = _mm256_set1_epi32(xlo), xh = _mm256_set1_epi32(xhi);
-  return {dot8(a.a, c.lo0, c.hi0, xl, xh), dot8(a.b, c.lo1, c.hi1, xl, xh)};
+  for (int h = 0; h < H; ++h) {
+    // u8 x s8 pairs summed to int16 (at most 4 * 15 * 127 after the add), then pairs to int32
+    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(c.lo[h], xl), _mm256_maddubs_epi16(c.hi[h], xh));
+    a.a[h] = _mm256_add_epi32(a.a[h], _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+  }
+  return a;
 }
 inline vf to_float(Acc a) {
   vf f;
-  const __m256 lo = _mm256_cvtepi32_ps(a.a), hi = _mm256_cvtepi32_ps(a.b);
-  std::memcpy(&f, &lo, sizeof(lo));
-  std::memcpy(reinterpret_cast<char*>(&f) + sizeof(lo), &hi, sizeof(hi));
+  for (int h = 0; h < H; ++h) {
+    const __m256 x = _mm256_cvtepi32_ps(a.a[h]);
+    std::memcpy(reinterpret_cast<char*>(&f) + sizeof(x) * h, &x, sizeof(x));
+  }
   return f;
 }
 #else
@@ -271,31 +297,40 @@ inline void group_int8(const Problem& p, int64_t gi, int64_t n0) {
   vf a[M][V] = {};
   prefetch_next_group<V>(p, gi, n0);
   for (int64_t b = gi * g / p.qb; b < (gi + 1) * g / p.qb; ++b) {
-    Acc hi[M][V], lo[M][V];
-    for (int m = 0; m < M; ++m)
-      for (int v = 0; v < V; ++v) hi[m][v] = lo[m][v] = acc_zero();
-    for (int64_t r = b * p.qb / 8; r < (b + 1) * p.qb / 8; ++r) {
-      for (int v = 0; v < V; ++v) {
+    // one vector of columns at a time through the block's word rows: 2 M integer accumulators
+    // live, not 2 M V (16 AVX registers would spill them)
+    for (int v = 0; v < V; ++v) {
+      Acc hi[M], lo[M];
+      for (int m = 0; m < M; ++m) hi[m] = lo[m] = acc_zero();
+      for (int64_t r = b * p.qb / 8; r < (b + 1) * p.qb / 8; ++r) {
         const Codes c = codes(q + (r - r0) * p.cb + v * L);
         for (int m = 0; m < M; ++m) {
           const int32_t* x = p.xi + 4 * (m * R + r);
-          hi[m][v] = dot(hi[m][v], c, x[0], x[1]);
-          lo[m][v] = dot(lo[m][v], c, x[2], x[3]);
+          hi[m] = dot(hi[m], c, x[0], x[1]);
+          lo[m] = dot(lo[m], c, x[2], x[3]);
         }
       }
-    }
-    for (int m = 0; m < M; ++m) {
-      const float d = p.xd[m * B + b], d_lo = d * (1.f / 254.f);
-      for (int v = 0; v < V; ++v) a[m][v] += d * to_float(hi[m][v]) + d_lo * to_float(lo[m][v]);
+      for (int m = 0; m < M; ++m) {
+        const float d = p.xd[m * B + b], d_lo = d * (1.f / 254.f);
+        a[m][v] += d * to_float(hi[m]) + d_lo * to_float(lo[m]);
+      }
     }
   }
   epilogue<M, V>(p, gi, n0, a);
 }
 #endif
 
-// Vectors of 16 columns per `group` call: its 2 M V accumulators fit the registers.
+// Vectors of L columns per `group` call, so that its accumulators fit the registers (32 AVX-512
+// ones: M V for f32 x, 2 M V for int8 x; 16 AVX ones: M V <= 8, 2 M V <= 8).
 template <int M>
-constexpr int vectors() { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
+constexpr int vectors() {
+  if constexpr (L == 16) return M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  return M <= 1 ? 8 : M <= 2 ? 4 : M <= 4 ? 2 : 1;
+}
+template <int M>
+constexpr int int8_vectors() {
+  return vectors<M>();
+}
 
 // Group gi's contribution to columns [c0, c1) (within one column block), V vectors at a time.
 template <int M>
@@ -304,7 +339,8 @@ inline void columns(const Problem& p, int64_t gi, int64_t c0, int64_t c1) {
   int64_t c = c0;
 #if JAXSERVE_INT8_DOT
   if (p.xi) {
-    for (; c + V * L <= c1; c += V * L) group_int8<M, V>(p, gi, c);
+    constexpr int V8 = int8_vectors<M>();
+    for (; c + V8 * L <= c1; c += V8 * L) group_int8<M, V8>(p, gi, c);
     for (; c < c1; c += L) group_int8<M, 1>(p, gi, c);
     return;
   }
