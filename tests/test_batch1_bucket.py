@@ -1,6 +1,7 @@
-"""Batch 1: a lone decode token runs in a 2-token step program (not 16 tokens through the
-layers, the attention rows and the sampler; not 1, which XLA:CPU runs slowly), and gives the
-greedy tokens the 16-token program gives (the same request decoding beside others)."""
+"""Batch 1 and 2: a lone decode token runs in a 1-token step program, two in a 2-token one (not
+16 tokens through the layers, the attention rows and the sampler), and they give the greedy
+tokens the 16-token program gives (the same request decoding beside others). The 1-token step
+writes the KV cache in place (XLA:CPU copies the whole pool for a one-element scatter)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,23 @@ PROMPT = "The history of the printing press begins in the fifteenth century, whe
 OTHERS = ["A river begins as rain on high ground.", "def merge_sort(items):"]
 
 
-def test_buckets_start_with_two_tokens():
-    assert token_buckets(2048) == [2, 16, 32, 64, 128, 256, 512, 1024, 2048]
-    assert token_buckets(8) == [2, 8] and token_buckets(2) == [2] and token_buckets(1) == [1]
+def test_buckets_start_with_one_and_two_tokens():
+    assert token_buckets(2048) == [1, 2, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert token_buckets(8) == [1, 2, 8] and token_buckets(2) == [1, 2] and token_buckets(1) == [1]
+    # speculative decoding: a lone request's step keeps a free draft slot in the 2-token bucket
+    assert token_buckets(2048, one_token=False)[:2] == [2, 16] and token_buckets(2, one_token=False) == [2]
 
 
-def test_lone_decode_uses_the_two_token_program_and_keeps_greedy_tokens(llm):
+def test_one_token_step_writes_the_kv_cache_in_place(llm):
+    """No copy of the KV pool in the compiled 1-token program (it would cost seconds a step)."""
+    runner = llm.llm_engine.runner
+    hlo = runner._executable(1, False).as_text()
+    pool = "[" + ",".join(map(str, runner.cache.k.shape)) + "]"
+    copies = [ln for ln in hlo.splitlines() if " copy(" in ln and pool in ln.split("=", 1)[-1].split(" ", 2)[1]]
+    assert not copies, copies[:2]
+
+
+def test_lone_decode_uses_the_one_token_program_and_keeps_greedy_tokens(llm):
     runner = llm.llm_engine.runner
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     seen = []
@@ -31,13 +43,17 @@ def test_lone_decode_uses_the_two_token_program_and_keeps_greedy_tokens(llm):
         alone = llm.generate(PROMPT, sp, use_tqdm=False)[0].outputs[0].token_ids
         alone_steps, seen[:] = list(seen), []
         batched = llm.generate([PROMPT] + OTHERS, sp, use_tqdm=False)[0].outputs[0].token_ids
+        batched_steps, seen[:] = list(seen), []
+        pair = llm.generate([PROMPT, OTHERS[0]], sp, use_tqdm=False)[0].outputs[0].token_ids
+        pair_steps = list(seen)
     finally:
         del runner.run_model
-    assert alone_steps.count(2) == 23            # every decode step after the prefill
-    assert 2 not in seen                         # three rows decode in the 16-token program
-    assert alone == batched
-    # Prompt logprobs never run in the 2-token program: a 1-token prompt scores in bucket 16.
+    assert alone_steps.count(1) == 23            # every decode step after the prefill
+    assert 1 not in batched_steps and 2 not in batched_steps   # three rows: the 16-token program
+    assert 2 in pair_steps and 1 not in pair_steps
+    assert alone == batched == pair
+    # Prompt logprobs never run in the 1- or 2-token programs: a 1-token prompt scores in bucket 16.
     out = llm.generate({"prompt_token_ids": [1]}, SamplingParams(max_tokens=2, prompt_logprobs=1),
                        use_tqdm=False)[0]
     assert out.prompt_logprobs == [None]
-    assert (2, True) not in runner.compiled_programs
+    assert (1, True) not in runner.compiled_programs and (2, True) not in runner.compiled_programs

@@ -54,14 +54,14 @@ def test_start_up_says_loaded_from_the_compilation_cache_or_compiled(tmp_path):
         return [line for line in out.stderr.splitlines() if "program" in line]
 
     cold, warm = start(), start()
-    # token buckets 2 and 16 for max_num_batched_tokens=16: 16 with and without prompt logprobs,
-    # 2 without (worker/model_runner.py)
+    # token buckets 1, 2 and 16 for max_num_batched_tokens=16: 16 with and without prompt
+    # logprobs, 1 and 2 without (worker/model_runner.py)
     steps = [line for line in cold if line.startswith("step program")]
-    assert len(steps) == 3 and all(line.endswith("s)") and ", compiled (" in line for line in steps), cold
-    assert "0 loaded from the compilation cache, 3 compiled" in cold[-1]
+    assert len(steps) == 4 and all(line.endswith("s)") and ", compiled (" in line for line in steps), cold
+    assert "0 loaded from the compilation cache, 4 compiled" in cold[-1]
     steps = [line for line in warm if line.startswith("step program")]
-    assert len(steps) == 3 and all(", loaded from the compilation cache (" in line for line in steps), warm
-    assert "(3 model programs: 3 loaded from the compilation cache, 0 compiled)" in warm[-1]
+    assert len(steps) == 4 and all(", loaded from the compilation cache (" in line for line in steps), warm
+    assert "(4 model programs: 4 loaded from the compilation cache, 0 compiled)" in warm[-1]
 
 
 def test_the_load_line_says_fp8_when_quantizing(caplog):

@@ -192,7 +192,7 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
     else:
         out, pages = _attend_rows(qf, out, pages, tables, _token_rows(meta, T),
                                   rows_per_step=min(_TOKEN_ROWS, T), **opts)
-        if T >= _SHORT:      # else no chunk is long enough for a tile (the 2-token bucket)
+        if T >= _SHORT:      # else no chunk is long enough for a tile (the 1- and 2-token buckets)
             out, pages = _attend_rows(qf, out, pages, tables, _tile_rows(meta, T, min(_TILE, T)),
                                       rows_per_step=_TILE_ROWS, **opts)
     out = out.reshape(T, H, D).astype(q.dtype)

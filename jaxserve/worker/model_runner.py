@@ -5,9 +5,10 @@ token ids and logprobs.
 The runner never sees the scheduler's `Request` objects: what it knows about a request comes
 from the SchedulerOutput (`new_request` rows, finished / preempted ids) and from what it sampled
 itself (`InputBatch`). Shapes are padded to a fixed set of token buckets (powers of two up to
-max_num_batched_tokens, after a 2-token bucket for batch-1 decode; the sequence dimension
-follows the token bucket), and every program a step can need (two variants per bucket: with
-and without prompt logprobs, except the 2-token one; the penalty-row write) is compiled in
+max_num_batched_tokens, after 1- and 2-token buckets for batch-1 and batch-2 decode; the
+sequence dimension follows the token bucket), and every program a step can need (two variants
+per bucket: with and without prompt logprobs, except the 1- and 2-token ones; the penalty-row
+write) is compiled in
 `warmup()`, so no XLA compilation happens while serving.
 """
 
@@ -40,11 +41,15 @@ from jaxserve.worker.step_inputs import StepInputs, build_inputs
 logger = logging.getLogger(__name__)
 
 
-def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
-    """2 (a lone decode token: batch 1 does no work for 14 more padding tokens), then powers of
-    two from `smallest` up to max_tokens. Not 1: on XLA:CPU a 1-token step copies the KV cache in
-    its one-element scatter (measured 3 s vs 86 ms for 2 tokens and 149 ms for 16, 256 blocks)."""
-    buckets, b = [2] if max_tokens > 2 else [], smallest
+def token_buckets(max_tokens: int, smallest: int = 16, one_token: bool = True) -> list[int]:
+    """1 and 2 (batch-1 and batch-2 decode: no work for padding tokens through the layers, the
+    attention rows and the sampler), then powers of two from `smallest` up to max_tokens. (The
+    1-token step writes the KV cache with a second, dropped index: XLA:CPU copies the whole pool
+    for a one-element scatter, 3 s a step: attention/kv_cache.py's `write`.)
+    one_token=False (speculative decoding) leaves out 1: a lone request's decode step then has
+    room for one draft at no extra cost (`Proposer.fit`'s free room), as before the 1-token
+    bucket existed."""
+    buckets, b = [t for t in ((1, 2) if one_token else (2,)) if t < max_tokens], smallest
     while b < max_tokens:
         buckets.append(b)
         b *= 2
@@ -113,7 +118,8 @@ class ModelRunner:
         self.num_blocks = cache_config.num_blocks
         self.max_seqs = scheduler_config.max_num_seqs
         self.max_blocks_per_seq = -(-scheduler_config.max_model_len // self.block_size)
-        self.buckets = token_buckets(scheduler_config.max_num_batched_tokens)
+        self.buckets = token_buckets(scheduler_config.max_num_batched_tokens,
+                                     one_token=not num_speculative_tokens)
         self.max_logprobs = max_logprobs
         # Speculative decoding: each sampling request may verify this many drafts in a step.
         self.num_spec = num_speculative_tokens
@@ -200,10 +206,11 @@ class ModelRunner:
                            with_prompt_logprobs)
 
     def _variant_bucket(self, bucket: int, with_prompt_logprobs: bool) -> int:
-        """The 2-token bucket is compiled for plain decode only: a step of 1-2 tokens that scores
-        a prompt (rare) runs in the next bucket, which saves compiling a program for it."""
-        if bucket == 2 and with_prompt_logprobs and len(self.buckets) > 1:
-            return self.buckets[1]
+        """The 1- and 2-token buckets are compiled for plain decode only: a step of 1-2 tokens
+        that scores a prompt (rare) runs in the next bucket, which saves compiling programs for it."""
+        bigger = [b for b in self.buckets if b > 2]
+        if bucket <= 2 and with_prompt_logprobs and bigger:
+            return bigger[0]
         return bucket
 
     def _sample_rows(self, token_bucket: int) -> int:
