@@ -6,6 +6,7 @@ attended in one chunk or several; and where "auto" picks it."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import jax
@@ -42,6 +43,32 @@ def test_every_kernel_case_matches_the_oracle(name):
     assert not np.asarray(got[int(meta.cu_q_lens[-1]):]).any()       # padding tokens stay zero
     f32_pages = case.kv == "auto" and case.dtype == "float32"
     assert (int4_cpu.ATTENTION_TARGET in text) == f32_pages, "the kernel takes f32 K/V pages only"
+
+
+@pytest.fixture(scope="module")
+def avx2_target():
+    """The kernel compiled without AVX-512 (8-lane vectors), registered under its own name: the
+    AVX2 path is checked whatever this CPU's best build is."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            if " avx2" not in f.read():
+                pytest.skip("no AVX2 on this CPU")
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    lib = ctypes.CDLL(str(int4_cpu.build(int4_cpu._compiler(), ("-mno-avx512f",))))
+    jax.ffi.register_ffi_target("jaxserve_paged_attention_avx2", jax.ffi.pycapsule(lib.JaxservePagedAttention),
+                                platform="cpu")
+    return "jaxserve_paged_attention_avx2"
+
+
+@pytest.mark.parametrize("name", ["decode_only", "prefill_chunk_on_prefix", "mixed_empty_rows_padding_gqa8",
+                                  "gqa_ratio_3_padded_heads", "head_dim_256", "window_and_cap_b32"])
+def test_the_avx2_build_matches_the_oracle(name, avx2_target, monkeypatch):
+    monkeypatch.setattr(int4_cpu, "ATTENTION_TARGET", avx2_target)
+    case = dataclasses.replace(CASES[name], kv="auto", dtype="float32")
+    got, want, text, _ = _run(case, seed=sum(map(ord, name)))
+    assert avx2_target in text
+    assert max_err(got, want) <= TOL[case.dtype], name
 
 
 @pytest.mark.parametrize("name", list(MANY_ROWS))

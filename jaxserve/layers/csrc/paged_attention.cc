@@ -68,8 +68,14 @@ inline float exp_neg(float x) {
   return x <= -87.f ? 0.f : out;
 }
 
-typedef float vf __attribute__((vector_size(64)));
+// Vectors of L lanes, one register wide: 16 with AVX-512 (and off x86), 8 with AVX2 (GCC lowers
+// a wider generic vector through the stack; int4_matvec.cc measured ~10x).
+#if defined(__AVX__) && !defined(__AVX512F__)
+constexpr int L = 8;
+#else
 constexpr int L = 16;
+#endif
+typedef float vf __attribute__((vector_size(4 * L)));
 
 inline vf load(const float* p) {
   vf v;
@@ -77,10 +83,23 @@ inline vf load(const float* p) {
   return v;
 }
 
-// r[m] = the sum of v[m]'s 16 lanes, for 16 vectors at once: a tree of shuffles and adds that
-// pairs every vector's lanes the same way (l + 8, then + 4, + 2, + 1), so a sum never depends on
-// which slot its vector had.
-inline vf reduce16(const vf* v) {
+// r[m] = the sum of v[m]'s L lanes, for L vectors at once: a tree of shuffles and adds that
+// pairs every vector's lanes the same way (l + L / 2, then ..., + 2, + 1), so a sum never depends
+// on which slot its vector had.
+#if defined(__AVX__) && !defined(__AVX512F__)
+inline vf reduce(const vf* v) {
+  vf x[4], y[2];
+  for (int k = 0; k < 4; ++k)
+    x[k] = __builtin_shufflevector(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * k], v[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int k = 0; k < 2; ++k)
+    y[k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(x[2 * k], x[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#else
+inline vf reduce(const vf* v) {
   vf w[8], x[4], y[2];
   for (int k = 0; k < 8; ++k)
     w[k] = __builtin_shufflevector(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -94,17 +113,18 @@ inline vf reduce16(const vf* v) {
   return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#endif
 
-// Scores of query q [D] against 16 K rows: each a product per lane over D / 16 chunks, then one
-// reduce16 (D a multiple of 16). Rows past the context are a row of zeros.
-inline vf scores16(const float* q, const float* const* rows, int64_t D) {
+// Scores of query q [D] against L K rows: each a product per lane over D / L chunks, then one
+// reduce (D a multiple of L). Rows past the context are a row of zeros.
+inline vf scores(const float* q, const float* const* rows, int64_t D) {
   vf acc[L];
   for (int m = 0; m < L; ++m) {
     vf a = load(q) * load(rows[m]);
     for (int64_t c = L; c < D; c += L) a += load(q + c) * load(rows[m] + c);
     acc[m] = a;
   }
-  return reduce16(acc);
+  return reduce(acc);
 }
 
 // One token's one kv head: scores of its G query heads over the context, softmax, values.
@@ -128,7 +148,7 @@ void attend(const Attn& a, int64_t t, int64_t kh, std::vector<float>& s) {
     }
   };
   if (D % L == 0) {
-    // 16 positions at a time (their row pointers gathered by the page walk)
+    // L positions at a time (their row pointers gathered by the page walk)
     static const std::vector<float> zeros(1024);
     std::vector<float> pad;
     const float* zero = zeros.data();
@@ -139,7 +159,7 @@ void attend(const Attn& a, int64_t t, int64_t kh, std::vector<float>& s) {
     auto flush = [&]() {
       for (int m = filled; m < L; ++m) rows[m] = zero;
       for (int64_t g = 0; g < G; ++g) {
-        const vf sc = scores16(q + g * D, rows, D);
+        const vf sc = scores(q + g * D, rows, D);
         for (int m = 0; m < filled; ++m) s[g * n + start + m] = sc[m];
       }
       start += filled;
