@@ -7,6 +7,8 @@ GGUF, f32), and where a decode step's time goes.
                                                               # also this tree under other XLA flags
     python benchmarks/bench_batch1.py --batch 64 --llama-cpp /tmp/peer/venv/bin/python:/tmp/peer/smol-f32.gguf
                                                               # and llama.cpp (peers/batched.py), A B A B
+    python benchmarks/bench_batch1.py --context 4000 --against REV
+                                                              # decode after a 4000-token prompt
 
 For each tree (a subprocess with that tree on PYTHONPATH; `--against` extracts REV with
 `git archive` into a temporary folder) it loads `LLM()` with default flags (warm-up off: only the
@@ -125,6 +127,9 @@ def run_tree(tree: str, args, xla_flags: str | None = None) -> dict:
     if xla_flags is not None:       # a variant: these XLA flags after the environment's own
         env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()
     prompts = peer_prompts(args.batch) if args.batch > 1 or args.llama_cpp else [PROMPT]
+    if args.context:      # token ids from the middle of the vocabulary, different per sequence
+        prompts = [{"prompt_token_ids": [(i * 7919 + 31 * b) % 40000 + 100 for i in range(args.context)]}
+                   for b in range(args.batch)]
     cfg = dict(tokens=args.tokens, repeats=args.repeats, prompts=prompts, profile=args.profile)
     p = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(cfg)], env=env, cwd=tree,
                        capture_output=True, text=True)
@@ -155,12 +160,15 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the systems")
+    ap.add_argument("--context", type=int, default=0, metavar="N",
+                    help="prompts of N token ids each (a long context for decode attention) in place of the text")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--xla-flags", action="append", default=[], metavar="NAME=FLAGS",
                     help="also this tree with these XLA_FLAGS added (repeatable), A B A B")
     args = ap.parse_args()
-    if args.llama_cpp and (args.tokens != 64 or ":" not in args.llama_cpp):
-        ap.error("--llama-cpp takes PYTHON:GGUF, and batched.py generates 64 tokens (--tokens 64)")
+    if args.llama_cpp and (args.tokens != 64 or ":" not in args.llama_cpp or args.context):
+        ap.error("--llama-cpp takes PYTHON:GGUF, and batched.py generates 64 tokens (--tokens 64) "
+                 "from its own prompts (no --context)")
     here = str(Path(__file__).resolve().parent.parent)
     trees = {"this tree": here}
     if args.against:
