@@ -150,6 +150,7 @@ def max_err(a, b):
 SMALL = BlockSizes(q_rows=16, kv_tokens=16)   # many tiles and chunks even on tiny shapes
 CASES = {
     "decode_only": Case(q_lens=(1, 1, 1, 1), ctx=(5, 40, 16, 99), T=8, S=6),
+    "lone_decode_token_bucket_1": Case(q_lens=(1,), ctx=(37,), T=1, S=1),    # batch-1 decode's step
     "prefill_only_mha_b32": Case(q_lens=(17, 33), ctx=(0, 0), T=64, S=2, B=32, K=2, G=1,
                                  D=128, M=4),
     "prefill_chunk_on_prefix": Case(q_lens=(24,), ctx=(45,), T=32, S=2, blocks=SMALL),
