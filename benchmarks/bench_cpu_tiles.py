@@ -5,7 +5,9 @@ quality and speed on the default model (its GGUF kept quantized), in one run.
 
 With `--dtype auto` on CPU the activations stay f32, but a matmul over 16 rows or more (batched
 decode, prefill) rounds its rows to bf16 and dequantizes each weight tile to bf16, accumulating in
-f32 (`layers.int4.with_bf16_tiles`); `--dtype float32` keeps f32 tiles at every size.
+f32 (`layers.int4.with_bf16_tiles`), where the CPU multiplies bf16 in hardware (else f32 tiles:
+`loader.bf16_tiles_pay`; this benchmark sets JAXSERVE_CPU_BF16_TILES=1 to measure them anyway);
+`--dtype float32` keeps f32 tiles at every size.
 
 Quality (the issue's bar for a faster default dtype): perplexity over the held-out set
 benchmarks/data/heldout_fp8.jsonl (per text and overall, ratio to f32 tiles), and teacher-forced
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -39,7 +42,8 @@ from test_kv_cache_dtypes import PROMPTS  # noqa: E402  (one fixed prompt set)
 from jaxserve import LLM, SamplingParams  # noqa: E402
 
 HELDOUT = Path(__file__).resolve().parent / "data" / "heldout_fp8.jsonl"
-ENGINES = {"f32 tiles (--dtype float32)": "float32", "bf16 tiles from 16 rows (--dtype auto, the CPU default)": "auto"}
+ENGINES = {"f32 tiles (--dtype float32)": "float32",
+           "bf16 tiles from 16 rows (--dtype auto, JAXSERVE_CPU_BF16_TILES=1)": "auto"}
 
 
 def prefill_s(llm: LLM, b: int) -> float:
@@ -88,6 +92,7 @@ def main() -> None:
     ap.add_argument("--no-quality", action="store_true")
     a = ap.parse_args()
     big = max(a.batches + [64])
+    os.environ["JAXSERVE_CPU_BF16_TILES"] = "1"     # bf16 tiles whatever this CPU's default
     engines = {name: LLM(dtype=dtype, max_num_seqs=big, max_model_len=1024, max_num_batched_tokens=1024,
                          enable_prefix_caching=False, num_gpu_blocks_override=big * 256 // 16 + 16)
                for name, dtype in ENGINES.items()}

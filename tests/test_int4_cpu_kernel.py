@@ -206,8 +206,9 @@ def test_gradients_through_the_kernel_are_the_tiles_gradients():
     _close(gw.offset, rw.offset)
 
 
-def test_the_cpu_default_dtype_turns_the_kernel_on_for_one_device_only():
+def test_the_cpu_default_dtype_turns_the_kernel_on_for_one_device_only(monkeypatch):
     from jaxserve.loader.loader import cpu_matmuls_for
+    monkeypatch.setenv("JAXSERVE_CPU_BF16_TILES", "1")      # bf16 tiles whatever this CPU
     w = {"w": _weight(np.random.default_rng(4), 64, 16, 32, "offset"), "dense": jnp.ones(3)}
     on = cpu_matmuls_for(w, "auto", 1, platform="cpu")["w"]
     assert on.fused_max_rows == int4_cpu.FUSED_MAX_ROWS and on.bf16_min_rows == int4_layer.BF16_MIN_ROWS
@@ -229,6 +230,7 @@ def test_no_compiler_or_a_failed_build_falls_back_to_the_tiles_with_the_reason(m
     assert build().startswith("the kernel did not build")
     assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("tmp*"))
     monkeypatch.setattr(int4_cpu, "load", lambda: "no C++ compiler found (set CXX)")
+    monkeypatch.setenv("JAXSERVE_CPU_BF16_TILES", "1")
     w = {"w": _weight(np.random.default_rng(5), 64, 16, 32, "offset")}
     with caplog.at_level(logging.INFO, logger=loader.__name__):
         out = loader.cpu_matmuls_for(w, "auto", 1, platform="cpu")

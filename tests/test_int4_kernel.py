@@ -94,12 +94,25 @@ def test_bf16_tiles_from_min_rows_and_f32_below(bits, in_shards):
         assert float(jnp.abs(y - ref).max()) < 0.01 * float(jnp.abs(ref).max())
 
 
-def test_the_cpu_default_dtype_takes_bf16_tiles_and_float32_does_not():
-    from jaxserve.loader.loader import cpu_matmuls_for
+def test_the_cpu_default_dtype_takes_bf16_tiles_where_they_pay_and_float32_does_not(monkeypatch):
+    from jaxserve.layers import int4_cpu
+    from jaxserve.loader.loader import bf16_tiles_pay, cpu_matmuls_for
     w = _random_weight(np.random.default_rng(1), 64, 16, 32, False, False)
+    monkeypatch.setattr(int4_cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert bf16_tiles_pay()
     assert cpu_matmuls_for(w, "auto", platform="cpu").bf16_min_rows == int4_layer.BF16_MIN_ROWS
     assert cpu_matmuls_for(w, "float32", platform="cpu").bf16_min_rows is None
     assert cpu_matmuls_for(w, "auto", platform="gpu").bf16_min_rows is None     # bf16 activations there already
+    # an x86 CPU without bf16 multiplies (AVX2 only: bf16 tiles measured slower): f32 tiles
+    monkeypatch.setattr(int4_cpu, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    assert not bf16_tiles_pay() and cpu_matmuls_for(w, "auto", platform="cpu").bf16_min_rows is None
+    monkeypatch.setenv("JAXSERVE_CPU_BF16_TILES", "1")                          # the override
+    assert cpu_matmuls_for(w, "auto", platform="cpu").bf16_min_rows == int4_layer.BF16_MIN_ROWS
+    monkeypatch.setenv("JAXSERVE_CPU_BF16_TILES", "0")
+    monkeypatch.setattr(int4_cpu, "cpu_flags", lambda: None)                   # not x86 Linux
+    assert cpu_matmuls_for(w, "auto", platform="cpu").bf16_min_rows is None
+    monkeypatch.delenv("JAXSERVE_CPU_BF16_TILES")
+    assert cpu_matmuls_for(w, "auto", platform="cpu").bf16_min_rows == int4_layer.BF16_MIN_ROWS
 
 
 def test_int4_matmul_never_materialises_the_whole_matrix():

@@ -76,6 +76,24 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> frozenset[str] | None:
+    """The x86 feature flags of /proc/cpuinfo, or None where there is no such line (not x86 Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def native_bf16() -> bool | None:
+    """Whether this CPU multiplies bf16 in hardware (x86: AVX512-BF16 or AMX-BF16); None: unknown."""
+    flags = cpu_flags()
+    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
 def _cache_dir() -> Path:
     return Path(os.path.expanduser(os.environ.get("JAXSERVE_KERNEL_CACHE", "~/.cache/jaxserve/kernels")))
 

@@ -48,17 +48,32 @@ def resolve_dtype(dtype: str, platform: str | None = None):
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}") from None
 
 
+def bf16_tiles_pay() -> bool:
+    """Whether XLA:CPU's bf16 tiles beat f32 ones here: where the CPU multiplies bf16 itself
+    (AVX512-BF16 or AMX-BF16: prefill of 64 prompts 1.44x on a Zen 4), not on an x86 CPU without
+    (a Zen 3 with AVX2 only: 0.77x, batch 64 1.00x; benchmarks/RESULTS.md). Unknown flags (not x86
+    Linux): bf16 tiles. JAXSERVE_CPU_BF16_TILES=1 or 0 decides instead."""
+    forced = os.environ.get("JAXSERVE_CPU_BF16_TILES")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return int4_cpu.native_bf16() is not False
+
+
 def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None = None):
     """`weights` as the engine runs them with `--dtype dtype` on `devices` devices: with "auto" on
     CPU (f32 activations), quantized weights take batches of `BF16_MIN_ROWS` rows or more through
-    bf16 tiles (`layers.int4.with_bf16_tiles`; XLA:CPU's bf16 dot is the faster one there) and, on
+    bf16 tiles where they pay (`bf16_tiles_pay`; `layers.int4.with_bf16_tiles`) and, on
     one device, steps of at most `int4_cpu.FUSED_MAX_ROWS` rows through the fused CPU kernel
     (`layers.int4.with_fused_kernel`) when it builds here, the weights laid out for it
     (`layers.int4_layout.with_cpu_layout`: column blocks, f16 scales where exact). An explicit
     "float32" keeps f32 tiles: every row's result then is independent of its batch."""
     if dtype != "auto" or resolve_dtype(dtype, platform) != jnp.float32:     # f32 activations: CPU
         return weights
-    weights = with_bf16_tiles(weights)
+    if bf16_tiles_pay():
+        weights = with_bf16_tiles(weights)
+    elif any(isinstance(w, Int4Weight) for w in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, Int4Weight))):
+        logger.info("quantized matmuls of many rows keep f32 tiles: this CPU has no bf16 multiplies "
+                    "(JAXSERVE_CPU_BF16_TILES=1 takes bf16 tiles)")
     if devices == 1 and any(isinstance(w, Int4Weight) for w in jax.tree.leaves(
             weights, is_leaf=lambda x: isinstance(x, Int4Weight))):
         why = int4_cpu.load()
