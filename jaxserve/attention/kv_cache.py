@@ -114,7 +114,8 @@ def write(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array | None,
     rows = jnp.where(in_layer, layer * N + slot_mapping // B, L * N)   # L * N: dropped
     offs = slot_mapping % B
 
-    if slot_mapping.shape[0] == 1:
+    one = slot_mapping.shape[0] == 1
+    if one:
         # One token (the batch-1 decode bucket): XLA:CPU turns a one-element scatter (or an
         # update slice) into a copy of the whole pool every step; a second, dropped index keeps
         # it the in-place scatter of the 2-token steps.
@@ -122,8 +123,8 @@ def write(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array | None,
 
     def put(pages, new):
         flat = layer_view(pages)
-        if new.shape[0] != rows.shape[0]:
-            new = jnp.concatenate([new, new], axis=0)
+        if one:
+            new = jnp.concatenate([new, new], axis=0)       # the second row is dropped
         flat = flat.at[rows, offs].set(new.astype(flat.dtype), mode="drop")
         return flat.reshape(pages.shape)
 

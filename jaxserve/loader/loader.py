@@ -69,13 +69,14 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
     "float32" keeps f32 tiles: every row's result then is independent of its batch."""
     if dtype != "auto" or resolve_dtype(dtype, platform) != jnp.float32:     # f32 activations: CPU
         return weights
+    quantized = any(isinstance(w, Int4Weight) for w in jax.tree.leaves(
+        weights, is_leaf=lambda x: isinstance(x, Int4Weight)))
     if bf16_tiles_pay():
         weights = with_bf16_tiles(weights)
-    elif any(isinstance(w, Int4Weight) for w in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, Int4Weight))):
+    elif quantized:
         logger.info("quantized matmuls of many rows keep f32 tiles: this CPU has no bf16 multiplies "
                     "(JAXSERVE_CPU_BF16_TILES=1 takes bf16 tiles)")
-    if devices == 1 and any(isinstance(w, Int4Weight) for w in jax.tree.leaves(
-            weights, is_leaf=lambda x: isinstance(x, Int4Weight))):
+    if devices == 1 and quantized:
         why = int4_cpu.load()
         if why is None:
             dot = int4_cpu.int8_dot()
