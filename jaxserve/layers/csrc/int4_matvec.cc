@@ -21,9 +21,7 @@
 // Scales and offsets are f32, or f16 (`Int4Weight` keeps f16 where every value is one: GGUF's).
 //
 // Written with GCC / Clang vector extensions and compiled with -march=native: vectors of L lanes,
-// one register wide: 16 with AVX-512, 8 with AVX2 (GCC lowers a wider generic vector through the
-// stack, element by element: 16 lanes on an AVX2-only CPU ran ~10x slower, benchmarks/RESULTS.md),
-// 16 elsewhere (four NEON registers; not measured).
+// one register wide (simd.h).
 //
 // With `int8_x` (int4 codes only), x is split per block of up to 32 inputs into two int8 parts
 // (codes at scale d = max|x| / 127, then the rounded rest at d / 254: x to 1.6e-5 of the block's
@@ -44,6 +42,8 @@
 #endif
 
 #include "claims.h"
+#include "int8_dot.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -73,12 +73,8 @@ struct Problem {
   int64_t qb;            // inputs per block (32, 16 or 8: a divisor of g)
 };
 
-#if defined(__AVX__) && !defined(__AVX512F__)
-constexpr int L = 8;
-#else
-constexpr int L = 16;
-#endif
-typedef float vf __attribute__((vector_size(4 * L)));
+using jaxserve::L;
+using jaxserve::vf;
 typedef uint32_t vu __attribute__((vector_size(4 * L)));
 typedef int32_t vi __attribute__((vector_size(4 * L)));
 typedef _Float16 vh __attribute__((vector_size(2 * L)));
@@ -109,13 +105,12 @@ inline V load(const T* p) {
 // converts a byte vector to floats, or widens it, one lane at a time).
 template <typename T>
 inline vf bytes_to_float(const T* c) {
-  constexpr bool sign = std::is_signed<T>::value;
 #if defined(__AVX512F__)
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-  return (vf)_mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+  return (vf)_mm512_cvtepi32_ps(std::is_signed<T>::value ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 #elif defined(__AVX2__)
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
-  return (vf)_mm256_cvtepi32_ps(sign ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  return (vf)_mm256_cvtepi32_ps(std::is_signed<T>::value ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
 #else
   vi w;
   for (int i = 0; i < L; ++i) w[i] = c[i];
@@ -227,66 +222,14 @@ inline void group(const Problem& p, int64_t gi, int64_t n0) {
   epilogue<M, V>(p, gi, n0, a);
 }
 
-// The integer dot product of L columns' packed codes with x's int8 codes: `Codes` holds word row
-// r's even inputs' codes (low nibble of each byte) and odd ones', unsigned bytes 0..15; `dot` adds
-// each column's four byte products of both to an int32 accumulator (no overflow: a block of 32
-// inputs sums to at most 32 * 15 * 127).
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define JAXSERVE_INT8_DOT 1
-struct Acc { __m512i a; };
-struct Codes { __m512i lo, hi; };
-inline Acc acc_zero() { return {_mm512_setzero_si512()}; }
-inline Codes codes(const int32_t* q) {
-  const __m512i w = _mm512_loadu_si512(q), m = _mm512_set1_epi32(0x0F0F0F0F);
-  return {_mm512_and_si512(w, m), _mm512_and_si512(_mm512_srli_epi32(w, 4), m)};
-}
-inline Acc dot(Acc a, const Codes& c, int32_t xlo, int32_t xhi) {
-  a.a = _mm512_dpbusd_epi32(a.a, c.lo, _mm512_set1_epi32(xlo));
-  return {_mm512_dpbusd_epi32(a.a, c.hi, _mm512_set1_epi32(xhi))};
-}
-inline vf to_float(Acc a) { return (vf)_mm512_cvtepi32_ps(a.a); }
-#elif defined(__AVX2__)
-#define JAXSERVE_INT8_DOT 2
-constexpr int H = L / 8;   // AVX registers per vector: 1, or 2 with AVX-512F but no VNNI (Skylake-X)
-struct Acc { __m256i a[H]; };
-struct Codes { __m256i lo[H], hi[H]; };
-inline Acc acc_zero() {
-  Acc a;
-  for (int h = 0; h < H; ++h) a.a[h] = _mm256_setzero_si256();
-  return a;
-}
-inline Codes codes(const int32_t* q) {
-  const __m256i m = _mm256_set1_epi32(0x0F0F0F0F);
-  Codes c;
-  for (int h = 0; h < H; ++h) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 8 * h));
-    c.lo[h] = _mm256_and_si256(w, m);
-    c.hi[h] = _mm256_and_si256(_mm256_srli_epi32(w, 4), m);
-  }
-  return c;
-}
-inline Acc dot(Acc a, const Codes& c, int32_t xlo, int32_t xhi) {
-  const __m256i xl = _mm256_set1_epi32(xlo), xh = _mm256_set1_epi32(xhi);
-  for (int h = 0; h < H; ++h) {
-    // u8 x s8 pairs summed to int16 (at most 4 * 15 * 127 after the add), then pairs to int32
-    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(c.lo[h], xl), _mm256_maddubs_epi16(c.hi[h], xh));
-    a.a[h] = _mm256_add_epi32(a.a[h], _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
-  }
-  return a;
-}
-inline vf to_float(Acc a) {
-  vf f;
-  for (int h = 0; h < H; ++h) {
-    const __m256 x = _mm256_cvtepi32_ps(a.a[h]);
-    std::memcpy(reinterpret_cast<char*>(&f) + sizeof(x) * h, &x, sizeof(x));
-  }
-  return f;
-}
-#else
-#define JAXSERVE_INT8_DOT 0
-#endif
-
 #if JAXSERVE_INT8_DOT
+using jaxserve::Acc;
+using jaxserve::acc_zero;
+using jaxserve::codes;
+using jaxserve::Codes;
+using jaxserve::dot;
+using jaxserve::to_float;
+
 // group() for int4 codes and int8 x: per block of qb inputs two integer dot products (x's high
 // and low int8 parts), scaled by the block's x scales into M x V f32 sums; then the same epilogue.
 template <int M, int V>

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "claims.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -68,14 +69,8 @@ inline float exp_neg(float x) {
   return x <= -87.f ? 0.f : out;
 }
 
-// Vectors of L lanes, one register wide: 16 with AVX-512 (and off x86), 8 with AVX2 (GCC lowers
-// a wider generic vector through the stack; int4_matvec.cc measured ~10x).
-#if defined(__AVX__) && !defined(__AVX512F__)
-constexpr int L = 8;
-#else
-constexpr int L = 16;
-#endif
-typedef float vf __attribute__((vector_size(4 * L)));
+using jaxserve::L;     // lanes of a vector, one register wide (simd.h)
+using jaxserve::vf;
 constexpr int VC = 4;   // output vectors a pass over the V rows accumulates in registers
 
 inline vf load(const float* p) {
@@ -87,7 +82,7 @@ inline vf load(const float* p) {
 // r[m] = the sum of v[m]'s L lanes, for L vectors at once: a tree of shuffles and adds that
 // pairs every vector's lanes the same way (l + L / 2, then ..., + 2, + 1), so a sum never depends
 // on which slot its vector had.
-#if defined(__AVX__) && !defined(__AVX512F__)
+#if JAXSERVE_LANES == 8
 inline vf reduce(const vf* v) {
   vf x[4], y[2];
   for (int k = 0; k < 4; ++k)
