@@ -6,7 +6,7 @@ writes the KV cache in place (XLA:CPU copies the whole pool for a one-element sc
 from __future__ import annotations
 
 from jaxserve import SamplingParams
-from jaxserve.worker.model_runner import token_buckets
+from jaxserve.worker.buckets import token_buckets
 
 PROMPT = "The history of the printing press begins in the fifteenth century, when"
 OTHERS = ["A river begins as rain on high ground.", "def merge_sort(items):"]

@@ -32,6 +32,7 @@ from jaxserve.sample import penalties
 from jaxserve.sample.rejection import accept, emitted_mask
 from jaxserve.sample.sampler import sample, score
 from jaxserve.sharding.plan import ShardingPlan, single_device_plan
+from jaxserve.worker.buckets import pow2_at_least, token_buckets
 from jaxserve.worker.compile_cache import compile_noting_cache_hit, how_obtained
 from jaxserve.worker.compile_queue import BackgroundCompiler
 from jaxserve.worker.input_batch import InputBatch
@@ -39,28 +40,6 @@ from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, is_latent, kv_c
 from jaxserve.worker.step_inputs import StepInputs, build_inputs
 
 logger = logging.getLogger(__name__)
-
-
-def token_buckets(max_tokens: int, smallest: int = 16, one_token: bool = True) -> list[int]:
-    """1 and 2 (batch-1 and batch-2 decode: no work for padding tokens through the layers, the
-    attention rows and the sampler), then powers of two from `smallest` up to max_tokens. (The
-    1-token step writes the KV cache with a second, dropped index: XLA:CPU copies the whole pool
-    for a one-element scatter, 3 s a step: attention/kv_cache.py's `write`.)
-    one_token=False (speculative decoding) leaves out 1: a lone request's decode step then has
-    room for one draft at no extra cost (`Proposer.fit`'s free room), as before the 1-token
-    bucket existed."""
-    buckets, b = [t for t in ((1, 2) if one_token else (2,)) if t < max_tokens], smallest
-    while b < max_tokens:
-        buckets.append(b)
-        b *= 2
-    return buckets + [max_tokens]
-
-
-def _pow2_at_least(n: int, smallest: int = 16) -> int:
-    b = smallest
-    while b < n:
-        b *= 2
-    return b
 
 
 # A background warm-up builds the plain programs of buckets up to this many tokens before the
@@ -196,7 +175,7 @@ class ModelRunner:
         raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
 
     def _seq_bucket(self, token_bucket: int) -> int:
-        return min(token_bucket, _pow2_at_least(self.max_seqs, 1))
+        return min(token_bucket, pow2_at_least(self.max_seqs, 1))
 
     # -- the step -----------------------------------------------------------------------------
     def prepare(self, scheduled, with_prompt_logprobs: bool):
