@@ -73,7 +73,10 @@ def test_quantised_kv_cache_agrees_with_unquantised(unquantised, kv):
     print(f"{kv}: greedy agreement {agree / total:.3f}, perplexity {ppl:.3f} vs {base_ppl:.3f}, "
           f"blocks {blocks} vs {base_blocks}")
     assert agree / total >= 0.95
-    assert abs(ppl / base_ppl - 1) <= 0.01
+    # int8 within 1%; fp8 (e4m3, 3 mantissa bits) within 3%: on this short text its ratio is
+    # 1.021 with f32 compute (f32 tiles, or --dtype float32: 12.338 vs 12.086, 2026-11-25); it
+    # read under 1% only beside bf16 tiles, whose own rounding moved both runs.
+    assert abs(ppl / base_ppl - 1) <= (0.03 if kv.startswith("fp8") else 0.01)
     # 1-byte K/V + a 4-byte scale per token-head instead of 4-byte (f32) K/V: ~3.8x the tokens.
     assert blocks >= 3.5 * base_blocks
 
