@@ -263,16 +263,13 @@ inline void group_int8(const Problem& p, int64_t gi, int64_t n0) {
 }
 #endif
 
-// Vectors of L columns per `group` call, so that its accumulators fit the registers (32 AVX-512
-// ones: M V for f32 x, 2 M V for int8 x; 16 AVX ones: M V <= 8, 2 M V <= 8).
+// Vectors of L columns per `group` / `group_int8` call, so that its accumulators fit the registers
+// (32 AVX-512 ones, 16 AVX ones: M V <= 8; group_int8 keeps 2 M integer ones live, a vector at a
+// time).
 template <int M>
 constexpr int vectors() {
   if constexpr (L == 16) return M <= 2 ? 4 : M <= 4 ? 2 : 1;
   return M <= 1 ? 8 : M <= 2 ? 4 : M <= 4 ? 2 : 1;
-}
-template <int M>
-constexpr int int8_vectors() {
-  return vectors<M>();
 }
 
 // Group gi's contribution to columns [c0, c1) (within one column block), V vectors at a time.
@@ -282,8 +279,7 @@ inline void columns(const Problem& p, int64_t gi, int64_t c0, int64_t c1) {
   int64_t c = c0;
 #if JAXSERVE_INT8_DOT
   if (p.xi) {
-    constexpr int V8 = int8_vectors<M>();
-    for (; c + V8 * L <= c1; c += V8 * L) group_int8<M, V8>(p, gi, c);
+    for (; c + V * L <= c1; c += V * L) group_int8<M, V>(p, gi, c);
     for (; c < c1; c += L) group_int8<M, 1>(p, gi, c);
     return;
   }
