@@ -275,6 +275,10 @@ class EngineArgs:
     # JAX's persistent compilation cache (process-wide jax.config): None or "" leaves jax.config
     # alone; the jaxserve CLI passes ~/.cache/jaxserve/xla unless --compilation-cache-dir says.
     compilation_cache_dir: str | None = None
+    # A directory `jaxserve compile` wrote (serialized step programs and their key): programs whose
+    # key matches this engine's are loaded instead of compiled; a mismatch is logged (naming the
+    # fields) and the engine compiles as without it.
+    compiled_dir: str | None = None
     max_logprobs: int = 20
     # vLLM's structured_outputs_config.reasoning_parser (--reasoning-parser): a request's
     # structured output applies after its <think>...</think> reasoning (None: from its start).

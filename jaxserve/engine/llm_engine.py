@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import jax
 
+from jaxserve.aot.store import compiled_pool_blocks, open_matching
 from jaxserve.attention import AttentionCase, cpu_backend, select_backend
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import DEFAULT_COMPILATION_CACHE_DIR, EngineArgs
@@ -204,14 +205,21 @@ class LLMEngine:
 
         def build(choice: Choice):
             """Size the pool (a profile run compiles the largest programs), then the runner and
-            its warm-up: everything that compiles a kernel happens here (`build_with_fallback`)."""
+            its warm-up: everything that compiles a kernel happens here (`build_with_fallback`).
+            With a compiled directory whose programs were built for this backend, the pool is the
+            size they were compiled for (no profile run: it would compile) and the runner loads
+            them (`aot.store.open_matching`; a mismatch is logged and compiles)."""
             w = weights if choice.fp8 == fp8 else with_kernel(weights, choice.fp8)
-            blocks = num_kv_blocks(args, per_block * host_copies, weight_bytes,
-                                   profile=lambda n: profile_peak_bytes(make_runner(n, choice, w)),
-                                   probe_num_blocks=probe_blocks(args, self.max_model_len))
+            blocks = compiled_pool_blocks(args.compiled_dir, choice.attention, per_block, weight_bytes)
+            if blocks is None:
+                blocks = num_kv_blocks(args, per_block * host_copies, weight_bytes,
+                                       profile=lambda n: profile_peak_bytes(make_runner(n, choice, w)),
+                                       probe_num_blocks=probe_blocks(args, self.max_model_len))
             if self.group is not None:      # one pool size for all (profiles differ per process)
                 blocks = self.group.agree_min("kv_blocks", blocks)
             runner = make_runner(blocks, choice, w, make_drafter(blocks, choice))
+            if args.compiled_dir:
+                runner.programs = open_matching(args.compiled_dir, runner)
             if not warmup:
                 return blocks, runner, 0.0
             # A background warm-up only where one process schedules alone (followers of a

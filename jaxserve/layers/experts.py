@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.layers.linear import DenseWeight, linear
+from jaxserve.pallas.common import target_platform
 
 RAGGED_DOT_BACKENDS = ("gpu",)
 PADDING_BUDGET = 0.4           # tiles' padding rows as a fraction of the assignments, at most
@@ -103,7 +104,7 @@ def num_tiles(assignments: int, experts: int, tile: int) -> int:
 def default_layout(*weights) -> str:
     """"ragged" where ragged_dot is a grouped matmul (the backend, checked at trace time) and
     every weight's type has a ragged kernel, else "tiles"."""
-    ragged = jax.default_backend() in RAGGED_DOT_BACKENDS and all(type(w.w) in _RAGGED for w in weights)
+    ragged = target_platform() in RAGGED_DOT_BACKENDS and all(type(w.w) in _RAGGED for w in weights)
     return "ragged" if ragged else "tiles"
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from jaxserve.layers import int4_cpu
 from jaxserve.layers.experts import register_ragged
 from jaxserve.layers.linear import register_linear
+from jaxserve.pallas.common import target_platform
 
 PACK = 8                      # int4 codes per int32 word
 SYMMETRIC_ZERO = 8            # the zero point of symmetric (signed int4 + 8) codes
@@ -316,7 +317,7 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
     cdt = x.dtype
     if w.bf16_min_rows is not None and cdt == jnp.float32 and M >= w.bf16_min_rows:
         cdt, xm = jnp.bfloat16, xm.astype(jnp.bfloat16)
-    elif jax.default_backend() == "cpu" and cdt in (jnp.bfloat16, jnp.float16):
+    elif target_platform() == "cpu" and cdt in (jnp.bfloat16, jnp.float16):
         # XLA:CPU fuses the dequantisation into the dot, and its fused dot has no bf16 x bf16 -> f32
         # ("Unsupported element type for DotThunk"): the tile is multiplied in f32 there
         cdt, xm = jnp.float32, xm.astype(jnp.float32)

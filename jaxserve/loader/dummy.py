@@ -41,3 +41,22 @@ def dummy_weights(cfg: ModelConfig, dtype, mesh=None, seed: int = 0,
                        out_shardings=plan.sharding(p.axes))
         arrays[p.path] = make(key)
     return model.build(cfg, arrays)
+
+
+def abstract_weights(cfg: ModelConfig, dtype, mesh, expert_parallel: bool = False,
+                     quantization: str | None = None):
+    """The model's weights pytree as `jax.ShapeDtypeStruct`s with the shardings `dummy_weights`
+    would place them with (`quantization` "fp8": as `--quantization fp8` stores them): what
+    compiling the engine's programs needs, without one byte of weights (`jaxserve.aot`)."""
+    model = get_model(cfg.architecture)
+    plan = plan_for(cfg, mesh, expert_parallel)
+    arrays = {p.path: jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype or dtype), sharding=plan.sharding(p.axes))
+              for p in model.declare(cfg)}
+    weights = model.build(cfg, arrays)
+    if quantization == "fp8":
+        from jaxserve.loader.fp8 import quantize_weights
+        weights = quantize_weights(weights)
+    elif quantization not in (None, "none"):
+        raise ValueError(f"quantization {quantization!r}: compiling without weights covers none and fp8 "
+                         "(an int4 checkpoint's layout is read from its files)")
+    return weights

@@ -31,6 +31,7 @@ from jaxserve.layers.experts import ExpertWeight
 from jaxserve.layers.fp8 import Fp8Weight, default_activations, resolve_kernel
 from jaxserve.layers.linear import DenseWeight
 from jaxserve.pallas.fp8_matmul import BLOCK, quantize_weight
+from jaxserve.sharding.plan import place
 
 SKIP_ON_THE_FLY = ("lm_head", "layers.router")     # vLLM's default: the head and routers keep the model dtype
 # `--quantization fp8`'s weight scales. Chosen on a broad held-out set (benchmarks/RESULTS.md,
@@ -184,7 +185,10 @@ def quantize_array(w: jax.Array, *, activations: str | None = None, kernel: str 
     """A full-precision matrix [..., in, out] -> Fp8Weight (per-output-channel scales unless told),
     made on the array's devices (the data keeps the array's sharding; the scales are replicated).
     activations None: `default_activations()` (W8A8 on GPUs with FP8 tensor cores, else W8A16)."""
-    q, s = _quantize(w, granularity)
+    if isinstance(w, jax.ShapeDtypeStruct):      # abstract weights (jaxserve.aot): shapes only
+        q, s = jax.eval_shape(lambda w: _quantize(w, granularity), w)
+    else:
+        q, s = _quantize(w, granularity)
     return fp8_weight(q, s, like=w, activations=activations, kernel=kernel)
 
 
@@ -195,14 +199,17 @@ def fp8_weight(q: jax.Array, s: jax.Array, *, like=None, activations: str | None
     (`scale_sharding`)."""
     sharding = getattr(like, "sharding", None)
     sharding = sharding if isinstance(sharding, NamedSharding) else None
-    kernel = resolve_kernel(kernel, num_devices=1 if sharding is None else sharding.mesh.size)
-    activations = activations or default_activations()
+    # the devices the weights are for (a compile-only H100 when compiling ahead of time)
+    device = None if sharding is None else sharding.mesh.devices.flat[0]
+    kernel = resolve_kernel(kernel, device=device, num_devices=1 if sharding is None else sharding.mesh.size)
+    activations = activations or default_activations(device)
     k_major = kernel == "pallas"
     if k_major:
-        q = jnp.swapaxes(q, -1, -2)
+        q = jax.eval_shape(jnp.swapaxes, q, -1, -2) if isinstance(q, jax.ShapeDtypeStruct) \
+            else jnp.swapaxes(q, -1, -2)
     if sharding is not None:
-        q = jax.device_put(q, _swapped(sharding, like.ndim) if k_major else sharding)
-        s = jax.device_put(s, scale_sharding(sharding, s.shape, *like.shape[-2:]))
+        q = place(q, _swapped(sharding, like.ndim) if k_major else sharding)
+        s = place(s, scale_sharding(sharding, s.shape, *like.shape[-2:]))
     return Fp8Weight(q, s, activations=activations, kernel=kernel, k_major=k_major)
 
 

@@ -46,7 +46,7 @@ from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import mla_softmax_scale_factor
 from jaxserve.models import llama
 from jaxserve.models.llama import Weights, compute_logits  # noqa: F401  (the family API)
-from jaxserve.models.params import Param, layer_param_makers
+from jaxserve.models.params import Param, is_plain_array, layer_param_makers
 from jaxserve.sharding.plan import ShardingPlan, embed_lookup, shard_attention, shard_experts
 
 MOE_NAMES = ("mlp.gate.weight", "mlp.experts.{expert}.gate_proj.weight",
@@ -145,13 +145,13 @@ def build(cfg: ModelConfig, arrays: dict[str, jax.Array]) -> Weights:
         a = arrays.get(f"layers.{name}")
         if a is None or name not in MATRICES | EXPERTS:
             return a
-        a = DenseWeight(a) if isinstance(a, jax.Array) else a
+        a = DenseWeight(a) if is_plain_array(a) else a
         return ExpertWeight(a) if name in EXPERTS else a
 
     layers = LayerWeights(**{f.name: get(f.name) for f in dataclasses.fields(LayerWeights)})
     head = arrays.get("lm_head")
     return Weights(embed=arrays["embed"], layers=layers, final_norm=arrays["final_norm"],
-                   lm_head=DenseWeight(head) if isinstance(head, jax.Array) else head)
+                   lm_head=DenseWeight(head) if is_plain_array(head) else head)
 
 
 def _deinterleave(x: jax.Array) -> jax.Array:

@@ -37,7 +37,7 @@ from jaxserve.layers.rotary import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from jaxserve.models.params import Param, layer_param_makers
+from jaxserve.models.params import Param, is_plain_array, layer_param_makers
 from jaxserve.sharding.plan import ShardingPlan, embed_lookup, shard_attention, shard_experts
 
 
@@ -165,7 +165,7 @@ def build(cfg: ModelConfig, arrays: dict[str, jax.Array]) -> Weights:
             return None
         a = arrays[path]
         if path in dense or path in experts:
-            a = DenseWeight(a) if isinstance(a, jax.Array) else a
+            a = DenseWeight(a) if is_plain_array(a) else a
         return ExpertWeight(a) if path in experts else a
 
     names = [f.name for f in dataclasses.fields(LayerWeights)]

@@ -127,3 +127,10 @@ def layer_param_makers(num_layers: int, layer: str = "model.layers.{layer}."):
         return per_layer(name, shape, axes, suffix, ids, transpose=True, dense=True)
 
     return per_layer, matrix
+
+
+def is_plain_array(a) -> bool:
+    """A plain array of a built model (to wrap as a `DenseWeight`), concrete or abstract: a
+    `jax.ShapeDtypeStruct` with its sharding stands for one when compiling without the devices
+    (`jaxserve.aot`)."""
+    return isinstance(a, (jax.Array, jax.ShapeDtypeStruct))

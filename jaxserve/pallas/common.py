@@ -4,11 +4,22 @@ imports the engine's attention package."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 # A layer's window when it has none (global attention in a model whose other layers slide): far
 # past any context, so `j > pos - window` holds for every key and no branch is needed.
 NO_WINDOW = 1 << 30
+
+
+def target_platform() -> str:
+    """The platform a program being traced is compiled for: the abstract mesh's device where one
+    is set (a program lowered for a compile-only H100 from a CPU host, `jaxserve.aot`), else this
+    process's default backend. Kernels choose their compiled or interpreted form from this, at
+    trace time, never from the host alone (jax >= 0.11; older jax has no abstract device)."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    device = getattr(get(), "abstract_device", None) if get is not None else None
+    return device.platform if device is not None else jax.default_backend()
 
 
 def layer_window(meta, sliding_window):

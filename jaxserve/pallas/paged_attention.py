@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxserve.pallas.common import layer_window, token_layout
+from jaxserve.pallas.common import layer_window, target_platform, token_layout
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -419,8 +419,8 @@ def triton_params(num_warps: int = 4, num_stages: int = 2):
 
 
 def default_interpret() -> bool:
-    """Pallas runs compiled on GPU; everywhere else only the interpreter works."""
-    return jax.default_backend() != "gpu"
+    """Pallas runs compiled for a GPU target; everywhere else only the interpreter works."""
+    return target_platform() != "gpu"
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "rows",

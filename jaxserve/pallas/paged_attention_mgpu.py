@@ -92,6 +92,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxserve.pallas.common import target_platform
 from jaxserve.pallas.paged_attention import (
     MASK_VALUE,
     QUANTIZED_KV_DTYPES,
@@ -625,7 +626,7 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, meta: Any, *, sm_scale: flo
                                      meta.num_seqs)):
         validate_metadata(meta, q.shape[0], k_cache.shape[0], k_cache.shape[1])
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = target_platform() != "gpu"
     return _mgpu_jit(q, k_cache, v_cache, meta, k_scale, v_scale, sm_scale=float(sm_scale),
                      sliding_window=None if sliding_window is None else int(sliding_window),
                      soft_cap=None if soft_cap is None else float(soft_cap), kv_chunk=kv_chunk,

@@ -65,6 +65,14 @@ class ShardingPlan:
         return heads // self.tp if self.mesh_axis("kv_cache_heads") else heads
 
 
+def place(x, sharding):
+    """`x` on `sharding`: `jax.device_put` for an array; an abstract one (a `jax.ShapeDtypeStruct`,
+    compiling without the devices: jaxserve.aot) takes the sharding as its own."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.device_put(x, sharding)
+
+
 def plan_for(cfg, mesh: Mesh, expert_parallel: bool = False) -> ShardingPlan:
     """The plan for a model config (`jaxserve.config.ModelConfig`) on `mesh`. Raises ValueError
     when the MLP size does not divide over the tensor-parallel devices, or (mixture-of-experts

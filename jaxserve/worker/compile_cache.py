@@ -38,5 +38,8 @@ def compile_noting_cache_hit(compile_fn: Callable[[], jax.stages.Compiled]
     return exe, bool(hits)
 
 
-def how_obtained(from_cache: bool) -> str:
+def how_obtained(from_cache: bool | str) -> str:
+    """from_cache: True (JAX's persistent cache), "dir" (a compiled directory) or False."""
+    if from_cache == "dir":
+        return "loaded from the compiled directory"
     return "loaded from the compilation cache" if from_cache else "compiled"

@@ -121,13 +121,14 @@ def profile_peak_bytes(runner) -> int | None:
 
 
 def allocate_kv_cache(model_config, num_blocks: int, block_size: int, dtype,
-                      quantized: bool) -> kvc.KVCache:
+                      quantized: bool, platform: str | None = None) -> kvc.KVCache:
     """The zeroed pool, `[L, N, B, K, D]` per K and V (plus scales when quantized). On CPU an fp8
     pool is held as uint8 bit patterns (`KVCache.codes`): XLA:CPU would convert the whole pool
-    to f16 and back on every write (issue 11 item 8)."""
+    to f16 and back on every write (issue 11 item 8). `platform`: the devices' (default: this
+    process's backend)."""
     return kvc.allocate(model_config.num_layers, num_blocks, block_size,
                         model_config.num_kv_heads, model_config.head_dim, dtype,
-                        quantized=quantized, fp8_as_bytes=jax.default_backend() == "cpu",
+                        quantized=quantized, fp8_as_bytes=(platform or jax.default_backend()) == "cpu",
                         latent=is_latent(model_config))
 
 
@@ -145,14 +146,20 @@ def kv_cache_sharding(plan, quantized: bool, codes: str | None, latent: bool = F
 
 
 def allocate_sharded_kv_cache(model_config, plan, num_blocks: int, block_size: int, dtype,
-                              quantized: bool) -> kvc.KVCache:
+                              quantized: bool, abstract: bool = False) -> kvc.KVCache:
     """The zeroed pool made on the devices of `plan`, split on KV heads (never whole on one
-    device; with TP the heads a KV head count below TP repeats are in it)."""
-    if plan.tp == 1:
-        return allocate_kv_cache(model_config, num_blocks, block_size, dtype, quantized=quantized)
+    device; with TP the heads a KV head count below TP repeats are in it). `abstract`: its shapes
+    and shardings only (`jax.ShapeDtypeStruct`s), for compiling without the devices
+    (`jaxserve.aot`)."""
+    platform = plan.mesh.devices.flat[0].platform
+    if plan.tp == 1 and not abstract:
+        return allocate_kv_cache(model_config, num_blocks, block_size, dtype, quantized=quantized,
+                                 platform=platform)
     make = partial(kvc.allocate, model_config.num_layers, num_blocks, block_size,
                    plan.cache_kv_heads(model_config.num_kv_heads), model_config.head_dim, dtype,
-                   quantized=quantized, fp8_as_bytes=jax.default_backend() == "cpu",
-                   latent=is_latent(model_config))
-    codes = jax.eval_shape(make).codes
-    return jax.jit(make, out_shardings=kv_cache_sharding(plan, quantized, codes, is_latent(model_config)))()
+                   quantized=quantized, fp8_as_bytes=platform == "cpu", latent=is_latent(model_config))
+    shapes = jax.eval_shape(make)
+    shardings = kv_cache_sharding(plan, quantized, shapes.codes, is_latent(model_config))
+    if abstract:
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+    return jax.jit(make, out_shardings=shardings)()

@@ -14,6 +14,7 @@ write) is compiled in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -85,8 +86,19 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, *, dtype, backend: str, max_logprobs: int,
                  kv_quantize=None, kv_dtype=None, plan: ShardingPlan | None = None,
-                 num_speculative_tokens: int = 0, drafter=None, lora=None):
+                 num_speculative_tokens: int = 0, drafter=None, lora=None, abstract: bool = False,
+                 programs=None):
+        """abstract: the weights are `jax.ShapeDtypeStruct`s with shardings, and the KV pool and
+        penalty state are made as such too: the runner can compile its programs (for a device this
+        process may not have: `jaxserve.aot`) but not run them. programs: a store of compiled
+        programs to load instead of compiling (`jaxserve.aot.store.ProgramStore`), or None."""
         self.cfg = model_config
+        self.abstract = abstract
+        self.programs = programs
+        # What the programs are lowered under and compiled with (`jaxserve.aot`: the target's
+        # abstract mesh, and XLA options a compile-only device needs).
+        self.lower_context = contextlib.nullcontext
+        self.compiler_options: dict | None = None
         # Multi-LoRA: a jaxserve.lora.LoraManager (weights already wrapped in LoraWeights), or None.
         self.lora = lora
         self._lora_slots: dict[str, int] = {}     # this step's adapter name -> device slot
@@ -111,8 +123,13 @@ class ModelRunner:
         self.cache = self._allocate_cache(kv_dtype or dtype, kv_quantize is not None)
         self.input_batch = InputBatch(self.max_seqs, model_config.vocab_size)
         # [max_num_seqs, vocab] x 4 on the device: the penalties never change shape.
-        self.penalties = jax.device_put(penalties.zeros(self.max_seqs, model_config.vocab_size),
-                                        plan.replicated)
+        if abstract:
+            self.penalties = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=plan.replicated),
+                jax.eval_shape(lambda: penalties.zeros(self.max_seqs, model_config.vocab_size)))
+        else:
+            self.penalties = jax.device_put(penalties.zeros(self.max_seqs, model_config.vocab_size),
+                                            plan.replicated)
         model = get_model(model_config.architecture)
         self._model = model
         self.backend = backend          # the attention backend the step programs use
@@ -151,6 +168,7 @@ class ModelRunner:
                                             rep))
         self._executables: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._from_cache = 0        # how many of them the persistent compilation cache supplied
+        self._from_dir = 0          # how many were loaded from `programs` (a compiled directory)
         self._lock = threading.Lock()   # the two above, with a background compiler beside us
         # warmup(background=True): the programs left to build after the first ones, or None.
         self._compiler: BackgroundCompiler | None = None
@@ -165,7 +183,7 @@ class ModelRunner:
 
     def _allocate_cache(self, dtype, quantized: bool) -> kvc.KVCache:
         return allocate_sharded_kv_cache(self.cfg, self.plan, self.num_blocks, self.block_size,
-                                         dtype, quantized)
+                                         dtype, quantized, abstract=self.abstract)
 
     # -- shapes -------------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
@@ -214,8 +232,9 @@ class ModelRunner:
     def _all_allowed_mask(self, num_rows: int) -> jax.Array:
         mask = self._all_allowed.get(num_rows)
         if mask is None:
-            mask = jax.device_put(np.full((num_rows, self.mask_words), -1, np.int32),
-                                  self.plan.replicated)
+            mask = np.full((num_rows, self.mask_words), -1, np.int32)
+            if not self.abstract:
+                mask = jax.device_put(mask, self.plan.replicated)
             self._all_allowed[num_rows] = mask
         return mask
 
@@ -238,9 +257,12 @@ class ModelRunner:
         """The StepInputs shapes of one program (built from an empty batch: call it on the
         engine's thread, the input batch is not the compiler thread's to read)."""
         x, _ = self._build([], num_tokens, with_prompt_logprobs)   # shapes only
-        spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
-        spec.bitmask = jax.ShapeDtypeStruct(x.bitmask.shape, x.bitmask.dtype,
-                                            sharding=self.plan.replicated)
+        # Inputs are replicated; an abstract runner's programs name the sharding (its devices may
+        # be compile-only ones, which an unplaced input would not reach).
+        rep = self.plan.replicated
+        spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep if self.abstract else None),
+                            x)
+        spec.bitmask = jax.ShapeDtypeStruct(x.bitmask.shape, x.bitmask.dtype, sharding=rep)
         return spec
 
     def _state_specs(self):
@@ -257,11 +279,17 @@ class ModelRunner:
         t0 = time.perf_counter()
         spec = spec if spec is not None else self._program_spec(*key)
         weights, cache, pen = state if state is not None else self._state_specs()
-        exe, from_cache = compile_noting_cache_hit(
-            lambda: self._step.lower(weights, cache, pen, spec).compile())
+        exe = None if self.programs is None else self.programs.load(self.program_name(key))
+        if exe is not None:
+            from_cache = "dir"
+        else:
+            with self.lower_context():
+                exe, from_cache = compile_noting_cache_hit(
+                    lambda: self._step.lower(weights, cache, pen, spec).compile(self.compiler_options))
         with self._lock:
             self._executables[key] = exe
-            self._from_cache += int(from_cache)
+            self._from_cache += int(from_cache is True)
+            self._from_dir += int(from_cache == "dir")
             n = len(self._executables)
         logger.info("step program %d: %d tokens%s, %s (%.1f s)%s", n, key[0],
                     ", prompt logprobs" if key[1] else "", how_obtained(from_cache),
@@ -279,6 +307,11 @@ class ModelRunner:
             exe = self._compiler.get(key) if self._compiler is not None else self._compile(key)
         return exe
 
+    @staticmethod
+    def program_name(key: tuple[int, bool]) -> str:
+        """A step program's file name in a compiled directory: "step_16", "step_64_prompt_logprobs"."""
+        return f"step_{key[0]}" + ("_prompt_logprobs" if key[1] else "")
+
     @property
     def compiled_programs(self) -> list[tuple[int, bool]]:
         """(token bucket, with prompt logprobs) of every compiled step program."""
@@ -288,8 +321,9 @@ class ModelRunner:
     def programs_obtained(self) -> str:
         """How the step programs came to be: "3 loaded from the compilation cache, 1 compiled"."""
         with self._lock:
-            loaded, n = self._from_cache, len(self._executables)
-        return f"{loaded} loaded from the compilation cache, {n - loaded} compiled"
+            loaded, from_dir, n = self._from_cache, self._from_dir, len(self._executables)
+        pre = f"{from_dir} loaded from the compiled directory, " if self.programs is not None else ""
+        return f"{pre}{loaded} loaded from the compilation cache, {n - loaded - from_dir} compiled"
 
     def run_model(self, inputs: StepInputs):
         """Run the compiled step (cache and penalty state replaced by the donated results);
@@ -407,7 +441,7 @@ class ModelRunner:
         self.cache = self.penalties = None
         self.stop_compiling()
         self._executables.clear()
-        self._from_cache = 0
+        self._from_cache = self._from_dir = 0
         self._all_allowed.clear()
 
     def warmup_keys(self) -> list[tuple[int, bool]]:

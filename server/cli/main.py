@@ -178,6 +178,10 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("compilation_cache_dir", "CompilationConfig", dict(help="Persistent XLA compilation cache "
                                                         "directory ('' disables).",
                                                         shown_default=DEFAULT_COMPILATION_CACHE_DIR)),
+    ("compiled_dir", "CompilationConfig", dict(help="Load the step programs from a directory `jaxserve "
+                                               "compile` wrote (same model and flags) instead of "
+                                               "compiling them; a mismatch is logged and compiles.",
+                                               shown_default="none")),
 ]
 _SHORT = {"tensor_parallel_size": ["-tp"]}
 
@@ -561,6 +565,20 @@ def _run_batch(ns: argparse.Namespace) -> int:
 
 register_subcommand("run-batch", "Run an OpenAI Batch JSONL file through the engine offline.",
                     _run_batch_arguments, _run_batch)
+
+
+def _compile_arguments(p: argparse.ArgumentParser) -> None:
+    from jaxserve.server.cli import compile as aot
+    aot.add_arguments(p)
+
+
+def _compile(ns: argparse.Namespace) -> int:
+    from jaxserve.server.cli import compile as aot
+    return aot.run(ns)
+
+
+register_subcommand("compile", "Compile the engine's programs ahead of time for an H100/H200 (on any machine) "
+                    "or this CPU, with a report; serve them with --compiled-dir.", _compile_arguments, _compile)
 
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,156 @@
+"""The compile report: per step program its memory, host synchronisation points and modeled HBM
+traffic against the minimum; per GPU kernel its registers, spills, shared memory and CTAs per SM.
+
+Modeled traffic (`jaxserve.aot.hlo_analysis.modeled_bytes`): every fusion, custom call, copy and
+collective of the optimized HLO reads its operands and writes its result once (loops times their
+trip count; in-place updates count the update; slices of a stacked operand count the slice). An
+attention kernel's custom call is counted as reading the KV its tokens attend to (below), not its
+whole pool operand. The minimum of a step: the weights once (one device's share) + the KV the
+step's tokens attend to + the KV it writes. The scenario each program is modeled at: a bucket of T
+tokens <= max_num_seqs is T decoding sequences at a context of `CONTEXT` tokens each; a larger
+bucket is one prefill chunk of T tokens from position 0. Not counted: L2 reuse, re-reads inside a
+kernel (a kernel that reads a tile twice is charged once), the sampler's logits as an HBM round
+trip where XLA keeps them in a fusion.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+
+from jaxserve.aot import hlo_analysis
+
+CONTEXT = 2048          # the decode context of the modeled scenario (tokens per sequence)
+
+
+def _scenario(runner, T: int) -> tuple[int, int]:
+    """(sequences, KV tokens the step attends to) of a program of T tokens (module docstring)."""
+    ctx = min(CONTEXT, runner.cfg.max_model_len)
+    if T <= runner.max_seqs:
+        return T, T * ctx
+    return 1, T
+
+
+def _kv_token_bytes(s) -> float:
+    """Bytes of one token's K and V (and scales) over all layers, on one device."""
+    return s.bytes_per_block / s.args.block_size
+
+
+def _attention_overrides(text: str, s, runner, T: int) -> dict[str, int]:
+    """custom-call name -> modeled bytes per launch, for the calls that read a layer of the pool
+    (the paged attention kernels): q and out of T tokens plus the KV the step attends to."""
+    module = hlo_analysis.parse_hlo(text)
+    layer_pages = s.bytes_per_block * runner.num_blocks / s.cfg.num_layers / 2     # K (or V) of one layer
+    _, attended = _scenario(runner, T)
+    per_layer_kv = attended * _kv_token_bytes(s) / s.cfg.num_layers
+    qo = 2 * T * s.cfg.num_heads * s.cfg.head_dim * jax.numpy.dtype(s.dtype).itemsize / max(1, s.plan.tp)
+    out = {}
+    for comp in module.computations.values():
+        for inst in comp.instructions:
+            if inst.opcode == "custom-call" and any(
+                    comp.operand_bytes(inst, k) >= 0.9 * layer_pages for k in range(len(inst.operands))):
+                out[inst.name] = int(per_layer_kv + qo)
+    return out
+
+
+def min_bytes(s, runner, T: int) -> int:
+    _, attended = _scenario(runner, T)
+    return int(s.weight_bytes + (attended + T) * _kv_token_bytes(s))
+
+
+def program_row(name, key, exe, text: str, s, runner, seconds: float) -> dict:
+    m = exe.memory_analysis()
+    T = key[0]
+    syncs = hlo_analysis.host_sync_points(text)
+    model = hlo_analysis.modeled_bytes(text, _attention_overrides(text, s, runner, T))
+    floor = min_bytes(s, runner, T)
+    return {
+        "name": name, "tokens": T, "prompt_logprobs": key[1], "compiled": True, "error": None,
+        "seconds": round(seconds, 1),
+        "memory": {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
+                   "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes},
+        "host_syncs": len(syncs), "host_sync_points": syncs,
+        "modeled_bytes": int(model["total"]), "min_bytes": floor,
+        "bytes_ratio": round(model["total"] / floor, 3),
+        "bytes_by_kind": {k: int(v) for k, v in model["by_kind"].items()},
+        "collectives": model["collectives"], "top": model["top"][:8],
+    }
+
+
+def failed_program(name, key, error: str) -> dict:
+    return {"name": name, "tokens": key[0], "prompt_logprobs": key[1], "compiled": False, "error": error,
+            "memory": None, "host_syncs": None, "modeled_bytes": None, "min_bytes": None}
+
+
+def memory_check(s, runner, rows: list[dict]) -> dict:
+    """Does every program fit one device at gpu_memory_utilization, with a KV pool of at least
+    one max_model_len sequence? (GPU targets; the CPU has no fixed device memory.)"""
+    if not s.target.is_gpu:
+        return {"checked": False}
+    limit = int(s.target.memory_bytes * s.args.gpu_memory_utilization)
+    worst = max((r["memory"]["argument"] + r["memory"]["output"] - r["memory"]["alias"] + r["memory"]["temp"]
+                 for r in rows if r["compiled"]), default=0)
+    pool_tokens = runner.num_blocks * runner.block_size
+    return {"checked": True, "limit_bytes": limit, "largest_program_bytes": worst,
+            "pool_tokens": pool_tokens, "max_model_len": s.cfg.max_model_len,
+            "fits": worst <= limit and pool_tokens >= s.cfg.max_model_len}
+
+
+def build(s, runner, rows: list[dict], sizing: dict, seconds: float) -> dict:
+    kernels = []
+    if s.target.is_gpu:
+        try:
+            from jaxserve.aot.kernels import kernel_report
+            kernels = kernel_report(s.target)
+        except ImportError:
+            kernels = []
+    return {
+        "target": s.target.description(),
+        "model": s.cfg.architecture, "layers": s.cfg.num_layers, "hidden": s.cfg.hidden_size,
+        "dtype": jax.numpy.dtype(s.dtype).name, "kv_cache_dtype": jax.numpy.dtype(s.kv_dtype).name,
+        "tensor_parallel_size": s.args.tensor_parallel_size, "expert_parallel": s.args.enable_expert_parallel,
+        "quantization": s.args.quantization, "attention_backend": s.backend,
+        "num_blocks": runner.num_blocks, "block_size": runner.block_size, "weight_bytes": s.weight_bytes,
+        "sizing": sizing, "token_buckets": list(runner.buckets), "context_modeled": CONTEXT,
+        "seconds": round(seconds, 1),
+        "programs": rows, "kernels": kernels, "memory_check": memory_check(s, runner, rows),
+    }
+
+
+def _gb(x) -> str:
+    return "-" if x is None else f"{x / 1e9:.2f}"
+
+
+def markdown(report: dict) -> str:
+    t = report["target"]
+    lines = [f"# Compile report: {report['model']} on {t['device_kind']} x {t['devices']}",
+             "", f"dtype {report['dtype']}, KV {report['kv_cache_dtype']}, attention {report['attention_backend']}, "
+             f"TP {report['tensor_parallel_size']}, quantization {report['quantization']}, "
+             f"{report['num_blocks']} KV blocks of {report['block_size']}; {report['seconds']} s", "",
+             "| program | tokens | compiled | args GB | temp GB | host syncs | modeled GB | min GB | ratio |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in report["programs"]:
+        mem = r["memory"] or {}
+        lines.append(f"| {r['name']} | {r['tokens']} | {'yes' if r['compiled'] else 'no: ' + r['error'][:80]} | "
+                     f"{_gb(mem.get('argument'))} | {_gb(mem.get('temp'))} | {r['host_syncs']} | "
+                     f"{_gb(r['modeled_bytes'])} | {_gb(r['min_bytes'])} | {r.get('bytes_ratio', '-')} |")
+    if report["kernels"]:
+        lines += ["", "| kernel | config | registers | spill bytes | smem bytes | CTAs/SM |",
+                  "| --- | --- | ---: | ---: | ---: | ---: |"]
+        for k in report["kernels"]:
+            cfg = ", ".join(f"{a}={b}" for a, b in (k.get("config") or {}).items())
+            lines.append(f"| {k['name']} | {cfg} | {k.get('registers')} | {k.get('spill_bytes')} | "
+                         f"{k.get('smem_bytes')} | {k.get('ctas_per_sm')} |")
+    mc = report["memory_check"]
+    if mc.get("checked"):
+        lines += ["", f"Memory: largest program {_gb(mc['largest_program_bytes'])} GB of {_gb(mc['limit_bytes'])} GB "
+                  f"allowed; pool {mc['pool_tokens']} tokens for max_model_len {mc['max_model_len']}: "
+                  f"{'fits' if mc['fits'] else 'DOES NOT FIT'}"]
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict, out: Path) -> None:
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "report.md").write_text(markdown(report))
