@@ -143,11 +143,12 @@ def num_blocks_for(s: Setup) -> tuple[int, dict]:
 
 
 def compile_engine(args: EngineArgs, target: str | Target, out_dir: str | os.PathLike, *,
-                   programs: str = "all", hlo: bool = True) -> dict:
+                   programs: str = "all", hlo: bool = True, kernels: bool = False) -> dict:
     """Compile the engine's step programs for `target` into `out_dir` (serialized executables, HLO,
     report.json/md) and return the report. programs: "all" (every token bucket, with and without
     prompt logprobs, as the engine's warm-up builds them) or "ci" (the smallest and largest decode
-    bucket and the largest bucket)."""
+    bucket and the largest bucket). kernels: also compile every shipped GPU kernel configuration
+    alone and report its registers, spills and shared memory (`jaxserve.aot.kernels`)."""
     t0 = time.perf_counter()
     if isinstance(target, str):
         target = get_target(target, args.tensor_parallel_size)
@@ -173,7 +174,11 @@ def compile_engine(args: EngineArgs, target: str | Target, out_dir: str | os.Pat
             (out / f"{name}.hlo.txt").write_text(text)
         rows.append(report_lib.program_row(name, key, exe, text, s, runner, time.perf_counter() - t1))
     ProgramStore(out).write(program_key(runner), compiled)
-    report = report_lib.build(s, runner, rows, sizing, seconds=time.perf_counter() - t0)
+    kernel_rows = None
+    if kernels and target.is_gpu:
+        from jaxserve.aot.kernels import kernel_report
+        kernel_rows = kernel_report(target)
+    report = report_lib.build(s, runner, rows, sizing, seconds=time.perf_counter() - t0, kernels=kernel_rows)
     report_lib.write(report, out)
     return report
 

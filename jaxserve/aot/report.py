@@ -98,14 +98,7 @@ def memory_check(s, runner, rows: list[dict]) -> dict:
             "fits": worst <= limit and pool_tokens >= s.cfg.max_model_len}
 
 
-def build(s, runner, rows: list[dict], sizing: dict, seconds: float) -> dict:
-    kernels = []
-    if s.target.is_gpu:
-        try:
-            from jaxserve.aot.kernels import kernel_report
-            kernels = kernel_report(s.target)
-        except ImportError:
-            kernels = []
+def build(s, runner, rows: list[dict], sizing: dict, seconds: float, kernels: list[dict] | None = None) -> dict:
     return {
         "target": s.target.description(),
         "model": s.cfg.architecture, "layers": s.cfg.num_layers, "hidden": s.cfg.hidden_size,
@@ -115,7 +108,7 @@ def build(s, runner, rows: list[dict], sizing: dict, seconds: float) -> dict:
         "num_blocks": runner.num_blocks, "block_size": runner.block_size, "weight_bytes": s.weight_bytes,
         "sizing": sizing, "token_buckets": list(runner.buckets), "context_modeled": CONTEXT,
         "seconds": round(seconds, 1),
-        "programs": rows, "kernels": kernels, "memory_check": memory_check(s, runner, rows),
+        "programs": rows, "kernels": kernels or [], "memory_check": memory_check(s, runner, rows),
     }
 
 

@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="all: every program the engine builds at start-up; ci: the smallest and largest "
                         "decode buckets and the largest bucket (default: all).")
     p.add_argument("--no-hlo", action="store_true", help="Do not write each program's optimized HLO text.")
+    p.add_argument("--kernels", action="store_true",
+                   help="Also compile every shipped GPU kernel configuration alone and report its registers, "
+                        "spill bytes, shared memory and CTAs per SM (GPU targets).")
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -32,7 +35,8 @@ def run(ns: argparse.Namespace) -> int:
     from jaxserve.server.cli.main import engine_args_from
     args = engine_args_from(ns, compilation_cache_dir="")
     try:
-        report = compile_engine(args, ns.target, ns.out, programs=ns.programs, hlo=not ns.no_hlo)
+        report = compile_engine(args, ns.target, ns.out, programs=ns.programs, hlo=not ns.no_hlo,
+                                kernels=ns.kernels)
     except (OSError, ValueError) as e:
         print(f"jaxserve compile: {e}", file=sys.stderr)
         return 2

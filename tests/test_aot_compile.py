@@ -1,0 +1,121 @@
+"""`jaxserve compile` and `--compiled-dir`: programs compiled in one process start an engine in
+another with no compilation and the same tokens; a directory compiled for other settings is
+refused by name and the engine compiles; for an H100 (compile-only devices, jax 0.11.2 with the
+CUDA plugin wheels: the Python 3.12 CI step) the step programs hold the kernels' custom calls,
+never their interpreters."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = str(REPO / "tests" / "data" / "tiny-llama")
+FLAGS = dict(load_format="dummy", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+             num_gpu_blocks_override=64)
+
+ENGINE = r"""
+import io, json, logging, sys
+log = io.StringIO()
+handler = logging.StreamHandler(log)
+logging.getLogger("jaxserve").addHandler(handler)
+logging.getLogger("jaxserve").setLevel(logging.INFO)
+from jaxserve import LLM, SamplingParams
+llm = LLM(**json.loads(sys.argv[1]))
+outs = llm.generate(["t5 t6 t7 t8", "t1 t2", "t9 t9 t9"], SamplingParams(max_tokens=8, temperature=0),
+                    use_tqdm=False)
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "log": log.getvalue()}))
+"""
+
+
+def _flags(**kw) -> list[str]:
+    out = []
+    for k, v in kw.items():
+        out += ["--" + k.replace("_", "-"), str(v)]
+    return out
+
+
+def _compile(out: Path, target: str = "cpu", extra: list[str] = (), python: str = sys.executable, **flags):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [python, "-m", "jaxserve.server.cli", "compile", TINY, "--target", target, "--out", str(out),
+           *_flags(**{**FLAGS, **flags}), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "report.json").read_text())
+
+
+def _engine(**kwargs) -> dict:
+    done = subprocess.run([sys.executable, "-c", ENGINE, json.dumps({"model": TINY, **FLAGS, **kwargs})],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cpu_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compiled-cpu")
+    report = _compile(out)
+    return out, report
+
+
+def test_a_compiled_directory_starts_an_engine_with_no_compilation_and_the_same_tokens(cpu_dir):
+    out, report = cpu_dir
+    assert report["programs"] and all(p["compiled"] for p in report["programs"])
+    assert (out / "manifest.json").is_file() and (out / "report.md").is_file()
+    assert all((out / f"{p['name']}.hlo.txt").is_file() for p in report["programs"])
+    loaded = _engine(compiled_dir=str(out))
+    fresh = _engine()
+    assert loaded["tokens"] == fresh["tokens"]
+    ready = [line for line in loaded["log"].splitlines() if "warm-up:" in line]
+    assert ready and f"{len(report['programs'])} loaded from the compiled directory" in ready[0], ready
+    assert ", 0 compiled)" in ready[0], ready
+    assert "compiled (" not in loaded["log"]          # no step program line says "compiled"
+    assert "compiled (" in fresh["log"]
+
+
+def test_a_directory_compiled_for_other_settings_is_refused_by_name_and_the_engine_compiles(cpu_dir):
+    out, _ = cpu_dir
+    other = _engine(compiled_dir=str(out), max_num_seqs=16)
+    assert "compiled for another engine" in other["log"]
+    assert "max_num_seqs: compiled 8, this engine 16" in other["log"]
+    assert "loaded from the compiled directory" not in other["log"]
+    assert " compiled)" in other["log"]
+    assert other["tokens"] == _engine(max_num_seqs=16)["tokens"]
+
+
+def test_key_mismatch_names_each_field():
+    from jaxserve.aot.store import mismatch
+    assert mismatch({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4}) == ["b: compiled 2, this engine 3",
+                                                                    "c: compiled None, this engine 4"]
+    assert mismatch({"a": 1}, {"a": 1}) == []
+
+
+def _h100_or_skip():
+    try:
+        from jaxserve.aot.targets import get_target
+        return get_target("h100")
+    except (ValueError, ImportError) as e:
+        pytest.skip(f"no compile-only H100 here (jax 0.11.2 + jax-cuda13-plugin/pjrt: the py312 CI step): {e}")
+
+
+@pytest.mark.parametrize("backend,custom_call", [("pallas", "__gpu$xla.gpu.triton"), ("mosaic", "mosaic_gpu")])
+def test_h100_programs_hold_the_kernel_not_its_interpreter(tmp_path, backend, custom_call):
+    _h100_or_skip()
+    report = _compile(tmp_path, "h100", ["--programs", "ci"], attention_backend=backend)
+    assert report["target"]["compute_capability"] == "9.0"
+    assert report["attention_backend"] == backend
+    for p in report["programs"]:
+        assert p["compiled"], p["error"]
+        text = (tmp_path / f"{p['name']}.hlo.txt").read_text()
+        assert custom_call in text
+        # the interpreter would show as ops named after it, or as host callbacks (Mosaic's barriers)
+        assert not re.search(r'op_name="[^"]*interpret', text) and "callback" not in text
+        assert p["memory"]["argument"] > 0 and p["modeled_bytes"] > 0 and p["min_bytes"] > 0
+        assert isinstance(p["host_syncs"], int)
+    assert report["memory_check"]["fits"]
