@@ -41,6 +41,7 @@ def test_auto_picks_mosaic_only_on_hopper_with_new_jax(platform, want):
     dict(block_size=12),
     dict(block_size=48),                              # does not divide a 64..256-token chunk
     dict(num_q_heads=128, num_kv_heads=1),            # GQA ratio over one wgmma tile
+    dict(head_dim=256),                               # spills registers on an H100 (compile report)
 ])
 def test_auto_falls_back_to_triton_on_hopper_for_unsupported_cases(unsupported):
     assert select_backend("auto", case(**unsupported), H100, measured=ALL_MEASURED) == "pallas"
@@ -48,7 +49,7 @@ def test_auto_falls_back_to_triton_on_hopper_for_unsupported_cases(unsupported):
 
 @pytest.mark.parametrize("supported", [dict(kv_dtype=jnp.float8_e4m3fn), dict(kv_dtype=jnp.int8),
                                        dict(q_dtype=jnp.float32, kv_dtype=jnp.int8, head_dim=64),
-                                       dict(head_dim=256), dict(block_size=32), dict(block_size=64)])
+                                       dict(head_dim=64), dict(block_size=32), dict(block_size=64)])
 def test_auto_picks_mosaic_on_hopper_for_supported_cases(supported):
     assert select_backend("auto", case(**supported), H100, measured=ALL_MEASURED) == "mosaic"
 

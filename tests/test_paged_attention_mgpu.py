@@ -86,8 +86,10 @@ def run(case: Case, block_sizes, *, seed: int, interpret: bool):
 @pytest.mark.parametrize("name", list(SUPPORTED))
 def test_interpret_matches_reference(name, blocks):
     case = SUPPORTED[name]
-    out, ref, meta = run(case, SMALL if blocks == "small" else None,
-                         seed=sum(map(ord, name)), interpret=True)
+    sizes = SMALL if blocks == "small" else None
+    if sizes is None and case.D not in mgpu.DEFAULT_BLOCK_SIZES:    # head_dim 256: not shipped (spills on an
+        sizes = MgpuBlockSizes(kv_tokens=64)                       # H100), still correct given its sizes
+    out, ref, meta = run(case, sizes, seed=sum(map(ord, name)), interpret=True)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert max_err(out, ref) <= TOL[case.dtype], name
     assert not np.asarray(out[int(meta.cu_q_lens[-1]):]).any()     # padding tokens are zeros
@@ -163,7 +165,7 @@ def test_rejects_unsupported_dtypes_and_blocks():
     with pytest.raises(ValueError, match="q dtype float16 not supported"):
         ragged_paged_attention_mgpu(q.astype(jnp.float16), k.astype(jnp.float16),
                                     v.astype(jnp.float16), meta, sm_scale=0.1)
-    with pytest.raises(ValueError, match="head_dim 256 and q float32 needs"):
+    with pytest.raises(ValueError, match="head_dim 256 not supported"):    # spills on Hopper: not shipped
         q2, k2, v2, meta2, _, _ = make_batch(Case(q_lens=(1,), ctx=(4,), T=4, S=1, D=256, M=2,
                                                   N=8, dtype="bfloat16"))
         ragged_paged_attention_mgpu(q2.astype(jnp.float32), k2, v2, meta2, sm_scale=0.1)
@@ -213,7 +215,7 @@ def test_block_table_fits_two_programs_per_sm():
     """Issue 25: at head_dim 128 (and 64) a program leaves room for a second on its SM (bf16 q,
     bf16 or 8-bit cache); head_dim 256 cannot (sizes module docstring says why). The previous
     kernel took 193 KiB at head_dim 128: one program per SM."""
-    for head_dim, want in ((64, 2), (128, 2), (256, 1)):
+    for head_dim, want in ((64, 2), (128, 2)):
         bs = mgpu.DEFAULT_BLOCK_SIZES[head_dim]
         for quantized in (False, True):
             need = mgpu.smem_bytes(mgpu.ROWS, head_dim, bs.kv_tokens, quantized=quantized,

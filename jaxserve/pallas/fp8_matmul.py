@@ -272,13 +272,20 @@ class Fp8Tiles:
 
 # Untuned until a GPU run (benchmarks/bench_fp8_matmul.py). Decode is weight-bandwidth bound:
 # 64-wide N tiles give N / 64 programs (128 for N = 8192 on 132 SMs) and 6 slices in flight.
+# Every shipped configuration compiles for an H100 without register spills (`jaxserve compile
+# --kernels`, benchmarks/RESULTS.md): 128 x 128 tiles with K-varying (block / group) scales need
+# 255 registers and spill 168 bytes, so those weights take 128 x 64 tiles at larger M (161, none).
 DECODE_TILES = Fp8Tiles(64, 64, stages=6)        # M <= 64
-PREFILL_TILES = Fp8Tiles(128, 128, stages=4)     # larger M
-SHIPPED_TILES = (DECODE_TILES, PREFILL_TILES)
+PREFILL_TILES = Fp8Tiles(128, 128, stages=4)     # larger M, per-tensor / per-channel scales
+BLOCK_PREFILL_TILES = Fp8Tiles(128, 64, stages=4)   # larger M, block / group scales
+SHIPPED_TILES = (DECODE_TILES, PREFILL_TILES, BLOCK_PREFILL_TILES)
 
 
-def default_tiles(m: int) -> Fp8Tiles:
-    return DECODE_TILES if m <= 64 else PREFILL_TILES
+def default_tiles(m: int, scales: str = "channel") -> Fp8Tiles:
+    """The tiles for M rows and a weight's scale kind (`scale_kind`)."""
+    if m <= 64:
+        return DECODE_TILES
+    return BLOCK_PREFILL_TILES if scales in ("block", "group") else PREFILL_TILES
 
 
 def _fp8_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, a_smem, b_smem, as_smem, bs_smem, o_smem, bar, scale_bar,
@@ -396,7 +403,7 @@ def fp8_matmul_mgpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, activatio
         raise ValueError(f"block_size must be {KSLICE} for the kernel, got {block_size}")
     m, k = x.shape
     n = w.shape[1]
-    tiles = tiles or default_tiles(m)
+    tiles = tiles or default_tiles(m, kind)
     out_dtype = x.dtype
     kb = math.ceil(k / KSLICE)
     block = kind in ("block", "group")          # scales that change along K: applied per K slice

@@ -37,9 +37,14 @@ class MgpuBlockSizes:
 # tests/test_paged_attention_mgpu.py::test_block_table_fits_two_programs_per_sm):
 #   D=64   C=128, 2 slots:  bf16 cache 82 KiB, fp8 84 KiB   -> 2 programs per SM
 #   D=128  C=64,  2 slots:  bf16 cache 98 KiB, fp8 99 KiB   -> 2 programs per SM (was 193 KiB, 1)
-#   D=256  C=64,  2 slots:  bf16 cache 194 KiB, fp8 195 KiB -> 1 program per SM. Not two: Q alone
-#          is 32 KiB and one 64-token K+V chunk 64 KiB, and chunks below 64 tokens fail Mosaic
-#          GPU's layout inference for the [64, C] score tile, so 2 slots + Q + out > 113 KiB.
+#   D=256  not shipped: compiled for an H100 (`jaxserve compile --kernels`, 2026-11-27) its compute
+#          warpgroup spills registers at 216 per thread (12 bytes with a bf16 cache, 1100 with fp8);
+#          and it took 194-195 KiB, one program per SM (Q alone is 32 KiB and one 64-token K+V
+#          chunk 64 KiB; chunks below 64 tokens fail Mosaic GPU's layout inference). The Triton
+#          kernel serves head_dim 256; explicit block sizes still reach this kernel (tests).
+# Shared memory is not the only limit: ptxas gives the kernel 216 registers per thread at launch
+# (the setmaxnreg ceiling below), 55,296 per 256-thread program, so one program fits an SM's 64 K
+# registers whatever the shared memory allows, until the launch is capped at 128 (compile report).
 # 2 slots: with two programs per SM each keeps ~one 32 KiB chunk in flight while it computes on
 # the other, 64 KiB per SM, about 2.5x what Little's law asks at H100 latency (3.35 TB/s x ~1 us
 # / 132 SMs = 25 KiB). f32 q (the accuracy path, C <= 64) doubles Q and the output: D=64 66 KiB,
@@ -48,7 +53,6 @@ class MgpuBlockSizes:
 DEFAULT_BLOCK_SIZES = {
     64: MgpuBlockSizes(kv_tokens=128),
     128: MgpuBlockSizes(kv_tokens=64),
-    256: MgpuBlockSizes(kv_tokens=64),
 }
 TARGET_PROGRAMS = 264            # two programs per H100 SM (132 SMs)
 MAX_SPLITS = 32
