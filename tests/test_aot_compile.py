@@ -119,3 +119,25 @@ def test_h100_programs_hold_the_kernel_not_its_interpreter(tmp_path, backend, cu
         assert p["memory"]["argument"] > 0 and p["modeled_bytes"] > 0 and p["min_bytes"] > 0
         assert isinstance(p["host_syncs"], int)
     assert report["memory_check"]["fits"]
+
+
+@pytest.mark.parametrize("method,group,sym,act_order", [("awq", 32, False, False), ("gptq", 64, True, True)])
+def test_abstract_int4_weights_have_the_layout_the_loader_makes(tmp_path, method, group, sym, act_order):
+    """A config-only int4 compile (no checkpoint files read) must compile the programs an engine on
+    the real checkpoint runs: every array of every Int4Weight the same shape, dtype and placement."""
+    pytest.importorskip("transformers")
+    import jax
+    import jax.numpy as jnp
+    from test_int4 import write_int4_checkpoint
+
+    from jaxserve.aot.store import _spec_signature
+    from jaxserve.loader.dummy import abstract_weights
+    from jaxserve.loader.int4 import scheme_of
+    from jaxserve.loader.loader import _hf_json, load_model
+    from jaxserve.sharding.mesh import make_mesh
+    write_int4_checkpoint(tmp_path / "q", method, group, sym, act_order)
+    mesh = make_mesh(1)
+    cfg, loaded = load_model(tmp_path / "q", "float32", mesh=mesh)
+    shapes = abstract_weights(cfg, jnp.float32, mesh, int4_scheme=scheme_of(_hf_json(tmp_path / "q")))
+    assert jax.tree.structure(shapes) == jax.tree.structure(loaded)
+    assert _spec_signature(shapes) == _spec_signature(loaded)

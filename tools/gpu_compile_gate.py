@@ -32,6 +32,7 @@ MAX_MODEL_LEN = 8192
 CONFIGURATIONS = {
     "llama-3.1-8b-bf16": ("llama-3.1-8b", {}),
     "llama-3.1-8b-fp8": ("llama-3.1-8b", {"quantization": "fp8"}),
+    "llama-3.1-8b-awq": ("llama-3.1-8b-awq", {}),
     "qwen3-30b-a3b-ep2": ("qwen3-30b-a3b", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
     "llama-3.1-70b-tp8": ("llama-3.1-70b", {"tensor_parallel_size": 8}),
 }

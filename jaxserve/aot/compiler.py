@@ -33,7 +33,7 @@ from jaxserve.default_model import default_model_path
 from jaxserve.loader.loader import resolve_dtype
 from jaxserve.sharding.mesh import make_mesh
 from jaxserve.sharding.plan import plan_for
-from jaxserve.worker.model_runner import ModelRunner
+from jaxserve.worker.model_runner import PENALTY_PROGRAM, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +75,17 @@ def _model_config_and_weights(args: EngineArgs, target: Target, mesh, dtype):
         weights = cpu_matmuls_for(weights, args.dtype, mesh.size)
         return cfg, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), weights)
     from jaxserve.loader.dummy import abstract_weights
+    from jaxserve.loader.int4 import is_int4, scheme_of
+    from jaxserve.loader.loader import _hf_json
     p = Path(path)
     cfg = gguf_config_of(p) if p.is_file() else load_hf_config(p, args.model_overrides())
-    return cfg, abstract_weights(cfg, dtype, mesh, args.enable_expert_parallel, args.quantization)
+    hf = {} if p.is_file() else _hf_json(p)
+    int4 = scheme_of(hf) if hf and is_int4(hf) else None
+    if hf.get("quantization_config") and int4 is None:
+        raise ValueError(f"{path}: quantization_config {hf['quantization_config'].get('quant_method')!r}: an FP8 "
+                         "checkpoint's layout is not compiled ahead of time yet (--quantization fp8 on its "
+                         "bf16 config is)")
+    return cfg, abstract_weights(cfg, dtype, mesh, args.enable_expert_parallel, args.quantization, int4)
 
 
 def setup(args: EngineArgs, target: Target) -> Setup:
@@ -173,6 +181,7 @@ def compile_engine(args: EngineArgs, target: str | Target, out_dir: str | os.Pat
         if hlo:
             (out / f"{name}.hlo.txt").write_text(text)
         rows.append(report_lib.program_row(name, key, exe, text, s, runner, time.perf_counter() - t1))
+    compiled[PENALTY_PROGRAM] = runner.penalty_program()     # the one helper program a step needs
     ProgramStore(out).write(program_key(runner), compiled)
     kernel_rows = None
     if kernels and target.is_gpu:

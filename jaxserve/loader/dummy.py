@@ -44,19 +44,27 @@ def dummy_weights(cfg: ModelConfig, dtype, mesh=None, seed: int = 0,
 
 
 def abstract_weights(cfg: ModelConfig, dtype, mesh, expert_parallel: bool = False,
-                     quantization: str | None = None):
+                     quantization: str | None = None, int4_scheme=None):
     """The model's weights pytree as `jax.ShapeDtypeStruct`s with the shardings `dummy_weights`
-    would place them with (`quantization` "fp8": as `--quantization fp8` stores them): what
-    compiling the engine's programs needs, without one byte of weights (`jaxserve.aot`)."""
+    would place them with (`quantization` "fp8": as `--quantization fp8` stores them;
+    `int4_scheme`, an int4 checkpoint's format from its config.json: its stacked linear layers as
+    the loader reads them, `loader.int4.abstract_int4`): what compiling the engine's programs
+    needs, without one byte of weights (`jaxserve.aot`)."""
     model = get_model(cfg.architecture)
     plan = plan_for(cfg, mesh, expert_parallel)
-    arrays = {p.path: jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype or dtype), sharding=plan.sharding(p.axes))
-              for p in model.declare(cfg)}
+    arrays = {}
+    for p in model.declare(cfg):
+        sharding = plan.sharding(p.axes)
+        if int4_scheme is not None and p.dense and p.stacked:
+            from jaxserve.loader.int4 import abstract_int4
+            arrays[p.path] = abstract_int4(int4_scheme, *p.shape[-2:], sharding, p.shape[:p.stacked_dims], p.path)
+        else:
+            arrays[p.path] = jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype or dtype), sharding=sharding)
     weights = model.build(cfg, arrays)
     if quantization == "fp8":
         from jaxserve.loader.fp8 import quantize_weights
         weights = quantize_weights(weights)
-    elif quantization not in (None, "none"):
-        raise ValueError(f"quantization {quantization!r}: compiling without weights covers none and fp8 "
-                         "(an int4 checkpoint's layout is read from its files)")
+    elif quantization not in (None, "none") and int4_scheme is None:
+        raise ValueError(f"quantization {quantization!r}: compiling without weights covers none, fp8 and "
+                         "the int4 checkpoints a config.json's quantization_config describes")
     return weights

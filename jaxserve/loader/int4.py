@@ -285,6 +285,27 @@ def stack_int4(scheme: Int4Scheme, get, names, layer_names: list[str], k: int, n
     return to_kernel(w) if pallas and len(lead) == 1 else w
 
 
+def abstract_int4(scheme: Int4Scheme, k: int, n: int, data_sharding: NamedSharding, lead: tuple[int, ...],
+                  what: str = "weight") -> Int4Weight:
+    """What `stack_int4` makes of a checkpoint in `scheme`, as `jax.ShapeDtypeStruct`s with the same
+    shardings and split counts: compiling a config-only int4 model ahead of time (`jaxserve.aot`).
+    Zero points are assumed stored (asymmetric schemes) and act order present where the scheme says."""
+    g = stored_group(scheme, k)
+    spec, shards = split_of(data_sharding, len(lead) + 2)
+    check_groups(k, g, shards, what=what)
+    out_shards = 1 if len(lead) > 1 else out_split_of(data_sharding, len(lead) + 2)
+    shards = 1 if len(lead) > 1 else shards
+    place = NamedSharding(data_sharding.mesh, PartitionSpec(*spec))
+    rep = NamedSharding(data_sharding.mesh, PartitionSpec(*spec[:-2], None))
+
+    def sds(shape, dtype, sharding):
+        return jax.ShapeDtypeStruct(tuple(lead) + shape, np.dtype(dtype), sharding=sharding)
+    return Int4Weight(sds((k // PACK, n), np.int32, place), sds((k // g, n), np.float32, place),
+                      None if scheme.symmetric else sds((k // g, n), np.uint8, place),
+                      sds((k,), np.int32, rep) if scheme.act_order else None,
+                      group_size=g, in_shards=shards, out_shards=out_shards)
+
+
 def split_of(data_sharding: NamedSharding, ndim: int) -> tuple[tuple, int]:
     """The full PartitionSpec of an [..., in, out] array of `ndim` axes placed as `data_sharding`,
     and over how many devices its input rows split (row-parallel: the kernel's `in_shards`)."""

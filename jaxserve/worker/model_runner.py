@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 FIRST_PROGRAM_TOKENS = 16
 
 PROMPT_LOGPROB_ROWS = 64    # tokens whose logits [rows, V] exist at once in a prompt-logprobs step
+PENALTY_PROGRAM = "penalty_write"     # the penalty-row write's name in a compiled directory
 
 
 def score_rows(logits_fn, hidden, rows, targets, k: int, chunk: int = PROMPT_LOGPROB_ROWS):
@@ -169,6 +170,7 @@ class ModelRunner:
         self._executables: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._from_cache = 0        # how many of them the persistent compilation cache supplied
         self._from_dir = 0          # how many were loaded from `programs` (a compiled directory)
+        self._penalty_exe = None    # the compiled penalty-row write (`penalty_program`)
         self._lock = threading.Lock()   # the two above, with a background compiler beside us
         # warmup(background=True): the programs left to build after the first ones, or None.
         self._compiler: BackgroundCompiler | None = None
@@ -335,8 +337,22 @@ class ModelRunner:
 
     def _write_penalty_rows(self) -> None:
         for slot, rows in self.input_batch.take_penalty_writes():
-            self.penalties = penalties.write_row(self.penalties, np.asarray(slot, np.int32),
-                                                 *rows)
+            self.penalties = self.penalty_program()(self.penalties, np.asarray(slot, np.int32), *rows)
+
+    def penalty_program(self):
+        """The penalty-row write (`penalties.write_row`), compiled ahead like the step programs, or
+        loaded from `programs` ("penalty_write")."""
+        if self._penalty_exe is None:
+            exe = None if self.programs is None else self.programs.load(PENALTY_PROGRAM)
+            if exe is None:
+                rep = self.plan.replicated
+                spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep)   # noqa: E731
+                rows = penalties.host_rows([], [], None, (), self.cfg.vocab_size)
+                with self.lower_context():
+                    exe = penalties.write_row.lower(self._state_specs()[2], spec(np.int32(0)),
+                                                    *map(spec, rows)).compile(self.compiler_options)
+            self._penalty_exe = exe
+        return self._penalty_exe
 
     def execute(self, scheduler_output) -> RunnerOutput:
         """Run one step for a SchedulerOutput (its finished / preempted ids are applied even
@@ -442,6 +458,7 @@ class ModelRunner:
         self.stop_compiling()
         self._executables.clear()
         self._from_cache = self._from_dir = 0
+        self._penalty_exe = None
         self._all_allowed.clear()
 
     def warmup_keys(self) -> list[tuple[int, bool]]:
@@ -467,11 +484,9 @@ class ModelRunner:
         state = self._state_specs()
         for key in now:
             self._compile(key, state=state)
-        # Writing to slot C is dropped: this compiles the write and changes nothing.
-        V = self.cfg.vocab_size
-        rows = penalties.host_rows([], [], None, (), V)
-        self.penalties = penalties.write_row(self.penalties, np.asarray(self.max_seqs, np.int32),
-                                             *rows)
+        # Writing to slot C is dropped: this builds the write and changes nothing.
+        rows = penalties.host_rows([], [], None, (), self.cfg.vocab_size)
+        self.penalties = self.penalty_program()(self.penalties, np.asarray(self.max_seqs, np.int32), *rows)
         jax.block_until_ready(self.penalties)
         if self.lora is not None:       # the adapter slot write
             self.weights = self.lora.warmup(self.weights)
