@@ -64,6 +64,9 @@ def program_row(name, key, exe, text: str, s, runner, seconds: float) -> dict:
     m = exe.memory_analysis()
     T = key[0]
     syncs = hlo_analysis.host_sync_points(text)
+    for point in syncs:             # "jaxserve/sample/sampler.py:150", wherever the package lives
+        src = point.get("source") or ""
+        point["source"] = src[src.rfind("jaxserve/"):] if "jaxserve/" in src else src or None
     model = hlo_analysis.modeled_bytes(text, _attention_overrides(text, s, runner, T))
     floor = min_bytes(s, runner, T)
     return {
@@ -129,6 +132,14 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['name']} | {r['tokens']} | {'yes' if r['compiled'] else 'no: ' + r['error'][:80]} | "
                      f"{_gb(mem.get('argument'))} | {_gb(mem.get('temp'))} | {r['host_syncs']} | "
                      f"{_gb(r['modeled_bytes'])} | {_gb(r['min_bytes'])} | {r.get('bytes_ratio', '-')} |")
+    syncs = {}
+    for r in report["programs"]:
+        for point in r.get("host_sync_points") or ():
+            syncs.setdefault((point["op"], point.get("source") or point.get("op_name")), []).append(r["name"])
+    if syncs:
+        lines += ["", "Host synchronisation points (XLA:GPU copies a predicate to the host and waits: each "
+                  "`conditional`, each `while` without a known trip count, per iteration):", ""]
+        lines += [f"- {op} at {where}: {', '.join(names)}" for (op, where), names in syncs.items()]
     if report["kernels"]:
         lines += ["", "| kernel | config | registers | spill bytes | smem bytes | CTAs/SM |",
                   "| --- | --- | ---: | ---: | ---: | ---: |"]
