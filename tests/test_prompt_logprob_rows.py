@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.sample.sampler import score
-from jaxserve.worker.model_runner import score_rows
+from jaxserve.sample.sampler import score, score_rows
 
 
 @pytest.mark.parametrize("T, scored, chunk", [(16, [3, 4, 5], 64), (200, list(range(20, 151)), 64),

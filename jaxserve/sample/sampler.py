@@ -168,3 +168,26 @@ def score(logits: jax.Array, targets: jax.Array, k: int):
     rank = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1).astype(jnp.int32)
     top_vals, top_ids = jax.lax.top_k(logprobs, max(k, 1))
     return chosen, rank, top_ids[:, :k].astype(jnp.int32), top_vals[:, :k]
+
+
+PROMPT_LOGPROB_ROWS = 64    # tokens whose logits [rows, V] exist at once in a prompt-logprobs step
+
+
+def score_rows(logits_fn, hidden, rows, targets, k: int, chunk: int = PROMPT_LOGPROB_ROWS):
+    """Prompt logprobs for the tokens `rows` [T] (the scored token indices first, then T) of
+    hidden [T, E]: logits are computed `chunk` rows at a time for those tokens only (a loop
+    with as many trips as the real rows need), never for all T tokens. Returns `score`'s
+    (chosen [T], rank [T], top ids [T, k], top logprobs [T, k]); unscored tokens hold zeros."""
+    T = hidden.shape[0]
+    C = min(chunk, T)
+    rows = jnp.pad(rows, (0, (-T) % C), constant_values=T)
+    shapes = jax.eval_shape(lambda: score(logits_fn(hidden[:1]), targets[:1], k))
+    init = tuple(jnp.zeros((T,) + s.shape[1:], s.dtype) for s in shapes)
+
+    def body(i, out):
+        idx = jax.lax.dynamic_slice_in_dim(rows, i * C, C)          # [C]; T: padding
+        safe = jnp.minimum(idx, T - 1)
+        res = score(logits_fn(hidden[safe]), targets[safe], k)
+        return tuple(o.at[idx].set(r, mode="drop") for o, r in zip(out, res))
+
+    return jax.lax.fori_loop(0, (jnp.sum(rows < T) + C - 1) // C, body, init)

@@ -31,14 +31,14 @@ from jaxserve.lora.weight import bind_token_slots
 from jaxserve.models import get_model
 from jaxserve.sample import penalties
 from jaxserve.sample.rejection import accept, emitted_mask
-from jaxserve.sample.sampler import sample, score
+from jaxserve.sample.sampler import sample, score_rows
 from jaxserve.sharding.plan import ShardingPlan, single_device_plan
 from jaxserve.worker.buckets import pow2_at_least, token_buckets
 from jaxserve.worker.compile_cache import compile_noting_cache_hit, how_obtained
 from jaxserve.worker.compile_queue import BackgroundCompiler
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, is_latent, kv_cache_sharding
-from jaxserve.worker.step_inputs import StepInputs, build_inputs
+from jaxserve.worker.step_inputs import StepInputs, build_inputs, step_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -47,28 +47,7 @@ logger = logging.getLogger(__name__)
 # engine reports ready (batch-1 decode and short prompts), the rest while it serves.
 FIRST_PROGRAM_TOKENS = 16
 
-PROMPT_LOGPROB_ROWS = 64    # tokens whose logits [rows, V] exist at once in a prompt-logprobs step
 PENALTY_PROGRAM = "penalty_write"     # the penalty-row write's name in a compiled directory
-
-
-def score_rows(logits_fn, hidden, rows, targets, k: int, chunk: int = PROMPT_LOGPROB_ROWS):
-    """Prompt logprobs for the tokens `rows` [T] (the scored token indices first, then T) of
-    hidden [T, E]: logits are computed `chunk` rows at a time for those tokens only (a loop
-    with as many trips as the real rows need), never for all T tokens. Returns `score`'s
-    (chosen [T], rank [T], top ids [T, k], top logprobs [T, k]); unscored tokens hold zeros."""
-    T = hidden.shape[0]
-    C = min(chunk, T)
-    rows = jnp.pad(rows, (0, (-T) % C), constant_values=T)
-    shapes = jax.eval_shape(lambda: score(logits_fn(hidden[:1]), targets[:1], k))
-    init = tuple(jnp.zeros((T,) + s.shape[1:], s.dtype) for s in shapes)
-
-    def body(i, out):
-        idx = jax.lax.dynamic_slice_in_dim(rows, i * C, C)          # [C]; T: padding
-        safe = jnp.minimum(idx, T - 1)
-        res = score(logits_fn(hidden[safe]), targets[safe], k)
-        return tuple(o.at[idx].set(r, mode="drop") for o, r in zip(out, res))
-
-    return jax.lax.fori_loop(0, (jnp.sum(rows < T) + C - 1) // C, body, init)
 
 
 @dataclasses.dataclass
@@ -240,21 +219,6 @@ class ModelRunner:
             self._all_allowed[num_rows] = mask
         return mask
 
-    def _step_bitmask(self, grammar, layout, num_rows: int, num_drafts: dict[str, int]
-                      ) -> np.ndarray:
-        """[R, W] host bitmask: the grammar rows (a core.scheduler.GrammarBitmask; 1 + drafts
-        rows per request, in order) at their request's sampling rows, all ones elsewhere."""
-        mask = np.full((num_rows, self.mask_words), -1, np.int32)
-        words = min(self.mask_words, grammar.bitmask.shape[1])
-        src = 0
-        for rid in grammar.request_ids:
-            n = 1 + num_drafts.get(rid, 0)
-            row = layout.sample_rows.get(rid)
-            if row is not None:
-                mask[row:row + n, :words] = grammar.bitmask[src:src + n, :words]
-            src += n
-        return mask
-
     def _program_spec(self, num_tokens: int, with_prompt_logprobs: bool) -> StepInputs:
         """The StepInputs shapes of one program (built from an empty batch: call it on the
         engine's thread, the input batch is not the compiler thread's to read)."""
@@ -373,8 +337,8 @@ class ModelRunner:
         drafts = {s.request_id: s.spec_token_ids for s in scheduled}
         grammar = getattr(scheduler_output, "grammar_bitmask", None)
         if grammar is not None and grammar.request_ids:
-            inputs.bitmask = self._step_bitmask(grammar, layout, len(inputs.logit_rows),
-                                                {r: len(d) for r, d in drafts.items()})
+            inputs.bitmask = step_bitmask(grammar, layout.sample_rows, len(inputs.logit_rows), self.mask_words,
+                                          {r: len(d) for r, d in drafts.items()})
         compiled = (len(inputs.tokens), want_prompt_lp) in self._executables
         step_out = self.run_model(inputs)
         if self.drafter is not None:        # the draft's K/V for the same tokens (async)

@@ -129,3 +129,19 @@ def build_inputs(scheduled, batch, *, num_tokens: int, num_seqs: int, num_blocks
                         prompt_rows=prompt_rows, draft_ids=draft_ids, group_start=group_start,
                         lora_slots=token_lora)
     return inputs, StepLayout(offsets, sample_rows)
+
+
+def step_bitmask(grammar, sample_rows: dict[str, int], num_rows: int, mask_words: int,
+                 num_drafts: dict[str, int]) -> np.ndarray:
+    """[R, W] host bitmask of a step: the grammar rows (a core.scheduler.GrammarBitmask; 1 + drafts
+    rows per request, in order) at their request's sampling rows, all ones elsewhere."""
+    mask = np.full((num_rows, mask_words), -1, np.int32)
+    words = min(mask_words, grammar.bitmask.shape[1])
+    src = 0
+    for rid in grammar.request_ids:
+        n = 1 + num_drafts.get(rid, 0)
+        row = sample_rows.get(rid)
+        if row is not None:
+            mask[row:row + n, :words] = grammar.bitmask[src:src + n, :words]
+        src += n
+    return mask
