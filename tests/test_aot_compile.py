@@ -121,6 +121,14 @@ def test_h100_programs_hold_the_kernel_not_its_interpreter(tmp_path, backend, cu
     assert report["memory_check"]["fits"]
 
 
+def test_h100_tensor_parallel_all_reduces_move_the_activation_dtype(tmp_path):
+    """Row-parallel partial sums are all-reduced in bf16 on a GPU (vLLM's choice), not in f32."""
+    _h100_or_skip()
+    report = _compile(tmp_path, "h100", ["--programs", "ci"], tensor_parallel_size=2)
+    ops = {(c["op"], c["dtype"]) for p in report["programs"] for c in p["collectives"]}
+    assert ("all-reduce", "bf16") in ops and ("all-reduce", "f32") not in ops, ops
+
+
 @pytest.mark.parametrize("method,group,sym,act_order", [("awq", 32, False, False), ("gptq", 64, True, True)])
 def test_abstract_int4_weights_have_the_layout_the_loader_makes(tmp_path, method, group, sym, act_order):
     """A config-only int4 compile (no checkpoint files read) must compile the programs an engine on

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxserve.pallas.common import target_platform
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -50,8 +52,14 @@ def register_linear(weight_type: type) -> Callable:
 
 @register_linear(DenseWeight)
 def _dense(x: jax.Array, weight: DenseWeight, out_dtype=None) -> jax.Array:
-    # f32 accumulation for low-precision inputs, result in the activation dtype unless told
-    pref = jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else None
+    # f32 accumulation for low-precision inputs, result in the activation dtype unless told. On a
+    # GPU the GEMM accumulates in f32 whatever its output type, so a bf16 result is asked for
+    # directly: under tensor parallelism the row-parallel partial sums (wo, w_down) are then
+    # all-reduced in bf16, half the bytes of f32 (vLLM's choice); an f32 result would be reduced
+    # in f32 and only then rounded. XLA:CPU has no bf16 x bf16 -> f32 fused dot and rounds a bf16
+    # dot's partial sums, so the CPU asks for f32. (Chosen at trace time, from the target.)
+    low = x.dtype in (jnp.bfloat16, jnp.float16)
+    pref = jnp.float32 if low and (out_dtype == jnp.float32 or target_platform() != "gpu") else None
     return jnp.einsum("...i,io->...o", x, weight.w, preferred_element_type=pref).astype(out_dtype or x.dtype)
 
 
