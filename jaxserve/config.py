@@ -233,6 +233,7 @@ class ParallelConfig:
 
 
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/jaxserve/xla"   # the CLI's; see EngineArgs
+DEFAULT_PROGRAM_CACHE_DIR = "~/.cache/jaxserve/programs"  # the offline LLM's; see EngineArgs
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,11 @@ class EngineArgs:
     # key matches this engine's are loaded instead of compiled; a mismatch is logged (naming the
     # fields) and the engine compiles as without it.
     compiled_dir: str | None = None
+    # The engine's own store of serialized step programs, one directory per key under this root
+    # (jaxserve.aot.store.open_cache): programs compiled once are loaded by later engines of the same
+    # model, flags, devices and jaxserve/jax versions, without touching jax.config. `LLM` passes
+    # DEFAULT_PROGRAM_CACHE_DIR unless told ("" or None: off); the CLI uses the compilation cache.
+    program_cache_dir: str | None = None
     max_logprobs: int = 20
     # vLLM's structured_outputs_config.reasoning_parser (--reasoning-parser): a request's
     # structured output applies after its <think>...</think> reasoning (None: from its start).

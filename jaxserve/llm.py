@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import jinja2
 
+from jaxserve import config
 from jaxserve.config import EngineArgs
 from jaxserve.core.request import InvalidRequestError
 from jaxserve.engine.llm_engine import LLMEngine
@@ -34,16 +35,20 @@ class LLM:
     `warmup="background"` builds the decode and 16-token programs, the rest on a background
     thread while it serves (what `jaxserve serve` does; see `LLMEngine`).
     Use as a context manager, or call `shutdown()`, to free the KV pool at once.
-    `compilation_cache_dir="~/.cache/jaxserve/xla"` keeps compiled programs in JAX's persistent
-    compilation cache so a second start is fast (as `jaxserve serve` does by default). That is
-    jax's process-wide setting (every jitted function of the program lands there), so without
-    the argument `LLM` leaves `jax.config` as the program set it.
+    The step programs it compiles are kept in the engine's own program cache
+    (`program_cache_dir`, default ~/.cache/jaxserve/programs; "" turns it off), keyed by
+    everything that changes them, so a second `LLM()` of the same model and flags loads them
+    instead of compiling; jax.config is left as the program set it.
+    `compilation_cache_dir="~/.cache/jaxserve/xla"` also turns on JAX's persistent compilation
+    cache (as `jaxserve serve` does by default): that is jax's process-wide setting, every jitted
+    function of the program lands there.
     """
 
     def __init__(self, model: str | None = None, *, warmup: bool | str = True, **kwargs):
         unknown = set(kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        kwargs.setdefault("program_cache_dir", config.DEFAULT_PROGRAM_CACHE_DIR)   # a warm second start
         self.engine_args = EngineArgs(model=model, **kwargs)
         configure_default_logging()
         self.llm_engine = LLMEngine(self.engine_args, warmup=warmup)

@@ -37,6 +37,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_default_program_cache():
+    """The offline `LLM` keeps its compiled programs in ~/.cache/jaxserve/programs by default; tests
+    build many engines and assert how their programs came to be (compiled, in the background, from
+    the compilation cache), so in-process engines here start without it unless a test asks
+    (tests/test_program_cache.py); subprocess tests pass program_cache_dir="" themselves."""
+    from jaxserve import config
+    old, config.DEFAULT_PROGRAM_CACHE_DIR = config.DEFAULT_PROGRAM_CACHE_DIR, ""
+    yield
+    config.DEFAULT_PROGRAM_CACHE_DIR = old
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """In CI (CI=true, as .ci/run runs), a skip is a failure unless it is a GPU test on a machine

@@ -51,7 +51,8 @@ def _compile(out: Path, target: str = "cpu", extra: list[str] = (), python: str 
 
 
 def _engine(**kwargs) -> dict:
-    done = subprocess.run([sys.executable, "-c", ENGINE, json.dumps({"model": TINY, **FLAGS, **kwargs})],
+    args = {"model": TINY, "program_cache_dir": "", **FLAGS, **kwargs}
+    done = subprocess.run([sys.executable, "-c", ENGINE, json.dumps(args)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -101,7 +102,7 @@ def _h100_or_skip():
         from jaxserve.aot.targets import get_target
         return get_target("h100")
     except (ValueError, ImportError) as e:
-        pytest.skip(f"no compile-only H100 here (jax 0.11.2 + jax-cuda13-plugin/pjrt: the py312 CI step): {e}")
+        pytest.skip(f"needs jax 0.11.2 with the CUDA plugin wheels for a compile-only H100 (the py312 CI step): {e}")
 
 
 @pytest.mark.parametrize("backend,custom_call", [("pallas", "__gpu$xla.gpu.triton"), ("mosaic", "mosaic_gpu")])

@@ -109,7 +109,7 @@ def h100():
     try:
         return get_target("h100", 1)
     except ValueError as e:
-        pytest.skip(f"no compile-only H100 target: {e}")
+        pytest.skip(f"needs jax 0.11.2 with the CUDA plugin wheels for a compile-only H100 target: {e}")
 
 
 def _pick(cases, name, **config):

@@ -115,7 +115,7 @@ CHILD = """
 import json, sys
 from jaxserve import LLM
 llm = LLM(max_model_len=256, max_num_batched_tokens=16, num_gpu_blocks_override=64,
-          compilation_cache_dir=sys.argv[1], **json.loads(sys.argv[2]))
+          compilation_cache_dir=sys.argv[1], program_cache_dir="", **json.loads(sys.argv[2]))
 print("PROGRAMS", llm.llm_engine.runner.programs_obtained())
 """
 

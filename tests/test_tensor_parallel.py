@@ -33,7 +33,7 @@ _CHILD = textwrap.dedent("""
         try:
             llm = LLM(model=model or None, tensor_parallel_size=tp, max_model_len=128,
                       max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=32,
-                      warmup=False, compilation_cache_dir="", **kwargs)
+                      warmup=False, compilation_cache_dir="", program_cache_dir="", **kwargs)
         except ValueError as e:       # a refused configuration: the message is the result
             result.append(dict(error=str(e)))
             continue

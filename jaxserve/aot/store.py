@@ -1,23 +1,27 @@
 """A directory of compiled step programs: serialized executables, keyed by everything that changes
-them, which an engine loads instead of compiling (`--compiled-dir DIR`).
+them, which an engine loads instead of compiling (`--compiled-dir DIR`, and the offline `LLM`'s
+program cache under ~/.cache/jaxserve/programs, one directory per key).
 
-    DIR/manifest.json          {"key": {...}, "programs": {name: file}}
+    DIR/manifest.json          {"key": {...}}
     DIR/<program>.exe          pickle of jax's serialize_executable (payload, in tree, out tree)
-    DIR/<program>.hlo.txt      the optimized HLO (what the report reads)
+    DIR/<program>.hlo.txt      the optimized HLO (what the report reads; `jaxserve compile`)
     DIR/report.json, report.md (jaxserve.aot.report)
 
 The key (`program_key`) is computed from a `ModelRunner` by the same function whether the runner
 compiles for a target or is an engine about to serve, so "the programs fit this engine" is one
-comparison; `mismatch` names each field that differs.
+comparison; `mismatch` names each field that differs. A program is a file of its own, written
+whole then renamed, so processes sharing a cache directory never read half a program.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import pickle
+import threading
 from importlib import metadata
 from pathlib import Path
 
@@ -61,6 +65,18 @@ def device_description(devices) -> dict:
             "compute_capability": None if cc is None else str(cc)}
 
 
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A digest of jaxserve's own source (every .py, .cc and .h file of the package): programs
+    compiled by other code are never loaded."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cc", ".h") and p.is_file()):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def program_key(runner) -> dict:
     """Everything that changes a `ModelRunner`'s compiled programs, as a flat dict of fields:
     software versions, the devices, the model, every shape-changing setting, and the signature
@@ -68,6 +84,7 @@ def program_key(runner) -> dict:
     weights, cache, pen = runner._state_specs()
     return {
         "format": FORMAT,
+        "jaxserve": code_fingerprint(),
         "jax": jax.__version__,
         "jaxlib": _version("jaxlib"),
         "cuda_plugin": _version("jax-cuda13-plugin"),
@@ -102,10 +119,13 @@ def mismatch(compiled: dict, wanted: dict) -> list[str]:
 
 class ProgramStore:
     """A compiled directory, written by `jaxserve compile` and read by an engine. `load` returns
-    None for a program the directory does not hold (the engine compiles that one)."""
+    None for a program the directory does not hold (the engine compiles that one). writable: a
+    program cache, to which the engine `save`s each program it compiles."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, writable: bool = False, kind: str = "compiled directory"):
         self.dir = Path(directory)
+        self.writable = writable
+        self.kind = kind
 
     @property
     def manifest(self) -> dict | None:
@@ -121,25 +141,55 @@ class ProgramStore:
 
     def write(self, key: dict, programs: dict[str, jax.stages.Compiled]) -> None:
         """Serialize `programs` (name -> compiled) under `key`, replacing the manifest."""
-        from jax.experimental.serialize_executable import serialize
-        self.dir.mkdir(parents=True, exist_ok=True)
-        files = {}
+        self.write_key(key)
         for name, exe in programs.items():
-            files[name] = f"{name}.exe"
-            with open(self.dir / files[name], "wb") as f:
-                pickle.dump(serialize(exe), f)
-        (self.dir / MANIFEST).write_text(json.dumps({"key": key, "programs": files}, indent=1))
+            self.save(name, exe)
+
+    def write_key(self, key: dict) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.dir / MANIFEST, json.dumps({"key": key}, indent=1).encode())
+
+    def save(self, name: str, exe) -> None:
+        """Add one compiled program (a failure to write is logged: the program is still served)."""
+        from jax.experimental.serialize_executable import serialize
+        try:
+            _write_atomic(self.dir / f"{name}.exe", pickle.dumps(serialize(exe)))
+        except (OSError, ValueError, TypeError) as e:
+            logger.warning("could not store program %s in %s: %s", name, self.dir, e)
 
     def load(self, name: str):
-        """The compiled program `name` loaded onto this process's devices, or None."""
-        m = self.manifest
-        file = None if m is None else m["programs"].get(name)
-        if file is None:
+        """The compiled program `name` loaded onto this process's devices, or None (not held, or
+        unreadable: logged, and the engine compiles it)."""
+        path = self.dir / f"{name}.exe"
+        if not path.is_file():
             return None
         from jax.experimental.serialize_executable import deserialize_and_load
-        with open(self.dir / file, "rb") as f:
-            payload, in_tree, out_tree = pickle.load(f)
-        return deserialize_and_load(payload, in_tree, out_tree)
+        try:
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            return deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:    # noqa: BLE001 - a damaged or foreign file: compile instead
+            logger.warning("could not load program %s from %s (%r); compiling it", name, self.dir, e)
+            return None
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def open_cache(root: str | os.PathLike, runner) -> ProgramStore | None:
+    """The program cache's directory for this runner's key under `root` (made, with its key, when
+    new): programs compiled once are loaded by every later engine of the same key."""
+    key = program_key(runner)
+    store = ProgramStore(Path(os.path.expanduser(root)) / _digest(key), writable=True, kind="program cache")
+    try:
+        if store.key != key:
+            store.write_key(key)
+    except (OSError, ValueError) as e:
+        logger.warning("program cache %s unusable (%s); compiling without it", store.dir, e)
+        return None
+    return store
 
 
 def open_matching(directory: str | os.PathLike, runner) -> ProgramStore | None:

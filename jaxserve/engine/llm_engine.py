@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import jax
 
-from jaxserve.aot.store import compiled_pool_blocks, open_matching
+from jaxserve.aot.store import compiled_pool_blocks, open_cache, open_matching
 from jaxserve.attention import AttentionCase, cpu_backend, select_backend
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import DEFAULT_COMPILATION_CACHE_DIR, EngineArgs
@@ -220,6 +220,8 @@ class LLMEngine:
             runner = make_runner(blocks, choice, w, make_drafter(blocks, choice))
             if args.compiled_dir:
                 runner.programs = open_matching(args.compiled_dir, runner)
+            elif args.program_cache_dir:
+                runner.programs = open_cache(args.program_cache_dir, runner)
             if not warmup:
                 return blocks, runner, 0.0
             # A background warm-up only where one process schedules alone (followers of a

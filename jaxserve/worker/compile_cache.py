@@ -39,7 +39,8 @@ def compile_noting_cache_hit(compile_fn: Callable[[], jax.stages.Compiled]
 
 
 def how_obtained(from_cache: bool | str) -> str:
-    """from_cache: True (JAX's persistent cache), "dir" (a compiled directory) or False."""
-    if from_cache == "dir":
-        return "loaded from the compiled directory"
+    """from_cache: True (JAX's persistent cache), a program store's kind ("compiled directory",
+    "program cache": jaxserve.aot.store) or False."""
+    if isinstance(from_cache, str):
+        return f"loaded from the {from_cache}"
     return "loaded from the compilation cache" if from_cache else "compiled"

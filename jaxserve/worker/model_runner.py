@@ -247,15 +247,17 @@ class ModelRunner:
         weights, cache, pen = state if state is not None else self._state_specs()
         exe = None if self.programs is None else self.programs.load(self.program_name(key))
         if exe is not None:
-            from_cache = "dir"
+            from_cache = self.programs.kind
         else:
             with self.lower_context():
                 exe, from_cache = compile_noting_cache_hit(
                     lambda: self._step.lower(weights, cache, pen, spec).compile(self.compiler_options))
+            if self.programs is not None and self.programs.writable:
+                self.programs.save(self.program_name(key), exe)
         with self._lock:
             self._executables[key] = exe
             self._from_cache += int(from_cache is True)
-            self._from_dir += int(from_cache == "dir")
+            self._from_dir += int(isinstance(from_cache, str))
             n = len(self._executables)
         logger.info("step program %d: %d tokens%s, %s (%.1f s)%s", n, key[0],
                     ", prompt logprobs" if key[1] else "", how_obtained(from_cache),
@@ -288,7 +290,7 @@ class ModelRunner:
         """How the step programs came to be: "3 loaded from the compilation cache, 1 compiled"."""
         with self._lock:
             loaded, from_dir, n = self._from_cache, self._from_dir, len(self._executables)
-        pre = f"{from_dir} loaded from the compiled directory, " if self.programs is not None else ""
+        pre = f"{from_dir} loaded from the {self.programs.kind}, " if self.programs is not None else ""
         return f"{pre}{loaded} loaded from the compilation cache, {n - loaded - from_dir} compiled"
 
     def run_model(self, inputs: StepInputs):
@@ -315,6 +317,8 @@ class ModelRunner:
                 with self.lower_context():
                     exe = penalties.write_row.lower(self._state_specs()[2], spec(np.int32(0)),
                                                     *map(spec, rows)).compile(self.compiler_options)
+                if self.programs is not None and self.programs.writable:
+                    self.programs.save(PENALTY_PROGRAM, exe)
             self._penalty_exe = exe
         return self._penalty_exe
 
