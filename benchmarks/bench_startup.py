@@ -96,7 +96,7 @@ def run_once(cache_dir: str, model: str | None, extra: list[str], tree: str | No
         first = _first_request(f"http://127.0.0.1:{port}")
         while wait_background and proc.poll() is None:
             text = Path(log.name).read_text()
-            if "more compiling in the background" not in text or "background warm-up done" in text:
+            if "more building in the background" not in text or "background warm-up done" in text:
                 break
             time.sleep(0.5)
     finally:

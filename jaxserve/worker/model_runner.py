@@ -470,7 +470,7 @@ class ModelRunner:
                     len(self._executables), self.programs_obtained(), self.buckets,
                     "" if self.drafter is None else
                     f" and {len(self.drafter.compiled_programs)} draft-model programs", elapsed,
-                    f"; {len(later)} more compiling in the background" if later else "")
+                    f"; {len(later)} more building in the background" if later else "")
         return elapsed
 
     def _warmup_done(self, seconds: float) -> None:

@@ -155,11 +155,10 @@ class Server:
 
     @staticmethod
     def _log_access(request: web.Request, status: int, seconds: float) -> None:
-        usage = request.get("usage")
-        tokens = (f"{usage['prompt_tokens']}+{usage.get('completion_tokens', 0)} tokens"
-                  if usage else "- tokens")
+        usage = request.get("usage")      # a request that generated: "12+3 tokens"; others say nothing
+        tokens = f" {usage['prompt_tokens']}+{usage.get('completion_tokens', 0)} tokens" if usage else ""
         level = logging.DEBUG if request.path in PROBE_PATHS else logging.INFO
-        access_logger.log(level, '%s "%s %s" %d %s %.3f s', request.remote, request.method,
+        access_logger.log(level, '%s "%s %s" %d%s %.3f s', request.remote, request.method,
                           request.path, status, tokens, seconds)
 
     async def _answer(self, request: web.Request, handler):
