@@ -280,6 +280,9 @@ class EngineArgs:
     # key matches this engine's are loaded instead of compiled; a mismatch is logged (naming the
     # fields) and the engine compiles as without it.
     compiled_dir: str | None = None
+    # vLLM's --gguf-file: the .gguf file inside `model` (a local directory or a Hub repo), the same
+    # as naming `model` "DIR/FILE.gguf" or "org/name/FILE.gguf" (`model_location`).
+    gguf_file: str | None = None
     # The engine's own store of serialized step programs, one directory per key under this root
     # (jaxserve.aot.store.open_cache): programs compiled once are loaded by later engines of the same
     # model, flags, devices and jaxserve/jax versions, without touching jax.config. `LLM` passes
@@ -352,6 +355,7 @@ class EngineArgs:
                              f"models are not supported), got {self.convert!r}")
         PoolerConfig.from_dict(self.pooler_config)
         self.lora_limits()
+        self.model_location()
         # The sub-configs validate their own fields; build them once here so errors surface early.
         self.cache_config()
         self.spec_config()
@@ -406,6 +410,22 @@ class EngineArgs:
 
     def spec_config(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.from_dict(self.speculative_config)
+
+    def model_location(self) -> str | None:
+        """`model`, with `gguf_file` joined as the file inside it: a local directory's path, or a
+        Hub repo's "org/name/FILE.gguf" (None: the embedded default model)."""
+        if not self.gguf_file:
+            return self.model
+        if not str(self.gguf_file).endswith(".gguf") or "/" in str(self.gguf_file):
+            raise ValueError(f"gguf_file must be a .gguf file name inside the model's directory or repo, "
+                             f"got {self.gguf_file!r}")
+        if self.model is None or str(self.model).endswith(".gguf"):
+            raise ValueError(f"gguf_file {self.gguf_file!r} names a file inside model, which must then be a "
+                             f"directory or a Hub repo (org/name), got model {self.model!r}")
+        model = os.fspath(self.model)
+        if os.path.isdir(os.path.expanduser(model)):
+            return os.path.join(model, self.gguf_file)
+        return f"{model.rstrip('/')}/{self.gguf_file}"
 
     def model_overrides(self) -> dict | None:
         """hf_overrides with rope_scaling merged in: what load_model merges into config.json."""

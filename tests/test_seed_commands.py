@@ -54,7 +54,6 @@ REFUSED = {
     "001_c69dbfc57f34f86b.txt:1136": "--tool-call-parser",                # glm47
     "001_c69dbfc57f34f86b.txt:1170": "--reasoning-parser",                # step3p5
     "002_e2d129ceae207686.txt:75": "--pipeline-parallel-size",
-    "002_e2d129ceae207686.txt:172": "--gguf-file",                        # a hub repo + file name
 }
 
 _SMALL = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=8, head_dim=16, intermediate_size=256)
@@ -95,11 +94,20 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
         _add_tokenizer(path)
     from jaxserve.default_model import default_model_path
     out["gguf"] = default_model_path()
+    # --gguf-file names a file inside the model's repo: a directory holding the default GGUF by each such name
+    out["gguf-dir"] = root / "gguf-dir"
+    out["gguf-dir"].mkdir()
+    for _, command in SEEDS:
+        words = shlex.split(command)
+        if "--gguf-file" in words:
+            (out["gguf-dir"] / words[words.index("--gguf-file") + 1]).symlink_to(default_model_path())
     return {k: str(v) for k, v in out.items()}
 
 
 def _kind(model: str, argv: list[str]) -> str:
     quantization = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--quantization"), None)
+    if "--gguf-file" in argv:
+        return "gguf-dir"
     if model.endswith(".gguf"):
         return "gguf"
     if quantization in ("awq", "gptq"):
@@ -134,7 +142,9 @@ def check_line(argv: list[str]) -> str | None:
             compat.apply_or_exit(ns)
             cli.check_tool_arguments(ns)
             args = cli.engine_args_from(ns)
-            path = Path(args.model)
+            if args.gguf_file:            # the file inside the (local) repo is what loads
+                assert Path(args.model_location()).is_file(), args.model_location()
+            path = Path(args.model_location())
             if path.is_dir():
                 cfg = load_hf_config(path, args.model_overrides())
                 cfg.resolve_max_model_len(args.max_model_len)
@@ -168,7 +178,7 @@ def test_seed_lines_tally():
     """The acceptance figure: every line runs or is refused with a reason, most run."""
     runs = len(SEEDS) - len(REFUSED)
     assert set(REFUSED) <= {s for s, _ in SEEDS}
-    assert len(SEEDS) == 78 and runs == 58, (len(SEEDS), runs)
+    assert len(SEEDS) == 78 and runs == 59, (len(SEEDS), runs)
 
 
 # A representative few, started for real: YaRN 131K on a MoE with EP over 2 devices, --enable-reasoning and
@@ -205,3 +215,15 @@ def test_representative_seed_lines_serve_a_request(tiny_models, monkeypatch, tmp
     log = server.log()
     if "--trust-remote-code" in argv:       # one warning per no-op flag, naming it
         assert log.count("--trust-remote-code is accepted for vLLM command lines") == 1, log
+
+
+def test_gguf_file_is_the_file_inside_the_model_directory_or_repo(tmp_path):
+    from jaxserve.config import EngineArgs
+    (tmp_path / "m.gguf").write_bytes(b"")
+    assert EngineArgs(model=str(tmp_path), gguf_file="m.gguf").model_location() == str(tmp_path / "m.gguf")
+    assert EngineArgs(model="TheBloke/Llama-2-70B-GGUF", gguf_file="llama-2-70b.Q4_K_M.gguf").model_location() \
+        == "TheBloke/Llama-2-70B-GGUF/llama-2-70b.Q4_K_M.gguf"      # resolved as org/name/FILE.gguf
+    for model, name, field in ((str(tmp_path / "m.gguf"), "m.gguf", "gguf_file"), (None, "m.gguf", "gguf_file"),
+                               (str(tmp_path), "m.bin", "gguf_file")):
+        with pytest.raises(ValueError, match=field):
+            EngineArgs(model=model, gguf_file=name)

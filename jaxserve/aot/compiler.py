@@ -65,7 +65,7 @@ class Setup:
 def _model_config_and_weights(args: EngineArgs, target: Target, mesh, dtype):
     from jaxserve.loader.hub import resolve_model
     from jaxserve.loader.loader import cpu_matmuls_for, gguf_config_of, load_hf_config, load_model
-    path = resolve_model(args.model, revision=args.revision, download_dir=args.download_dir,
+    path = resolve_model(args.model_location(), revision=args.revision, download_dir=args.download_dir,
                          weights=not target.is_gpu) if args.model else str(default_model_path())
     if not target.is_gpu:           # the engine's loader: the weight types it will serve with
         cfg, weights = load_model(path, dtype, mesh=mesh, load_format=args.load_format, seed=args.seed,

@@ -91,7 +91,7 @@ class LLMEngine:
         on the step's thread); False compiles each on first use."""
         t0 = time.perf_counter()
         self.args = args
-        model_path = resolve_model(args.model, revision=args.revision, download_dir=args.download_dir,
+        model_path = resolve_model(args.model_location(), revision=args.revision, download_dir=args.download_dir,
                                    weights=args.load_format != "dummy") \
             if args.model else str(default_model_path())
         self.model_path = model_path

@@ -72,7 +72,6 @@ REFUSED_FLAGS: dict[str, tuple[Any, str]] = {
                                   "'{\"model\": PATH, \"num_speculative_tokens\": N}'"),
     "--num-speculative-tokens": (None, "vLLM removed it; use --speculative-config "
                                        "'{\"method\": ..., \"num_speculative_tokens\": N}'"),
-    "--gguf-file": (None, "pass the .gguf file itself as the model"),
     "--swap-space": (None, "preempted requests are recomputed, never swapped to host memory"),
 }
 _NOOP_VALUES = {"--pipeline-parallel-size": ("1",), "--preemption-mode": ("recompute",)}

@@ -99,6 +99,8 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                           "\"MEAN\", \"normalize\": true}' (LAST, MEAN or CLS).",
                                           shown_default="LAST, normalized, or the checkpoint's "
                                           "sentence-transformers config")),
+    ("gguf_file", "LoadConfig", dict(help="The .gguf file inside MODEL (a directory or Hub repo): "
+                                     "the same as MODEL/FILE.gguf.", shown_default="none")),
     ("load_format", "LoadConfig", dict(choices=(*LOAD_FORMATS, *compat.LOAD_FORMAT_ALIASES),
                                        help="'dummy': seeded random "
                                        "weights of the shapes in MODEL/config.json, no "
