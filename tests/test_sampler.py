@@ -4,14 +4,16 @@ penalties and logit_bias (vLLM's formulas), min_tokens masking, logprobs from th
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.core.scheduler import NewRequestData
 from jaxserve.sample import penalties
-from jaxserve.sample.sampler import SamplingTensors, argmax_last, score
+from jaxserve.sample.sampler import CANDIDATES, SamplingTensors, _apply_filters, argmax_last, score
 from jaxserve.sample.sampler import sample as _sample
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.input_batch import InputBatch
@@ -332,3 +334,152 @@ def test_top_logprobs_are_always_k_wide_and_zero_when_no_row_asks():
     assert np.asarray(asked.top_ids).shape == np.asarray(not_asked.top_ids).shape == (4, 5)
     assert not np.asarray(not_asked.top_logprobs).any()
     np.testing.assert_array_equal(ids_of(asked), ids_of(not_asked))
+
+
+# -- filters without sorting the vocabulary ----------------------------------------------------
+NEG = -1e30
+
+
+def ref_apply_filters(logits, t: SamplingTensors):
+    """The sampler's filters before they stopped sorting: min_p, then top_k, then top_p, on the
+    sorted vocabulary (the reference the candidate / search form must keep the same set as). One
+    change: top_p >= 1 keeps every token. The sorting filters dropped the tail of such a row
+    whenever the f32 cumsum of its sorted probabilities reached 1.0 before the end (at 4096
+    tokens, ~50 of them), rows without any filter too when another row of the batch had one."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    max_p = probs.max(-1, keepdims=True)
+    logits = jnp.where(probs < t.min_p[:, None] * max_p, NEG, logits)
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]           # descending
+    V = logits.shape[-1]
+    k = jnp.where(t.top_k > 0, jnp.minimum(t.top_k, V), V)
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+    logits = jnp.where(logits < kth, NEG, logits)
+    sorted_logits = jnp.where(sorted_logits < kth, NEG, sorted_logits)
+    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep = (mass_before < t.top_p[:, None]) | (t.top_p[:, None] >= 1.0)
+    cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits < cutoff, NEG, logits)
+
+
+def filter_cases(R, V, seed):
+    """Logits [R, V] of every kind the filters meet (peaked, flat enough that top_p 0.9 needs
+    thousands of tokens, exact ties, grammar-masked -1e30 entries, a single allowed token) and
+    per-row top_k / top_p / min_p drawn from the values requests use."""
+    rng = np.random.default_rng(seed)
+    kinds = rng.integers(0, 6, R)
+    logits = rng.normal(0, 3, (R, V)).astype(np.float32)
+    flat = kinds == 1
+    logits[flat] = rng.normal(0, 0.05, (int(flat.sum()), V))
+    ties = kinds == 2
+    logits[ties] = np.round(logits[ties])                              # few distinct values
+    masked = (kinds == 3) | (kinds == 4)
+    logits[masked] = np.where(rng.random((int(masked.sum()), V)) < 0.7, NEG, logits[masked])
+    logits[kinds == 4, :] = np.where(np.arange(V) == 7, 1.0, NEG)[None]  # one token allowed
+    logits[kinds == 5] = np.round(rng.normal(0, 0.05, (int((kinds == 5).sum()), V)), 1)  # flat ties
+    top_k = rng.choice([0, 1, 5, 50, V], R).astype(np.int32)
+    top_k[rng.random(R) < 0.1] = 3 * CANDIDATES                       # past the candidates
+    top_p = rng.choice([1.0, 0.9, 0.5, 1e-6], R).astype(np.float32)
+    min_p = rng.choice([0.0, 0.05, 0.5], R).astype(np.float32)
+    t = dataclasses.replace(tensors(R), top_k=top_k, top_p=top_p, min_p=min_p)
+    return logits, t
+
+
+def kept(filtered):
+    return np.asarray(filtered) != NEG
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_filters_keep_exactly_the_set_the_sorted_reference_keeps(platform):
+    """Candidates (CPU) and the exact search (CPU fallback; every row on GPU) against the sorted
+    reference, row by row: the same tokens kept, ties at a cutoff included, values untouched."""
+    R, V = 192, 4096
+    ref = jax.jit(ref_apply_filters)
+    new = jax.jit(partial(_apply_filters, platform=platform))
+    for seed in range(3):
+        logits, t = filter_cases(R, V, seed)
+        want, got = np.asarray(ref(logits, t)), np.asarray(new(logits, t))
+        bad = np.flatnonzero((kept(want) != kept(got)).any(-1))
+        assert not bad.size, (seed, bad[:5], t.top_k[bad[:5]], t.top_p[bad[:5]], t.min_p[bad[:5]],
+                              kept(want)[bad[:5]].sum(-1), kept(got)[bad[:5]].sum(-1))
+        np.testing.assert_array_equal(got, want)
+        # The flat rows with top_p 0.9 (and no smaller top_k) needed more than the candidates.
+        assert (kept(got).sum(-1) > CANDIDATES).any()
+
+
+def test_filters_leave_rows_without_filters_unchanged():
+    logits, t = filter_cases(64, 1024, 7)
+    t = dataclasses.replace(t, top_k=np.where(np.arange(64) % 2, t.top_k, 0).astype(np.int32),
+                            top_p=np.where(np.arange(64) % 2, t.top_p, 1.0).astype(np.float32),
+                            min_p=np.where(np.arange(64) % 2, t.min_p, 0.0).astype(np.float32))
+    got = np.asarray(jax.jit(_apply_filters)(logits, t))
+    np.testing.assert_array_equal(got[::2], logits[::2])
+
+
+@pytest.mark.parametrize("vocab,top_k,top_p,min_p", [(32, 5, 0.9, 0.05), (512, 0, 0.95, 0.0),
+                                                    (512, 300, 1.0, 0.0)])
+def test_sampling_from_the_filters_matches_the_references_renormalized_kept_set(vocab, top_k, top_p, min_p):
+    """Chi-square of 20,000 draws against the reference's kept set renormalized: a small vocab
+    with all three filters; a flat 512-token row whose top_p 0.95 mass spans past the candidates;
+    a top_k past the candidates."""
+    R = 20000
+    rng = np.random.default_rng(vocab + top_k)
+    row = rng.normal(0, 1.0 if vocab == 32 else 0.3, vocab).astype(np.float32)
+    logits = np.tile(row, (R, 1))
+    t = dataclasses.replace(tensors(R, temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p),
+                            seeds=np.arange(R, dtype=np.uint32))
+    ids = ids_of(_sample(logits, t, penalties.zeros(1, vocab)))
+    ref_row = np.asarray(ref_apply_filters(row[None], dataclasses.replace(
+        tensors(1, temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p))))[0]
+    keep = ref_row != NEG
+    assert CANDIDATES < keep.sum() < vocab or vocab == 32
+    expected = np.where(keep, softmax(row.astype(np.float64)), 0)
+    expected /= expected.sum()
+    counts = np.bincount(ids, minlength=vocab)
+    assert not counts[~keep].any()
+    e = R * expected[keep]
+    chi2 = float(((counts[keep] - e) ** 2 / e).sum())
+    df = int(keep.sum()) - 1
+    assert chi2 < df + 6 * np.sqrt(2 * df), (chi2, df)
+
+
+def test_seeded_samples_are_those_of_the_sorted_reference():
+    """Same kept set and the same per-row Gumbel noise: every row samples the token the sorting
+    sampler sampled, so seeded requests keep their outputs across this change."""
+    from jaxserve.sample.sampler import _gumbel
+    R, V = 128, 4096
+    logits, t = filter_cases(R, V, 11)
+    t = dataclasses.replace(t, temperature=np.full(R, 0.8, np.float32),
+                            seeds=np.random.default_rng(1).integers(0, 2**32, R, dtype=np.uint32),
+                            positions=np.arange(R, dtype=np.int32))
+    scaled = logits / np.float32(0.8)
+    noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(t.seeds, t.positions, V)
+    want = np.asarray(argmax_last(ref_apply_filters(scaled, t) + noise))
+    np.testing.assert_array_equal(ids_of(_sample(logits, t, penalties.zeros(1, V))), want)
+
+
+def test_h100_step_sampler_has_no_host_sync_points():
+    """The sampler compiled for an H100 (from this host, jaxserve.aot) holds no conditional and
+    no while without a trip count: XLA:GPU runs those by copying a predicate to the host."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.aot.hlo_analysis import host_sync_points
+    from jaxserve.aot.targets import get_target
+    try:
+        target = get_target("h100")
+    except ValueError as e:
+        pytest.skip(str(e))
+    mesh = Mesh(np.array(target.devices), ("tp",))
+    rep = NamedSharding(mesh, P())
+    R, V = 256, 128256
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)   # noqa: E731
+    t = tensors(R)
+    t = jax.tree.map(lambda a: spec(a.shape, a.dtype), t)
+    state = jax.tree.map(lambda a: spec((R, V), a.dtype), penalties.zeros(1, 1))
+    args = (spec((R, V), jnp.float32), t, state, spec((R, -(-V // 32)), jnp.int32))
+    with target.context(mesh):
+        text = jax.jit(lambda x, t, s, b: _sample(x, t, s, k=20, bitmask=b)).lower(*args).compile(
+            {"xla_gpu_enable_cub_radix_sort": False}).as_text()
+    assert not host_sync_points(text)
+    assert " sort(" not in text             # neither the filters nor top logprobs sort the vocabulary

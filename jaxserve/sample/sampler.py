@@ -9,10 +9,13 @@ sampled with the Gumbel-max trick. Each row's noise comes from its own key, deri
 request's seed and its output position only, so a seeded request samples the same tokens
 whatever else shares the batch.
 
-Shapes are fixed, so one program per row count serves every mix of requests: the optional
-stages (penalties, filters, noise, logprobs) are `lax.cond`s on whether any row needs them
-(only the taken branch runs), penalties read fixed `[C, V]` state by slot (`penalties.py`), and
-top logprobs are always `k` (the engine's max_logprobs) wide; callers slice what was asked for.
+Shapes are fixed, so one program per row count serves every mix of requests: on CPU the
+optional stages (penalties, filters, noise, logprobs) are `lax.cond`s on whether any row needs
+them (only the taken branch runs); on GPU, where XLA runs a conditional by copying its predicate
+to the host and blocking the stream, every stage runs branch-free (the form is chosen at trace
+time from the compile target, `target_platform`). Penalties read fixed `[C, V]` state by slot
+(`penalties.py`), and top logprobs are always `k` (the engine's max_logprobs) wide; callers
+slice what was asked for. The filters never sort the vocabulary (`_apply_filters`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxserve.pallas.common import target_platform
 from jaxserve.sample.penalties import PenaltyState, apply_penalties
 from jaxserve.sample.structured import maybe_apply_bitmask
 
@@ -84,23 +88,122 @@ def argmax_last(x: jax.Array) -> jax.Array:
     return jax.lax.reduce(idx, jnp.int32(V), _min, (nd,))
 
 
-def _apply_filters(logits, t: SamplingTensors):
-    """min_p, then top_k, then top_p on temperature-scaled logits [R, V]."""
-    probs = jax.nn.softmax(logits, axis=-1)
-    max_p = probs.max(-1, keepdims=True)
-    logits = jnp.where(probs < t.min_p[:, None] * max_p, _NEG, logits)
-    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]           # descending
-    V = logits.shape[-1]
-    k = jnp.where(t.top_k > 0, jnp.minimum(t.top_k, V), V)
-    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
-    logits = jnp.where(logits < kth, _NEG, logits)
-    sorted_logits = jnp.where(sorted_logits < kth, _NEG, sorted_logits)
-    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep = mass_before < t.top_p[:, None]
-    cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits < cutoff, _NEG, logits)
+CANDIDATES = 64      # the top-k width whose values usually settle top_k and top_p (CPU)
+_RADIX_BITS = {"gpu": 4}   # key bits a pass of the exact search settles (15 thresholds a pass); else 1
+
+
+def _keys(x):
+    """f32 [..] -> u32 keys in the same order (-0.0 counted as +0.0; NaN unordered)."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, jnp.float32(0), x), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _value(key):
+    bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _largest_key(holds, rows: int, bits: int):
+    """The largest u32 key a [rows] with holds(a), for holds monotone (true up to some key) and
+    true at 0: `bits` bits a pass (32 / bits passes, a static trip count: no host sync on GPU),
+    each pass one call holds(keys [rows, n]) -> [rows, n] bool at n = 2**bits - 1 keys."""
+    j = jnp.arange(1, 2 ** bits, dtype=jnp.uint32)
+
+    def body(i, a):
+        shift = (32 - bits * (i + 1)).astype(jnp.uint32)
+        held = holds(a[:, None] | (j << shift))
+        return a | (jnp.sum(held, axis=-1, dtype=jnp.uint32) << shift)
+
+    return jax.lax.fori_loop(0, 32 // bits, body, jnp.zeros(rows, jnp.uint32))
+
+
+def _kth_largest(x, k, bits: int):
+    """The k-th largest value of each row of x [R, V] (k [R] i32 in [1, V]), ties counted. Each
+    pass reads x alone (keys are recomputed, not stored)."""
+    return _value(_largest_key(
+        lambda c: jnp.sum(_keys(x)[:, None, :] >= c[..., None], axis=-1) >= k[:, None], x.shape[0], bits))
+
+
+def _top_p_cutoff(x, thr_k, m, total, top_p, bits: int):
+    """The smallest value v of each row of x [R, V] whose higher values' mass is below top_p [R],
+    the mass of a value being the reference's probability exp(x - m) / total where x >= thr_k
+    ([R, 1] each): the lowest value the sorted reference keeps. -inf when the whole mass is below
+    top_p. Each pass reads x alone (keys and probabilities are recomputed, not stored)."""
+    def holds(c):
+        probs = jnp.where(x >= thr_k, jnp.exp(x - m), 0) / total
+        return jnp.sum(jnp.where(_keys(x)[:, None, :] > c[..., None], probs[:, None, :], 0),
+                       axis=-1) >= top_p[:, None]
+
+    a = _largest_key(holds, x.shape[0], bits)
+    whole = jnp.sum(jnp.where(x >= thr_k, jnp.exp(x - m), 0) / total, axis=-1)
+    return jnp.where(whole >= top_p, _value(a + 1), -jnp.inf)
+
+
+def _apply_filters(x, t: SamplingTensors, platform: str | None = None):
+    """min_p, then top_k, then top_p on temperature-scaled logits x [R, V] (vLLM's order): the
+    removed tokens set to -1e30, the kept set that of sorting the vocabulary (tests' reference
+    `ref_apply_filters`) without sorting it. Rows without filters come back unchanged; top_p >= 1
+    keeps every token. Each filter is a threshold on the value, so ties at a cutoff are kept.
+
+    min_p is the reference's elementwise test. top_k and top_p: on CPU from the top CANDIDATES
+    values (`lax.top_k`), exact whenever k <= CANDIDATES and the candidates' mass settles top_p;
+    rows they do not settle take the exact search (`_largest_key`, under a cond). On GPU the
+    search runs for every row, branch-free (XLA:GPU's top_k over 16 is a full sort). `platform`:
+    the form to trace (default: the compile target's)."""
+    R, V = x.shape
+    platform = platform or target_platform()
+    gpu = platform == "gpu"
+    bits = _RADIX_BITS.get(platform, 1)
+
+    def min_p(x):
+        probs = jax.nn.softmax(x, axis=-1)
+        return jnp.where(probs < t.min_p[:, None] * probs.max(-1, keepdims=True), _NEG, x)
+
+    x = min_p(x) if gpu else jax.lax.cond(jnp.any(t.min_p > 0), min_p, lambda x: x, x)
+    k = jnp.where((t.top_k > 0) & (t.top_k < V), t.top_k, V)             # V: off
+    use_p = t.top_p < 1.0
+    m = x.max(-1, keepdims=True)
+    if gpu:
+        kth = _kth_largest(x, k, bits)
+    else:
+        vals = _top_k_values(x, min(CANDIDATES, V))                  # [R, K] descending
+        K = vals.shape[1]
+        kth = jnp.take_along_axis(vals, jnp.minimum(k, K)[:, None] - 1, axis=-1)[:, 0]
+        need = (k < V) & (k > K)
+        kth = jax.lax.cond(jnp.any(need), lambda: jnp.where(need, _kth_largest(x, k, bits), kth),
+                           lambda: kth)
+    thr_k = jnp.where(k < V, kth, -jnp.inf)[:, None]                   # [R, 1]
+    # The reference's probabilities after top_k: softmax over the kept values.
+    e = jnp.where(x >= thr_k, jnp.exp(x - m), 0)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    if gpu:
+        thr_p = _top_p_cutoff(x, thr_k, m, total, t.top_p, bits)
+    else:
+        p = jnp.where(vals >= thr_k, jnp.exp(vals - m), 0) / total       # [R, K]
+        kept = (jnp.cumsum(p, axis=-1) - p) < t.top_p[:, None]
+        # Candidates whose mass before them is known: those above every other token, and, when
+        # top_k keeps candidates only, those top_k removed (no mass).
+        w = vals[:, -1:]
+        known = (vals > w) | ((thr_k > w) & (vals < thr_k)) | (K == V)
+        settled = jnp.any(known & ~kept, axis=-1) | (K == V)
+        thr_p = jnp.min(jnp.where(kept & known, vals, jnp.inf), axis=-1)
+        need = use_p & ~settled
+        thr_p = jax.lax.cond(
+            jnp.any(need), lambda: jnp.where(need, _top_p_cutoff(x, thr_k, m, total, t.top_p, bits), thr_p),
+            lambda: thr_p)
+    thr_p = jnp.where(use_p, thr_p, -jnp.inf)[:, None]
+    return jnp.where(x >= jnp.maximum(thr_k, thr_p), x, _NEG)
+
+
+def _top_k_values(x: jax.Array, k: int) -> jax.Array:
+    """The k largest of each row, by XLA:CPU's top-k kernel. Its rewrite matches only a sort whose
+    both outputs are sliced, which simplifying the uses of the values alone undoes (a full sort,
+    ~100x slower at [32, 32000]); a barrier over both keeps them. One array, not the (values,
+    indices) tuple: a tuple barrier crashes XLA's SPMD partitioner under tensor parallelism
+    ("cannot be downcasted to HloGetTupleElementInstruction", jaxlib 0.10.2)."""
+    v, i = jax.lax.top_k(x, k)
+    both = jax.lax.optimization_barrier(jnp.stack([v, jax.lax.bitcast_convert_type(i, v.dtype)]))
+    return both[0]
 
 
 def _gumbel(seed, position, vocab):
@@ -120,10 +223,31 @@ def _draw(logits, greedy_ids, t: SamplingTensors):
     # Capped, they stay unreachable; at 1e6 every allowed logit is already ~0 (uniform draw).
     temp = jnp.minimum(jnp.where(rand, t.temperature, 1.0), MAX_TEMPERATURE)
     scaled = logits / temp[:, None]
-    filtered = rand & ((t.top_k > 0) | (t.top_p < 1.0) | (t.min_p > 0))
-    scaled = jax.lax.cond(jnp.any(filtered), _apply_filters, lambda x, _: x, scaled, t)
+    # Greedy rows' filters are void: they neither run the exact search nor keep the cond open.
+    t = dataclasses.replace(t, top_k=jnp.where(rand, t.top_k, 0), top_p=jnp.where(rand, t.top_p, 1.0),
+                            min_p=jnp.where(rand, t.min_p, 0.0))
+    if target_platform() == "gpu":
+        scaled = _apply_filters(scaled, t)
+    else:
+        filtered = (t.top_k > 0) | (t.top_p < 1.0) | (t.min_p > 0)
+        scaled = jax.lax.cond(jnp.any(filtered), _apply_filters, lambda x, _: x, scaled, t)
     noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(t.seeds, t.positions, V)
     return jnp.where(rand, argmax_last(scaled + noise), greedy_ids).astype(jnp.int32)
+
+
+def _top_k(x, k: int):
+    """lax.top_k over the last axis. On GPU past 16 (where XLA sorts the whole row instead of
+    running its top-k kernel) as rounds of 16, each round's picks set to -inf for the next."""
+    if target_platform() != "gpu" or k <= 16:
+        return jax.lax.top_k(x, k)
+    rows = jnp.arange(x.shape[0])[:, None]
+    vals, ids = [], []
+    for _ in range(-(-k // 16)):
+        v, i = jax.lax.top_k(x, 16)
+        vals.append(v)
+        ids.append(i)
+        x = x.at[rows, i].set(-jnp.inf)
+    return jnp.concatenate(vals, -1)[:, :k], jnp.concatenate(ids, -1)[:, :k]
 
 
 def _logprobs(logits, ids, k: int):
@@ -131,7 +255,7 @@ def _logprobs(logits, ids, k: int):
     raw = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(raw, ids[:, None], axis=-1)[:, 0]
     rank = 1 + jnp.sum(raw > chosen[:, None], axis=-1).astype(jnp.int32)
-    top_vals, top_ids = jax.lax.top_k(raw, k) if k else (raw[:, :0], raw[:, :0])
+    top_vals, top_ids = _top_k(raw, k) if k else (raw[:, :0], raw[:, :0])
     return chosen, rank, top_ids.astype(jnp.int32), top_vals
 
 
@@ -147,11 +271,18 @@ def sample(logits: jax.Array, t: SamplingTensors, state: PenaltyState, k: int = 
     """logits [R, V] f32 -> sampled ids and logprobs for every row; top logprobs k wide.
     bitmask [R, ceil(V / 32)] i32: the tokens each row may sample (all ones: unconstrained)."""
     logits = raw = maybe_apply_bitmask(logits, bitmask)
-    logits = jax.lax.cond(
-        jnp.any(t.penalised),
-        lambda x: apply_penalties(x, t.slots, t.penalised, t.min_tokens_active, t.presence,
-                                  t.frequency, t.repetition, state),
-        lambda x: x, logits)
+    penalise = lambda x: apply_penalties(x, t.slots, t.penalised, t.min_tokens_active,  # noqa: E731
+                                         t.presence, t.frequency, t.repetition, state)
+    if target_platform() == "gpu":
+        # XLA:GPU runs a conditional by copying its predicate to the host and blocking the
+        # stream: every stage runs, each leaving the rows that did not ask for it as they were.
+        logits = penalise(logits)
+        ids = _draw(logits, argmax_last(logits), t)
+        lp = _logprobs(raw, ids, k)
+        lp = jax.tree.map(lambda a, b: jnp.where(jnp.any(t.logprobs), a, b), lp, _no_logprobs(raw, ids, k))
+        return SamplerOutput(ids, *lp)
+    # On CPU a stage no row needs is skipped (only the taken branch runs).
+    logits = jax.lax.cond(jnp.any(t.penalised), penalise, lambda x: x, logits)
     ids = argmax_last(logits)
     # Gumbel noise for every row is ~3M random numbers a step: skipped when all rows are greedy.
     ids = jax.lax.cond(jnp.any(t.temperature > 0), _draw, lambda x, g, _: g, logits, ids, t)

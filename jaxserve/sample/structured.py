@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxserve.pallas.common import target_platform
+
 _NEG = -1e30
 
 
@@ -29,7 +31,11 @@ def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
 
 def maybe_apply_bitmask(logits: jax.Array, bitmask: jax.Array | None) -> jax.Array:
     """`apply_bitmask` when some row is constrained (some word is not all ones); otherwise the
-    logits untouched (one [R, W] compare, the cost of an unconstrained batch)."""
+    logits untouched (one [R, W] compare, the cost of an unconstrained batch). On GPU always
+    `apply_bitmask` (all-ones rows come back unchanged): XLA:GPU runs a conditional by copying
+    its predicate to the host and blocking the stream, and the select costs one pass."""
     if bitmask is None:
         return logits
+    if target_platform() == "gpu":
+        return apply_bitmask(logits, bitmask)
     return jax.lax.cond(jnp.any(bitmask != -1), apply_bitmask, lambda x, _: x, logits, bitmask)

@@ -303,7 +303,12 @@ class ModelRunner:
 
     def _write_penalty_rows(self) -> None:
         for slot, rows in self.input_batch.take_penalty_writes():
-            self.penalties = self.penalty_program()(self.penalties, np.asarray(slot, np.int32), *rows)
+            self._write_penalty_row(slot, rows)
+
+    def _write_penalty_row(self, slot: int, rows) -> None:
+        # a compiled program takes its inputs where it was compiled for them: on every device
+        args = jax.device_put((np.asarray(slot, np.int32), *rows), self.plan.replicated)
+        self.penalties = self.penalty_program()(self.penalties, *args)
 
     def penalty_program(self):
         """The penalty-row write (`penalties.write_row`), compiled ahead like the step programs, or
@@ -453,8 +458,7 @@ class ModelRunner:
         for key in now:
             self._compile(key, state=state)
         # Writing to slot C is dropped: this builds the write and changes nothing.
-        rows = penalties.host_rows([], [], None, (), self.cfg.vocab_size)
-        self.penalties = self.penalty_program()(self.penalties, np.asarray(self.max_seqs, np.int32), *rows)
+        self._write_penalty_row(self.max_seqs, penalties.host_rows([], [], None, (), self.cfg.vocab_size))
         jax.block_until_ready(self.penalties)
         if self.lora is not None:       # the adapter slot write
             self.weights = self.lora.warmup(self.weights)
