@@ -125,10 +125,20 @@ def make_runner(s: Setup, num_blocks: int) -> ModelRunner:
     return runner
 
 
+def client_memory_fraction() -> float:
+    """The share of a GPU's memory jax's client will hand the engine (its `bytes_limit`): what
+    XLA_PYTHON_CLIENT_MEM_FRACTION says, 0.75 by default (jax preallocates that much)."""
+    try:
+        return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    except ValueError:
+        return 0.75
+
+
 def num_blocks_for(s: Setup) -> tuple[int, dict]:
-    """The pool the engine would size on the target: on a GPU target the device memory x
-    gpu_memory_utilization, less the weights and the largest program's temps (compiled once with
-    a probe pool: what the engine's profile run measures); on the CPU the engine's own rule."""
+    """The pool the engine would size on the target: on a GPU target jax's share of the device
+    memory (`client_memory_fraction`) x gpu_memory_utilization, less the weights, the penalty state
+    and the largest program's temps (compiled once with a probe pool: what the engine's profile
+    run measures); on the CPU the engine's own rule."""
     from jaxserve.worker.kv_sizing import num_kv_blocks
     args = s.args
     if not s.target.is_gpu or args.num_gpu_blocks_override or args.kv_cache_memory_bytes:
@@ -140,13 +150,14 @@ def num_blocks_for(s: Setup) -> tuple[int, dict]:
         m = probe._compile(key).memory_analysis()
         resident = max(resident, m.argument_size_in_bytes - PROBE_BLOCKS * s.bytes_per_block)
         temps = max(temps, m.temp_size_in_bytes)
-    budget = int(s.target.memory_bytes * args.gpu_memory_utilization) - resident - temps
+    limit = int(s.target.memory_bytes * client_memory_fraction())     # the engine's bytes_limit there
+    budget = int(limit * args.gpu_memory_utilization) - resident - temps
     blocks = budget // s.bytes_per_block
     if blocks < 1:
-        raise ValueError(f"target {s.target.name}: no memory left for the KV cache: {s.target.memory_bytes} "
-                         f"bytes x {args.gpu_memory_utilization} - weights and state {resident} - temps {temps} "
-                         "(more devices: --tensor-parallel-size)")
-    return int(blocks), {"device_bytes": s.target.memory_bytes, "weights": s.weight_bytes,
+        raise ValueError(f"target {s.target.name}: no memory left for the KV cache: {limit} bytes (jax's share "
+                         f"of {s.target.memory_bytes}) x {args.gpu_memory_utilization} - weights and state "
+                         f"{resident} - temps {temps} (more devices: --tensor-parallel-size)")
+    return int(blocks), {"device_bytes": s.target.memory_bytes, "bytes_limit": limit, "weights": s.weight_bytes,
                          "resident_without_pool": resident, "temps": temps, "kv_budget": budget}
 
 

@@ -88,11 +88,13 @@ def failed_program(name, key, error: str) -> dict:
 
 
 def memory_check(s, runner, rows: list[dict]) -> dict:
-    """Does every program fit one device at gpu_memory_utilization, with a KV pool of at least
-    one max_model_len sequence? (GPU targets; the CPU has no fixed device memory.)"""
+    """Does every program fit one device (jax's share of its memory, x gpu_memory_utilization, as
+    the engine sizes there), with a KV pool of at least one max_model_len sequence? (GPU targets;
+    the CPU has no fixed device memory.)"""
     if not s.target.is_gpu:
         return {"checked": False}
-    limit = int(s.target.memory_bytes * s.args.gpu_memory_utilization)
+    from jaxserve.aot.compiler import client_memory_fraction
+    limit = int(s.target.memory_bytes * client_memory_fraction() * s.args.gpu_memory_utilization)
     worst = max((r["memory"]["argument"] + r["memory"]["output"] - r["memory"]["alias"] + r["memory"]["temp"]
                  for r in rows if r["compiled"]), default=0)
     pool_tokens = runner.num_blocks * runner.block_size
