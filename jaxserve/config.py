@@ -266,6 +266,9 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
     fp8_kernel: str = "auto"
+    # An FP8 checkpoint's activations: "auto" = its own scheme (W8A8) where the device has FP8 tensor
+    # cores, W8A16 elsewhere (vLLM's rule); "w8a8" / "w8a16" force one (loader.fp8.served_activations).
+    fp8_activations: str = "auto"
     speculative_config: dict | None = None
     seed: int = 0
     load_format: str = "auto"   # "dummy": seeded random weights of config.json's shapes
@@ -321,6 +324,8 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.fp8_activations not in ("auto", "w8a8", "w8a16"):
+            raise ValueError(f"fp8_activations must be one of auto, w8a8, w8a16, got {self.fp8_activations!r}")
         if self.fp8_kernel not in FP8_KERNELS:
             raise ValueError(f"fp8_kernel must be one of {', '.join(FP8_KERNELS)}, got {self.fp8_kernel!r}")
         if self.load_format not in LOAD_FORMATS:

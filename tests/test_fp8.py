@@ -4,6 +4,7 @@ FP8 checkpoints (HF block-scaled, compressed-tensors per-channel / per-tensor) a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -200,12 +201,16 @@ def _per_layer(x, weight):
     return jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
 
+@pytest.mark.parametrize("served", ["auto", "w8a8"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_fp8_checkpoint_loads_and_matches_dequantised_f32(tmp_path, fmt):
+def test_fp8_checkpoint_loads_and_matches_dequantised_f32(tmp_path, fmt, served):
+    """auto: off FP8 hardware (this CPU) every checkpoint runs W8A16, exact to f32 rounding;
+    w8a8 forces the checkpoint's own activation scheme, near its e4m3 reference."""
     from jaxserve.loader.loader import load_model
     _, granularity, activations = FORMATS[fmt]
+    activations = "none" if served == "auto" else activations
     dense = _write_checkpoint(tmp_path / fmt, fmt)
-    cfg, weights = load_model(tmp_path / fmt, "float32")
+    cfg, weights = load_model(tmp_path / fmt, "float32", fp8_activations=served)
     assert isinstance(weights.lm_head, DenseWeight) and weights.embed.dtype == jnp.float32
     x = jax.random.normal(jax.random.key(5), (9, 512), jnp.float32)
     with jax.default_matmul_precision("highest"):     # f32 oracle dots (not TF32 on a GPU)
@@ -340,6 +345,31 @@ def test_checkpoint_weights_for_the_kernel_are_stored_k_major(tmp_path):
     assert (w.kernel, w.k_major, w.w.shape, w.shape) == ("pallas", True, (2, 256, 512), (2, 512, 256))
     np.testing.assert_array_equal(w.w, jnp.swapaxes(weights.layers.w_down.w, -1, -2))
     np.testing.assert_array_equal(w.scale, weights.layers.w_down.scale)
+
+
+def test_checkpoint_activations_follow_the_device_unless_forced():
+    """vLLM's rule for FP8 checkpoints: W8A8 only where the GPU has FP8 tensor cores."""
+    from types import SimpleNamespace
+
+    from jaxserve.loader.fp8 import Fp8Scheme, served_activations
+    h100 = SimpleNamespace(platform="gpu", compute_capability="9.0")
+    a100 = SimpleNamespace(platform="gpu", compute_capability="8.0")
+    cpu = SimpleNamespace(platform="cpu")
+    for scheme_acts in ("dynamic", "static"):
+        scheme = dataclasses.replace(_any_scheme(), activations=scheme_acts)
+        assert [served_activations(scheme, d) for d in (h100, a100, cpu)] == [scheme_acts, "none", "none"]
+        assert served_activations(scheme, cpu, "w8a8") == scheme_acts
+        assert served_activations(scheme, h100, "w8a16") == "none"
+    w8a16 = dataclasses.replace(_any_scheme(), activations="none")
+    assert served_activations(w8a16, h100, "w8a8") == "none"        # no activation scales to use
+    with pytest.raises(ValueError, match="fp8_activations"):
+        served_activations(w8a16, cpu, "fp8")
+    assert Fp8Scheme
+
+
+def _any_scheme():
+    from jaxserve.loader.fp8 import scheme_of
+    return scheme_of({"quantization_config": FORMATS["hf-fp8-block"][0]})
 
 
 def test_defaults_follow_the_device():

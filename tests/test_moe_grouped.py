@@ -5,7 +5,6 @@ dequantised model run by transformers), and `--quantization fp8` covering the ex
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import jax
@@ -169,10 +168,10 @@ def test_fp8_block_moe_checkpoint_matches_transformers_on_its_dequantised_weight
     model, tensors = _quantised_qwen3_moe(tmp_path / "fp8")
     assert tensors["model.layers.0.mlp.experts.3.down_proj.weight_scale_inv"].shape == (2, 2)
     cfg, weights = load_model(tmp_path / "fp8", "float32")
-    # W8A16: the weights' rounding alone, which both sides share (the checkpoint says W8A8)
-    weights = jax.tree.map(lambda w: dataclasses.replace(w, activations="none") if isinstance(w, Fp8Weight) else w,
-                           weights, is_leaf=lambda w: isinstance(w, Fp8Weight))
+    # W8A16 by default off FP8 hardware (the checkpoint says W8A8, dynamic): the weights' rounding
+    # alone, which both sides share (loader.fp8.served_activations)
     layers = weights.layers
+    assert layers.we_up.w.activations == "none" and layers.w_gate.activations == "none"
     for name in ("we_gate", "we_up", "we_down"):
         w = getattr(layers, name)
         assert isinstance(w, ExpertWeight) and isinstance(w.w, Fp8Weight), name
@@ -195,7 +194,7 @@ def test_fp8_checkpoint_default_activations_load_and_stay_close(tmp_path):
 
     from jaxserve.loader.loader import load_model
     model, _ = _quantised_qwen3_moe(tmp_path / "fp8")
-    cfg, weights = load_model(tmp_path / "fp8", "float32")
+    cfg, weights = load_model(tmp_path / "fp8", "float32", fp8_activations="w8a8")   # forced: no FP8 cores here
     assert weights.layers.we_up.w.activations == "dynamic"
     ids = np.random.default_rng(2).integers(0, 96, size=16).tolist()
     with torch.no_grad():

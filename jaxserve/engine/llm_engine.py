@@ -125,7 +125,8 @@ class LLMEngine:
                                                 seed=args.seed,
                                                 quantization=args.load_quantization(model_path),
                                                 expert_parallel=args.enable_expert_parallel,
-                                                hf_overrides=args.model_overrides())
+                                                hf_overrides=args.model_overrides(),
+                                                fp8_activations=args.fp8_activations)
         weights = cpu_matmuls_for(weights, args.dtype, self.mesh.size)
         self.tokenizer = _load_tokenizer(args, model_path, reader, self.model_config)
         # A pooling model (runner "pooling") computes embeddings: prefill-only requests whose

@@ -126,12 +126,31 @@ def read_fp8(scheme: Fp8Scheme, get: Callable[[str], np.ndarray], weight_name: s
     return w, np.ascontiguousarray(s), x_scale
 
 
+FP8_ACTIVATIONS = ("auto", "w8a8", "w8a16")
+
+
+def served_activations(scheme: Fp8Scheme, device=None, force: str = "auto") -> str:
+    """How a checkpoint's activations are served: its own scheme ("dynamic" or "static": W8A8)
+    where the device has FP8 tensor cores (`default_activations`: compute capability >= 8.9), else
+    "none" (W8A16, the weights dequantised tile by tile and the activations left as they are, as
+    vLLM's Marlin path runs FP8 checkpoints off FP8 hardware: emulated e4m3 activations would only
+    cost accuracy and time). `force` "w8a8" / "w8a16" overrides (--fp8-activations)."""
+    if force not in FP8_ACTIVATIONS:
+        raise ValueError(f"fp8_activations must be one of {', '.join(FP8_ACTIVATIONS)}, got {force!r}")
+    if scheme.activations == "none" or force == "w8a16":
+        return "none"
+    if force == "w8a8" or default_activations(device) != "none":
+        return scheme.activations
+    return "none"
+
+
 def stack_fp8(scheme: Fp8Scheme, get, names: list[str], k: int, n: int, data_sharding, kernel: str = "auto",
-              lead: tuple[int, ...] | None = None):
+              lead: tuple[int, ...] | None = None, activations: str | None = None):
     """Per-layer FP8 tensors -> one stacked Fp8Weight [L, in, out] on the device ([L, out, in]
     for the Mosaic GPU kernel), the codes placed as `data_sharding` ([L, in, out]) says and the
     scales with them (`scale_sharding`); `lead` (default: [len(names)]) the stacked axes the names
-    fill in order, [L, X] for per-layer experts."""
+    fill in order, [L, X] for per-layer experts. activations: as served (`served_activations`;
+    None: the scheme's)."""
     kernel = resolve_kernel(kernel, num_devices=data_sharding.mesh.size)
     k_major = kernel == "pallas"
     lead = tuple(lead or (len(names),))
@@ -144,7 +163,7 @@ def stack_fp8(scheme: Fp8Scheme, get, names: list[str], k: int, n: int, data_sha
     s_sharding = scale_sharding(data_sharding, s.shape, k, n, scheme.block_size)
     return Fp8Weight(jax.device_put(w, _swapped(data_sharding, w.ndim) if k_major else data_sharding),
                      jax.device_put(s, s_sharding), None if x_scale is None else jax.device_put(x_scale, rep),
-                     activations=scheme.activations, block_size=scheme.block_size, kernel=kernel,
+                     activations=activations or scheme.activations, block_size=scheme.block_size, kernel=kernel,
                      k_major=k_major)
 
 

@@ -90,7 +90,7 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
 
 def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=None, *,
              quantization: str | None = None, fp8_scheme=None, expert_parallel: bool = False,
-             int4_scheme=None):
+             int4_scheme=None, fp8_activations: str = "auto"):
     """Read every declared array through `get` (Hugging Face names and layouts), stack the
     per-layer ones, cast to `dtype` and place each with the sharding its logical axes get on
     `mesh` (default: one device). Returns the model's weights pytree.
@@ -113,6 +113,7 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
     names = getattr(get, "names", ())
     if fp8_scheme is not None or quantization == "fp8":
         from jaxserve.loader import fp8
+    served = None if fp8_scheme is None else fp8.served_activations(fp8_scheme, mesh.devices.flat[0], fp8_activations)
     if int4_scheme is not None:
         from jaxserve.loader import int4
 
@@ -182,7 +183,7 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
             try:
                 if p.stacked:     # [L, in, out], or experts [L, X, in, out]
                     arrays[p.path] = fp8.stack_fp8(fp8_scheme, get, checkpoint_names, k, n, sharding,
-                                                   lead=p.shape[:p.stacked_dims])
+                                                   lead=p.shape[:p.stacked_dims], activations=served)
                     continue
                 # an unstacked FP8 matrix (a quantised lm_head): dequantised to the model dtype
                 w, s, _ = fp8.read_fp8(fp8_scheme, get, p.checkpoint, k, n)
@@ -344,7 +345,7 @@ def _fp8_note(scheme, quantization: str | None) -> str:
 
 def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh=None,
                load_format: str = "auto", seed: int = 0, quantization: str | None = None,
-               expert_parallel: bool = False, hf_overrides: dict | None = None):
+               expert_parallel: bool = False, hf_overrides: dict | None = None, fp8_activations: str = "auto"):
     """Load a Hugging Face directory or a .gguf file -> (ModelConfig, weights). `dtype` is a name
     or a jnp dtype; `gguf_reader` an already open reader of the file (parsing a GGUF header
     takes seconds); `load_format="dummy"` reads only `config.json` and makes seeded random
@@ -395,9 +396,18 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
     logger.info("loading %s (%s, %d layers, hidden %d) as %s%s", path, cfg.architecture,
                 cfg.num_layers, cfg.hidden_size, jnp.dtype(jdtype).name, _fp8_note(scheme, quantization))
     int4_scheme = scheme if type(scheme).__name__ == "Int4Scheme" else None
+    fp8_scheme = None if int4_scheme else scheme
+    if fp8_scheme is not None:
+        from jaxserve.loader.fp8 import served_activations
+        served = served_activations(fp8_scheme, (mesh.devices.flat[0] if mesh is not None else None),
+                                    fp8_activations)
+        if served != fp8_scheme.activations:
+            logger.info("FP8 checkpoint with %s activations (W8A8) served as W8A16 (activations left in %s): "
+                        "this device has no FP8 tensor cores, where vLLM too runs weights-only FP8; "
+                        "--fp8-activations w8a8 forces W8A8", fp8_scheme.activations, jnp.dtype(jdtype).name)
     weights = assemble(cfg, get, jdtype, mesh, quantization=None if scheme else quantization,
-                       fp8_scheme=None if int4_scheme else scheme, expert_parallel=expert_parallel,
-                       int4_scheme=int4_scheme)
+                       fp8_scheme=fp8_scheme, expert_parallel=expert_parallel,
+                       int4_scheme=int4_scheme, fp8_activations=fp8_activations)
     del get
     release_freed_host_memory()       # the per-layer host tensors
     return cfg, weights
