@@ -204,6 +204,9 @@ def main(argv=None):
     ap.add_argument("--batches", default=None, help="comma list (GPU default 1,8,32,64,128,256)")
     ap.add_argument("--contexts", default=None,
                     help="comma list (GPU default 512,2048,8192,32768)")
+    ap.add_argument("--columns", default=None,
+                    help="comma list of the columns to time (default: all; e.g. ragged,split-K,mosaic,xla: "
+                         "each column is one kernel compile per row on the GPU)")
     args = ap.parse_args(argv)
 
     on_gpu = jax.default_backend() == "gpu"
@@ -231,6 +234,9 @@ def main(argv=None):
           f"{datetime.date.today()}, K={K} G={G} D={D} block_size={B} q={jnp.dtype(dtype).name}"
           f"{'' if on_gpu else ' (CPU interpret mode: timings meaningless)'}\n")
     cols = columns(interpret, D)
+    if args.columns:
+        keep = [c for c in args.columns.split(",") if c]
+        cols = {c: fn for c, fn in cols.items() if c in keep}
     print("| batch | context | KV | " + " | ".join(f"{c} ms" for c in cols)
           + " | best GB/s | % peak | speed-up vs xla |")
     print("|---:|---:|---|" + "---:|" * (len(cols) + 3))
