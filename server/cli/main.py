@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -183,6 +184,10 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("compilation_cache_dir", "CompilationConfig", dict(help="Persistent XLA compilation cache "
                                                         "directory ('' disables).",
                                                         shown_default=DEFAULT_COMPILATION_CACHE_DIR)),
+    ("program_cache_dir", "CompilationConfig", dict(help="The engine's own store of compiled step programs "
+                                                    "(one directory per model/flags/devices/version key); the "
+                                                    "offline LLM defaults to ~/.cache/jaxserve/programs.",
+                                                    shown_default="off (the CLI uses --compilation-cache-dir)")),
     ("compiled_dir", "CompilationConfig", dict(help="Load the step programs from a directory `jaxserve "
                                                "compile` wrote (same model and flags) instead of "
                                                "compiling them; a mismatch is logged and compiles.",
@@ -558,46 +563,19 @@ register_subcommand("quantize", "Write a calibrated FP8 checkpoint (GPTQ roundin
                     "model (default: the embedded one).", _quantize_arguments, _quantize)
 
 
-def _run_batch_arguments(p: argparse.ArgumentParser) -> None:
-    from jaxserve.server.batch import runner
-    runner.add_arguments(p)
+def register_module(name: str, help: str, module: str) -> None:
+    """A subcommand whose `add_arguments(parser)` and `run(namespace) -> int` live in `module`
+    (imported when the parser is built, not when this file is)."""
+    register_subcommand(name, help, lambda p: importlib.import_module(module).add_arguments(p),
+                        lambda ns: importlib.import_module(module).run(ns))
 
 
-def _run_batch(ns: argparse.Namespace) -> int:
-    from jaxserve.server.batch import runner
-    return runner.run(ns)
-
-
-register_subcommand("run-batch", "Run an OpenAI Batch JSONL file through the engine offline.",
-                    _run_batch_arguments, _run_batch)
-
-
-def _compile_arguments(p: argparse.ArgumentParser) -> None:
-    from jaxserve.server.cli import compile as aot
-    aot.add_arguments(p)
-
-
-def _compile(ns: argparse.Namespace) -> int:
-    from jaxserve.server.cli import compile as aot
-    return aot.run(ns)
-
-
-register_subcommand("compile", "Compile the engine's programs ahead of time for an H100/H200 (on any machine) "
-                    "or this CPU, with a report; serve them with --compiled-dir.", _compile_arguments, _compile)
-
-
-def _bench_arguments(p: argparse.ArgumentParser) -> None:
-    from jaxserve.server.bench import cli as bench
-    bench.add_arguments(p)
-
-
-def _bench(ns: argparse.Namespace) -> int:
-    from jaxserve.server.bench import cli as bench
-    return bench.run(ns)
-
-
-register_subcommand("bench", "Benchmark a server (serve) or the offline engine (throughput, latency), "
-                    "as vllm bench does.", _bench_arguments, _bench)
+register_module("run-batch", "Run an OpenAI Batch JSONL file through the engine offline.",
+                "jaxserve.server.batch.runner")
+register_module("compile", "Compile the engine's programs ahead of time for an H100/H200 (on any machine) "
+                "or this CPU, with a report; serve them with --compiled-dir.", "jaxserve.server.cli.compile")
+register_module("bench", "Benchmark a server (serve) or the offline engine (throughput, latency), "
+                "as vllm bench does.", "jaxserve.server.bench.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
