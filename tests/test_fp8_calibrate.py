@@ -150,10 +150,12 @@ def test_quantize_writes_a_compressed_tensors_checkpoint_that_loads_back(tmp_pat
     group = q["config_groups"]["group_0"]
     assert q["quant_method"] == "compressed-tensors" and group["weights"]["strategy"] == "channel"
     assert (group["input_activations"] is None) == (activations == "none")
-    _, loaded = load_model(out, "float32")
+    _, loaded = load_model(out, "float32", fp8_activations="w8a8")   # the scheme as written (W8A8 on FP8 GPUs)
     for name in LINEARS:
         w = getattr(loaded.layers, name)
         assert isinstance(w, Fp8Weight) and w.activations == activations and w.granularity == "channel"
+    _, served = load_model(out, "float32")                            # off FP8 hardware (this CPU): W8A16
+    assert all(getattr(served.layers, name).activations == "none" for name in LINEARS)
     with LLM(str(out), max_model_len=64, max_num_seqs=2, num_gpu_blocks_override=64, warmup=False) as llm:
         out_ids = llm.generate({"prompt_token_ids": [1, 5, 9]}, SamplingParams(max_tokens=4, ignore_eos=True),
                                use_tqdm=False)[0].outputs[0].token_ids
