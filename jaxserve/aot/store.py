@@ -91,6 +91,8 @@ def program_key(runner) -> dict:
         "devices": device_description(list(runner.plan.mesh.devices.flat)),
         "mesh": dict(runner.plan.mesh.shape),
         "model": _digest(repr(runner.cfg)),
+        "runner": type(runner).__name__,            # a pooling runner's step is another program
+        "pooler": repr(getattr(runner, "pooler", None)),
         "architecture": runner.cfg.architecture,
         "attention_backend": runner.backend,
         "block_size": runner.block_size,
