@@ -77,6 +77,14 @@ def code_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
+def _host_cpu() -> str:
+    """CPU programs are machine code for this CPU's features (AVX-512 or not): its flags' digest."""
+    import platform
+
+    from jaxserve.layers.int4_cpu import cpu_flags
+    return _digest([platform.machine(), sorted(cpu_flags() or ())])
+
+
 def program_key(runner) -> dict:
     """Everything that changes a `ModelRunner`'s compiled programs, as a flat dict of fields:
     software versions, the devices, the model, every shape-changing setting, and the signature
@@ -89,6 +97,7 @@ def program_key(runner) -> dict:
         "jaxlib": _version("jaxlib"),
         "cuda_plugin": _version("jax-cuda13-plugin"),
         "devices": device_description(list(runner.plan.mesh.devices.flat)),
+        "host_cpu": _host_cpu() if runner.plan.mesh.devices.flat[0].platform == "cpu" else None,
         "mesh": dict(runner.plan.mesh.shape),
         "model": _digest(repr(runner.cfg)),
         "runner": type(runner).__name__,            # a pooling runner's step is another program
