@@ -35,6 +35,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton", "mosaic", "cpu")
 # The FP8 matmul (jaxserve/layers/fp8.py): "pallas" is the Mosaic GPU kernel ("mosaic" its alias).
 FP8_KERNELS = ("auto", "xla", "pallas", "mosaic")
+FP8_ACTIVATIONS = ("auto", "w8a8", "w8a16")     # an FP8 checkpoint's (loader.fp8.served_activations)
 # `<think>` markers the engine knows (structured_output/reasoning.py; the server's parsers)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
@@ -324,8 +325,9 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
-        if self.fp8_activations not in ("auto", "w8a8", "w8a16"):
-            raise ValueError(f"fp8_activations must be one of auto, w8a8, w8a16, got {self.fp8_activations!r}")
+        if self.fp8_activations not in FP8_ACTIVATIONS:
+            raise ValueError(f"fp8_activations must be one of {', '.join(FP8_ACTIVATIONS)}, "
+                             f"got {self.fp8_activations!r}")
         if self.fp8_kernel not in FP8_KERNELS:
             raise ValueError(f"fp8_kernel must be one of {', '.join(FP8_KERNELS)}, got {self.fp8_kernel!r}")
         if self.load_format not in LOAD_FORMATS:

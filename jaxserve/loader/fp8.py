@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxserve.config import FP8_ACTIVATIONS
 from jaxserve.layers.experts import ExpertWeight
 from jaxserve.layers.fp8 import Fp8Weight, default_activations, resolve_kernel
 from jaxserve.layers.linear import DenseWeight
@@ -124,9 +125,6 @@ def read_fp8(scheme: Fp8Scheme, get: Callable[[str], np.ndarray], weight_name: s
     if scheme.activations == "static":
         x_scale = np.asarray(get(prefix + "input_scale"), np.float32).reshape(())
     return w, np.ascontiguousarray(s), x_scale
-
-
-FP8_ACTIVATIONS = ("auto", "w8a8", "w8a16")
 
 
 def served_activations(scheme: Fp8Scheme, device=None, force: str = "auto") -> str:

@@ -114,6 +114,10 @@ def assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype, mesh=Non
     if fp8_scheme is not None or quantization == "fp8":
         from jaxserve.loader import fp8
     served = None if fp8_scheme is None else fp8.served_activations(fp8_scheme, mesh.devices.flat[0], fp8_activations)
+    if served is not None and served != fp8_scheme.activations:
+        logger.info("FP8 checkpoint with %s activations (W8A8) served as W8A16 (activations left in %s): "
+                    "this device has no FP8 tensor cores, where vLLM too runs weights-only FP8; "
+                    "--fp8-activations w8a8 forces W8A8", fp8_scheme.activations, np_dtype.name)
     if int4_scheme is not None:
         from jaxserve.loader import int4
 
@@ -396,17 +400,8 @@ def load_model(model: str | os.PathLike, dtype="auto", gguf_reader=None, *, mesh
     logger.info("loading %s (%s, %d layers, hidden %d) as %s%s", path, cfg.architecture,
                 cfg.num_layers, cfg.hidden_size, jnp.dtype(jdtype).name, _fp8_note(scheme, quantization))
     int4_scheme = scheme if type(scheme).__name__ == "Int4Scheme" else None
-    fp8_scheme = None if int4_scheme else scheme
-    if fp8_scheme is not None:
-        from jaxserve.loader.fp8 import served_activations
-        served = served_activations(fp8_scheme, (mesh.devices.flat[0] if mesh is not None else None),
-                                    fp8_activations)
-        if served != fp8_scheme.activations:
-            logger.info("FP8 checkpoint with %s activations (W8A8) served as W8A16 (activations left in %s): "
-                        "this device has no FP8 tensor cores, where vLLM too runs weights-only FP8; "
-                        "--fp8-activations w8a8 forces W8A8", fp8_scheme.activations, jnp.dtype(jdtype).name)
     weights = assemble(cfg, get, jdtype, mesh, quantization=None if scheme else quantization,
-                       fp8_scheme=fp8_scheme, expert_parallel=expert_parallel,
+                       fp8_scheme=None if int4_scheme else scheme, expert_parallel=expert_parallel,
                        int4_scheme=int4_scheme, fp8_activations=fp8_activations)
     del get
     release_freed_host_memory()       # the per-layer host tensors

@@ -245,15 +245,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         spec = spec if spec is not None else self._program_spec(*key)
         weights, cache, pen = state if state is not None else self._state_specs()
-        exe = None if self.programs is None else self.programs.load(self.program_name(key))
-        if exe is not None:
-            from_cache = self.programs.kind
-        else:
-            with self.lower_context():
-                exe, from_cache = compile_noting_cache_hit(
-                    lambda: self._step.lower(weights, cache, pen, spec).compile(self.compiler_options))
-            if self.programs is not None and self.programs.writable:
-                self.programs.save(self.program_name(key), exe)
+        exe, from_cache = self._load_or_compile(self.program_name(key),
+                                                lambda: self._step.lower(weights, cache, pen, spec))
         with self._lock:
             self._executables[key] = exe
             self._from_cache += int(from_cache is True)
@@ -314,18 +307,25 @@ class ModelRunner:
         """The penalty-row write (`penalties.write_row`), compiled ahead like the step programs, or
         loaded from `programs` ("penalty_write")."""
         if self._penalty_exe is None:
-            exe = None if self.programs is None else self.programs.load(PENALTY_PROGRAM)
-            if exe is None:
-                rep = self.plan.replicated
-                spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep)   # noqa: E731
-                rows = penalties.host_rows([], [], None, (), self.cfg.vocab_size)
-                with self.lower_context():
-                    exe = penalties.write_row.lower(self._state_specs()[2], spec(np.int32(0)),
-                                                    *map(spec, rows)).compile(self.compiler_options)
-                if self.programs is not None and self.programs.writable:
-                    self.programs.save(PENALTY_PROGRAM, exe)
-            self._penalty_exe = exe
+            rep = self.plan.replicated
+            spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep)   # noqa: E731
+            rows = penalties.host_rows([], [], None, (), self.cfg.vocab_size)
+            self._penalty_exe, _ = self._load_or_compile(PENALTY_PROGRAM, lambda: penalties.write_row.lower(
+                self._state_specs()[2], spec(np.int32(0)), *map(spec, rows)))
         return self._penalty_exe
+
+    def _load_or_compile(self, name: str, lower):
+        """(executable, how it came): `programs`' copy of `name` (how: the store's kind), or
+        `lower()` compiled here (how: whether JAX's persistent cache answered), then kept in a
+        writable store (the program cache)."""
+        exe = None if self.programs is None else self.programs.load(name)
+        if exe is not None:
+            return exe, self.programs.kind
+        with self.lower_context():
+            exe, from_cache = compile_noting_cache_hit(lambda: lower().compile(self.compiler_options))
+        if self.programs is not None and self.programs.writable:
+            self.programs.save(name, exe)
+        return exe, from_cache
 
     def execute(self, scheduler_output) -> RunnerOutput:
         """Run one step for a SchedulerOutput (its finished / preempted ids are applied even

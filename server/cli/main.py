@@ -29,6 +29,7 @@ from jaxserve.config import (
     ATTENTION_BACKENDS,
     DEFAULT_COMPILATION_CACHE_DIR,
     DTYPES,
+    FP8_ACTIVATIONS,
     FP8_KERNELS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
@@ -178,7 +179,7 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("fp8_kernel", "CompilationConfig", dict(choices=FP8_KERNELS, help="FP8 matmul: xla, or "
                                              "pallas/mosaic (the Mosaic GPU kernel, one device); auto "
                                              "picks a kernel only where it was measured.")),
-    ("fp8_activations", "CompilationConfig", dict(choices=("auto", "w8a8", "w8a16"), help="An FP8 checkpoint's "
+    ("fp8_activations", "CompilationConfig", dict(choices=FP8_ACTIVATIONS, help="An FP8 checkpoint's "
                                                   "activations: auto = W8A8 where the GPU has FP8 tensor cores "
                                                   "(compute capability >= 8.9), W8A16 elsewhere (the CPU).")),
     ("compilation_cache_dir", "CompilationConfig", dict(help="Persistent XLA compilation cache "
