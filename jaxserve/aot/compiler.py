@@ -24,7 +24,7 @@ import jax
 
 from jaxserve.aot import report as report_lib
 from jaxserve.aot.store import ProgramStore, program_key
-from jaxserve.aot.targets import Target, get_target
+from jaxserve.aot.targets import Target, client_memory_fraction, get_target
 from jaxserve.attention import AttentionCase, cpu_backend, select_backend
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.attention.backend import Platform, _version
@@ -123,15 +123,6 @@ def make_runner(s: Setup, num_blocks: int) -> ModelRunner:
     runner.lower_context = lambda: s.target.context(s.mesh)
     runner.compiler_options = GPU_COMPILER_OPTIONS if s.target.is_gpu else None
     return runner
-
-
-def client_memory_fraction() -> float:
-    """The share of a GPU's memory jax's client will hand the engine (its `bytes_limit`): what
-    XLA_PYTHON_CLIENT_MEM_FRACTION says, 0.75 by default (jax preallocates that much)."""
-    try:
-        return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
-    except ValueError:
-        return 0.75
 
 
 def num_blocks_for(s: Setup) -> tuple[int, dict]:

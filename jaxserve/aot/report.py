@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 
 from jaxserve.aot import hlo_analysis
+from jaxserve.aot.targets import client_memory_fraction
 
 CONTEXT = 2048          # the decode context of the modeled scenario (tokens per sequence)
 
@@ -93,7 +94,6 @@ def memory_check(s, runner, rows: list[dict]) -> dict:
     the CPU has no fixed device memory.)"""
     if not s.target.is_gpu:
         return {"checked": False}
-    from jaxserve.aot.compiler import client_memory_fraction
     limit = int(s.target.memory_bytes * client_memory_fraction() * s.args.gpu_memory_utilization)
     worst = max((r["memory"]["argument"] + r["memory"]["output"] - r["memory"]["alias"] + r["memory"]["temp"]
                  for r in rows if r["compiled"]), default=0)

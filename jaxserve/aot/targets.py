@@ -113,3 +113,12 @@ def get_target(name: str, num_devices: int = 1) -> Target:
     mem = _field(text, "device_memory_size")
     bw = _field(text, "memory_bandwidth")
     return Target(name, tuple(topo.devices), int(mem) if mem else None, float(bw) if bw else None, text)
+
+
+def client_memory_fraction() -> float:
+    """The share of a GPU's memory jax's client will hand the engine (its `bytes_limit`): what
+    XLA_PYTHON_CLIENT_MEM_FRACTION says, 0.75 by default (jax preallocates that much)."""
+    try:
+        return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    except ValueError:
+        return 0.75
