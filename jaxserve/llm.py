@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from collections.abc import Iterable, Sequence
 
@@ -36,7 +37,8 @@ class LLM:
     thread while it serves (what `jaxserve serve` does; see `LLMEngine`).
     Use as a context manager, or call `shutdown()`, to free the KV pool at once.
     The step programs it compiles are kept in the engine's own program cache
-    (`program_cache_dir`, default ~/.cache/jaxserve/programs; "" turns it off), keyed by
+    (`program_cache_dir`, default $JAXSERVE_PROGRAM_CACHE or ~/.cache/jaxserve/programs; ""
+    turns it off), keyed by
     everything that changes them, so a second `LLM()` of the same model and flags loads them
     instead of compiling; jax.config is left as the program set it.
     `compilation_cache_dir="~/.cache/jaxserve/xla"` also turns on JAX's persistent compilation
@@ -48,7 +50,8 @@ class LLM:
         unknown = set(kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        kwargs.setdefault("program_cache_dir", config.DEFAULT_PROGRAM_CACHE_DIR)   # a warm second start
+        kwargs.setdefault("program_cache_dir",       # a warm second start
+                          os.environ.get("JAXSERVE_PROGRAM_CACHE", config.DEFAULT_PROGRAM_CACHE_DIR))
         self.engine_args = EngineArgs(model=model, **kwargs)
         configure_default_logging()
         self.llm_engine = LLMEngine(self.engine_args, warmup=warmup)

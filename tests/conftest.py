@@ -18,6 +18,12 @@ import re
 
 import pytest
 
+# The offline `LLM` keeps its compiled programs in ~/.cache/jaxserve/programs by default; tests
+# build many engines and assert how their programs came to be (compiled, in the background, from
+# the compilation cache), so engines here, in this process and the subprocesses and notebook
+# kernels it starts, run without it unless a test asks (tests/test_program_cache.py).
+os.environ["JAXSERVE_PROGRAM_CACHE"] = ""
+
 # Sized for the e2e tests: 64 concurrent requests of up to ~250 tokens fit without preemption.
 # dtype float32: f32 matmul tiles at every batch size (the CPU default, "auto", takes batches of 16
 # rows or more through bf16 tiles), so tests can compare a request run alone with it in a batch.
@@ -35,18 +41,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _no_default_program_cache():
-    """The offline `LLM` keeps its compiled programs in ~/.cache/jaxserve/programs by default; tests
-    build many engines and assert how their programs came to be (compiled, in the background, from
-    the compilation cache), so in-process engines here start without it unless a test asks
-    (tests/test_program_cache.py); subprocess tests pass program_cache_dir="" themselves."""
-    from jaxserve import config
-    old, config.DEFAULT_PROGRAM_CACHE_DIR = config.DEFAULT_PROGRAM_CACHE_DIR, ""
-    yield
-    config.DEFAULT_PROGRAM_CACHE_DIR = old
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -6,6 +6,7 @@ program is compiled again, never fatal. Each start runs in a process of its own.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,9 +32,9 @@ print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "log": log.g
 """
 
 
-def _start(prompts, **kwargs) -> dict:
+def _start(prompts, env=None, **kwargs) -> dict:
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(kwargs), json.dumps(prompts)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -57,6 +58,18 @@ def test_a_second_llm_loads_its_programs_and_leaves_jax_config_alone(tmp_path):
     again = _start(prompts, program_cache_dir=str(tmp_path), **TINY_FLAGS)
     assert again["programs"] == "7 loaded from the program cache, 0 loaded from the compilation cache, 1 compiled"
     assert "could not load program step_16" in again["log"] and again["tokens"] == cold["tokens"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_programs_load_onto_the_engines_devices_when_the_host_has_more(tmp_path, tp):
+    """On a host of 8 devices an engine of 1 or 2 runs its cached programs on its own devices (a
+    program deserialized onto all 8 failed: "Expected args ... to have 8 shards")."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    flags = dict(program_cache_dir=str(tmp_path), tensor_parallel_size=tp, **TINY_FLAGS)
+    cold = _start(["t5 t6 t7 t8", "t1 t2"], env=env, **flags)
+    warm = _start(["t5 t6 t7 t8", "t1 t2"], env=env, **flags)
+    assert warm["programs"].startswith("8 loaded from the program cache") and warm["programs"].endswith(" 0 compiled")
+    assert warm["tokens"] == cold["tokens"] and all(len(t) == 8 for t in warm["tokens"])
 
 
 @pytest.mark.slow

@@ -168,16 +168,17 @@ class ProgramStore:
         except (OSError, ValueError, TypeError) as e:
             logger.warning("could not store program %s in %s: %s", name, self.dir, e)
 
-    def load(self, name: str):
-        """The compiled program `name` loaded onto this process's devices, or None (not held, or
-        unreadable: logged, and the engine compiles it)."""
+    def load(self, name: str, devices):
+        """The compiled program `name` loaded onto `devices` (the runner's mesh, in its order: a
+        program of 2 devices on a host of 8 runs on those 2), or None (not held, or unreadable:
+        logged, and the engine compiles it)."""
         path = self.dir / f"{name}.exe"
         if not path.is_file():
             return None
         from jax.experimental.serialize_executable import deserialize_and_load
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            return deserialize_and_load(payload, in_tree, out_tree)
+            return deserialize_and_load(payload, in_tree, out_tree, execution_devices=list(devices))
         except Exception as e:    # noqa: BLE001 - a damaged or foreign file: compile instead
             logger.warning("could not load program %s from %s (%r); compiling it", name, self.dir, e)
             return None

@@ -318,7 +318,7 @@ class ModelRunner:
         """(executable, how it came): `programs`' copy of `name` (how: the store's kind), or
         `lower()` compiled here (how: whether JAX's persistent cache answered), then kept in a
         writable store (the program cache)."""
-        exe = None if self.programs is None else self.programs.load(name)
+        exe = None if self.programs is None else self.programs.load(name, self.plan.mesh.devices.flat)
         if exe is not None:
             return exe, self.programs.kind
         with self.lower_context():
