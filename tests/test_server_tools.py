@@ -59,8 +59,8 @@ def serving(llm):
                          tool_parser="hermes", reasoning_parser="qwen3")
 
 
-def _outputs(tokenizer, text: str) -> list[RequestOutput]:
-    """The engine's DELTA outputs for `text`, one token each, then the stop."""
+def _outputs(tokenizer, text: str, finish: str = "stop") -> list[RequestOutput]:
+    """The engine's DELTA outputs for `text`, one token each, the last with `finish`."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, None, skip_special_tokens=False)
     outs = []
@@ -68,7 +68,7 @@ def _outputs(tokenizer, text: str) -> list[RequestOutput]:
         last = k == len(ids) - 1
         delta = detok.add_tokens([t]) + (detok.flush() if last else "")
         outs.append(RequestOutput("r", None, [1, 2], None, [CompletionOutput(
-            0, delta, [t], None, None, "stop" if last else None)], last))
+            0, delta, [t], None, None, finish if last else None)], last))
     assert "".join(o.outputs[0].text for o in outs) == text
     return outs
 

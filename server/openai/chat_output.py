@@ -11,6 +11,11 @@ parser (if any) splits the output first; the tool parser reads only the answer a
 
 Streaming re-parses the whole output so far and sends only what the last parse added, so the
 deltas of a well-formed output join to exactly the non-streamed message.
+
+An output cut by the length limit (`cut=True`, finish_reason "length") whose call does not parse
+keeps what was produced, as OpenAI does: when a call's name was written, the message is what the
+stream had sent as certain (the content before the calls, each begun call with its arguments so
+far, unfinished JSON); else all its text is content. Streamed and not, the message is the same.
 """
 
 from __future__ import annotations
@@ -33,6 +38,19 @@ def _sure_arguments(call: CallState) -> str:
     if call.arguments is not None:
         return call.arguments
     return call.args_raw if call.verbatim else stable_json_prefix(call.args_raw)
+
+
+def _cut_output(tools: ToolParser, text: str) -> ParsedOutput:
+    """The tool parse of an output the length limit ended (see the module docstring)."""
+    parsed = tools.extract(text)             # no calls: all text is content
+    if parsed.calls:
+        return parsed                        # its calls are complete
+    try:
+        sure = tools.parse(text, final=False)
+    except ValueError:
+        return parsed
+    begun = [CallState(c.name, "", _sure_arguments(c)) for c in sure.calls if c.name is not None]
+    return ParsedOutput(sure.content, begun) if begun else parsed
 
 
 class ChatOutputParser:
@@ -65,19 +83,24 @@ class ChatOutputParser:
                    1 if request.parallel_tool_calls is False else None)
 
     # -- parsing ------------------------------------------------------------------------------
-    def _parse(self, text: str, final: bool) -> tuple[str | None, ParsedOutput]:
+    def _parse(self, text: str, final: bool, cut: bool = False
+               ) -> tuple[str | None, ParsedOutput]:
         reasoning, answer = (self.reasoning.split(text, final) if self.reasoning is not None
                              else (None, text))
         if self.tools is None:
             return reasoning, ParsedOutput(answer, [])
         if answer is None:
             return reasoning, ParsedOutput(None, [])
-        parsed = self.tools.extract(answer) if final else self.tools.parse(answer, final)
+        if cut:
+            parsed = _cut_output(self.tools, answer)
+        else:
+            parsed = self.tools.extract(answer) if final else self.tools.parse(answer, final)
         return reasoning, ParsedOutput(parsed.content, parsed.calls[:self.max_calls])
 
-    def message(self, text: str) -> dict:
-        """The finished output's message fields; tool_calls is [] when no call was made."""
-        reasoning, parsed = self._parse(text, final=True)
+    def message(self, text: str, cut: bool = False) -> dict:
+        """The finished output's message fields; tool_calls is [] when no call was made. cut:
+        the length limit ended the output."""
+        reasoning, parsed = self._parse(text, final=True, cut=cut)
         calls = [{"id": self.tools.new_call_id(), "type": "function",
                   "function": {"name": c.name, "arguments": c.arguments}}
                  for c in parsed.calls]
@@ -89,10 +112,11 @@ class ChatOutputParser:
         return bool(self._calls)
 
     # -- streaming ----------------------------------------------------------------------------
-    def feed(self, delta_text: str, finished: bool) -> list[dict]:
+    def feed(self, delta_text: str, finished: bool, cut: bool = False) -> list[dict]:
+        """cut: the output finished at the length limit."""
         self.text += delta_text
         try:
-            reasoning, parsed = self._parse(self.text, final=finished)
+            reasoning, parsed = self._parse(self.text, final=finished, cut=cut)
         except ValueError:
             return []      # not parseable yet (a malformed call): wait for more text
         deltas = []
@@ -133,9 +157,9 @@ class ChatOutputParser:
 
 
 def finish_reason_for(request, reason: str | None, tools_called: bool) -> str | None:
-    """vLLM: a choice whose output became tool calls ends with "tool_calls" (a named
-    tool_choice keeps "stop", as OpenAI answers)."""
-    if reason is not None and tools_called and request.named_tool is None:
+    """vLLM: a choice whose output became tool calls ends with "tool_calls" instead of "stop" (a
+    named tool_choice keeps "stop", as OpenAI answers). "length" stays: the output was cut."""
+    if reason == "stop" and tools_called and request.named_tool is None:
         return "tool_calls"
     return reason
 

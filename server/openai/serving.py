@@ -466,7 +466,7 @@ class OpenAIServing:
             finish_reason = c.finish_reason
             parser = self._output_parser(request)
             if parser is not None:
-                parsed = parser.message(c.text)
+                parsed = parser.message(c.text, cut=finish_reason == "length")
                 message["content"] = prefix + (parsed["content"] or "") if prefix \
                     else parsed["content"]
                 message["tool_calls"] = parsed["tool_calls"]
@@ -524,8 +524,8 @@ class OpenAIServing:
                         deltas = [{"content": c.text} if (c.text or c.finish_reason is None)
                                   else {}]
                     else:
-                        deltas = [with_reasoning_content(d) for d in
-                                  parser.feed(c.text, c.finish_reason is not None)]
+                        deltas = [with_reasoning_content(d) for d in parser.feed(
+                            c.text, c.finish_reason is not None, c.finish_reason == "length")]
                         finish_reason = finish_reason_for(request, finish_reason,
                                                           parser.tools_called)
                         if not deltas and (finish_reason is not None or lp is not None):
