@@ -10,6 +10,12 @@ the continuation tokens' echoed logprobs. transformers scores the same pairs in 
 
     python benchmarks/bench_scoring.py                 # 40 questions x 4 choices = 160 requests
     python benchmarks/bench_scoring.py --no-cache-too  # also a server with --no-enable-prefix-caching
+    python benchmarks/bench_scoring.py --max-concurrency 1 --hf-batch-size 1   # lm-eval at batch 1
+    python benchmarks/bench_scoring.py --latency 20    # one request at a time: scoring vs plain
+
+`--latency N` times N single requests of each kind on a 20-token prompt, one at a time and
+alternating: a plain completion (`max_tokens` 1) and the same prompt scored (`echo`, `logprobs`
+1, `max_tokens` 1), each with a prompt of its own (no prefix-cache hits); reports the medians.
 
 Rounds alternate (jaxserve, transformers[, jaxserve without prefix caching]) `--rounds` times;
 every round uses its own contexts (a unique header), so no round hits what an earlier one cached.
@@ -100,6 +106,29 @@ def _model_name(base_url: str) -> str:
     return json.loads(urllib.request.urlopen(base_url + "/v1/models").read())["data"][0]["id"]
 
 
+def latency(srv: ServerProcess, tok, n: int) -> dict:
+    """Median seconds of a plain and a scoring request on 20-token prompts, one at a time."""
+    import json
+    import urllib.request
+    model = _model_name(srv.base_url)
+    ids = tok.encode(_TEXT, add_special_tokens=False)
+    times = {"plain": [], "scoring": []}
+    for i in range(n + 1):                       # the first pair warms up
+        for kind in times:
+            head = tok.encode(f"{kind} {i}:", add_special_tokens=False)
+            prompt = (head + ids[i * 20:])[:20]
+            body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+            if kind == "scoring":
+                body.update(echo=True, logprobs=1)
+            req = urllib.request.Request(srv.base_url + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            t0 = time.perf_counter()
+            json.loads(urllib.request.urlopen(req).read())
+            if i:
+                times[kind].append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
 # -- transformers ----------------------------------------------------------------------------
 def load_transformers():
     import torch
@@ -148,7 +177,11 @@ def main():
     p.add_argument("--server-args", default="--num-gpu-blocks-override 1024",
                    help="extra `jaxserve serve` flags (default: a 1024-block KV pool, 0.7 GiB, "
                         "instead of 2 GiB, for a shared machine)")
+    p.add_argument("--latency", type=int, default=0, metavar="N",
+                   help="only time N one-at-a-time plain and scoring requests (medians)")
     args = p.parse_args()
+    if args.latency:
+        return main_latency(args)
 
     model = load_transformers()
     from transformers import AutoTokenizer
@@ -204,6 +237,20 @@ def main():
             f" (batch {args.hf_batch_size}, {hf['threads']} torch threads)"
         print(f"| {name}{extra} | {v:.1f} | {v / best['transformers']:.2f}x |")
     print(f"\nmax |log-likelihood difference| jaxserve vs transformers: {max_diff:.2e}")
+
+
+def main_latency(args):
+    from jaxserve.default_model import default_model_path
+    from jaxserve.tokenizer.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(default_model_path())
+    srv = ServerProcess(*args.server_args.split(), log_path="/tmp/bench_scoring_server.log")
+    srv.start()
+    try:
+        res = latency(srv, tok, args.latency)
+    finally:
+        srv.stop()
+    print(f"median of {args.latency}, one at a time, 20-token prompts: plain {res['plain'] * 1e3:.1f} ms, "
+          f"scoring (echo, logprobs 1) {res['scoring'] * 1e3:.1f} ms: {res['scoring'] / res['plain']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -36,3 +36,17 @@ def test_scored_rows_equal_scoring_every_token(T, scored, chunk):
         g, w = np.asarray(g), np.asarray(w)
         np.testing.assert_allclose(g[mask], w[mask], rtol=1e-5, atol=1e-5)
         assert not g[~mask].any()               # unscored tokens stay zero
+
+
+def test_scoring_in_its_loop_keeps_xla_cpu_top_k_kernel():
+    """Inside `score_rows`' loop XLA moved top-k's slices out of the body and sorted every
+    [rows, V] row there (a 20-token scoring request: 265 ms where its logits take 9); the
+    barrier (`_kept_top_k`) keeps the top-k kernel: no sort over the vocabulary is left."""
+    import re
+    T, E, V, k = 32, 16, 4096, 20
+    head = jnp.ones((E, V), jnp.float32)
+    fn = jax.jit(lambda h, r, t: score_rows(lambda x: x @ head, h, r, t, k))
+    text = fn.lower(jnp.ones((T, E)), jnp.arange(T, dtype=jnp.int32), jnp.zeros(T, jnp.int32)).compile().as_text()
+    assert not re.findall(rf"= \(f32\[\d+,{V}\][^)]*\) sort\(", text)
+    got = fn(jnp.ones((T, E)), jnp.arange(T, dtype=jnp.int32), jnp.zeros(T, jnp.int32))
+    assert got[2].shape == (T, k) and got[3].shape == (T, k)
