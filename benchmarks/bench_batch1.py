@@ -7,6 +7,8 @@ GGUF, f32), and where a decode step's time goes.
                                                               # also this tree under other XLA flags
     python benchmarks/bench_batch1.py --batch 64 --llama-cpp /tmp/peer/venv/bin/python:/tmp/peer/smol-f32.gguf
                                                               # and llama.cpp (peers/batched.py), A B A B
+    python benchmarks/bench_batch1.py --batch 64 --engine-args 'invariant={"batch_invariant": true}'
+                                                              # also this tree with other LLM() args
     python benchmarks/bench_batch1.py --context 4000 --against REV
                                                               # decode after a 4000-token prompt
 
@@ -50,7 +52,7 @@ import json, sys, time
 import jax, numpy as np
 from jaxserve import LLM, SamplingParams
 cfg = json.loads(sys.argv[1])
-llm = LLM(warmup=False)
+llm = LLM(warmup=False, **cfg.get("engine_args", {}))
 sp = SamplingParams(temperature=0.0, max_tokens=cfg["tokens"], ignore_eos=True)
 prompts = cfg["prompts"]
 llm.generate(prompts, sp, use_tqdm=False)         # compiles what this batch uses
@@ -122,7 +124,7 @@ print("RESULT " + json.dumps(res))
 """
 
 
-def run_tree(tree: str, args, xla_flags: str | None = None) -> dict:
+def run_tree(tree: str, args, xla_flags: str | None = None, engine_args: dict | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=tree)
     if xla_flags is not None:       # a variant: these XLA flags after the environment's own
         env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()
@@ -130,7 +132,8 @@ def run_tree(tree: str, args, xla_flags: str | None = None) -> dict:
     if args.context:      # token ids from the middle of the vocabulary, different per sequence
         prompts = [{"prompt_token_ids": [(i * 7919 + 31 * b) % 40000 + 100 for i in range(args.context)]}
                    for b in range(args.batch)]
-    cfg = dict(tokens=args.tokens, repeats=args.repeats, prompts=prompts, profile=args.profile)
+    cfg = dict(tokens=args.tokens, repeats=args.repeats, prompts=prompts, profile=args.profile,
+               engine_args=engine_args or {})
     p = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(cfg)], env=env, cwd=tree,
                        capture_output=True, text=True)
     for line in p.stdout.splitlines():
@@ -165,6 +168,9 @@ def main():
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--xla-flags", action="append", default=[], metavar="NAME=FLAGS",
                     help="also this tree with these XLA_FLAGS added (repeatable), A B A B")
+    ap.add_argument("--engine-args", action="append", default=[], metavar="NAME=JSON",
+                    help="also this tree with these LLM() arguments (repeatable), A B A B; e.g. "
+                         "'invariant={\"batch_invariant\": true}'")
     args = ap.parse_args()
     if args.llama_cpp and (args.tokens != 64 or ":" not in args.llama_cpp or args.context):
         ap.error("--llama-cpp takes PYTHON:GGUF, and batched.py generates 64 tokens (--tokens 64) "
@@ -183,6 +189,9 @@ def main():
     for variant in args.xla_flags:
         name, _, flags = variant.partition("=")
         systems[f"this tree, {name}"] = lambda flags=flags: run_tree(here, args, flags)
+    for variant in args.engine_args:
+        name, _, kwargs = variant.partition("=")
+        systems[f"this tree, {name}"] = lambda kw=json.loads(kwargs): run_tree(here, args, engine_args=kw)
     if args.llama_cpp:
         systems["llama.cpp"] = lambda: run_llama_cpp(args.llama_cpp, args.batch)
     results = {name: [] for name in systems}

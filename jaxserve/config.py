@@ -293,6 +293,10 @@ class EngineArgs:
     # DEFAULT_PROGRAM_CACHE_DIR unless told ("" or None: off); the CLI uses the compilation cache.
     program_cache_dir: str | None = None
     max_logprobs: int = 20
+    # One answer per prompt whatever shares its step (vLLM's VLLM_BATCH_INVARIANT): on CPU every
+    # quantized matmul, of any row count, takes the fused kernel (or f32 tiles where it does not
+    # build), never bf16 tiles (`loader.cpu_matmuls_for`). Refused on a GPU.
+    batch_invariant: bool = False
     # vLLM's structured_outputs_config.reasoning_parser (--reasoning-parser): a request's
     # structured output applies after its <think>...</think> reasoning (None: from its start).
     reasoning_parser: str | None = None

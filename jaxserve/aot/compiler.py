@@ -72,7 +72,7 @@ def _model_config_and_weights(args: EngineArgs, target: Target, mesh, dtype):
                                   quantization=args.load_quantization(path),
                                   expert_parallel=args.enable_expert_parallel,
                                   hf_overrides=args.model_overrides())
-        weights = cpu_matmuls_for(weights, args.dtype, mesh.size)
+        weights = cpu_matmuls_for(weights, args.dtype, mesh.size, batch_invariant=args.batch_invariant)
         return cfg, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), weights)
     from jaxserve.loader.dummy import abstract_weights
     from jaxserve.loader.int4 import is_int4, scheme_of
@@ -160,6 +160,9 @@ def compile_engine(args: EngineArgs, target: str | Target, out_dir: str | os.Pat
     bucket and the largest bucket). kernels: also compile every shipped GPU kernel configuration
     alone and report its registers, spills and shared memory (`jaxserve.aot.kernels`)."""
     t0 = time.perf_counter()
+    if args.batch_invariant and (target != "cpu" if isinstance(target, str) else target.is_gpu):
+        raise ValueError("batch_invariant is implemented on the CPU only (its matmuls are chosen by row count "
+                         "there); it cannot be compiled for a GPU")
     if isinstance(target, str):
         target = get_target(target, args.tensor_parallel_size)
     s = setup(args, target)

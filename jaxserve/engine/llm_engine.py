@@ -91,6 +91,9 @@ class LLMEngine:
         on the step's thread); False compiles each on first use."""
         t0 = time.perf_counter()
         self.args = args
+        if args.batch_invariant and jax.default_backend() != "cpu":
+            raise ValueError(f"batch_invariant is implemented on the CPU only (its matmuls are chosen by "
+                             f"row count there); this engine runs on {jax.default_backend()}")
         model_path = resolve_model(args.model_location(), revision=args.revision, download_dir=args.download_dir,
                                    weights=args.load_format != "dummy") \
             if args.model else str(default_model_path())
@@ -127,7 +130,7 @@ class LLMEngine:
                                                 expert_parallel=args.enable_expert_parallel,
                                                 hf_overrides=args.model_overrides(),
                                                 fp8_activations=args.fp8_activations)
-        weights = cpu_matmuls_for(weights, args.dtype, self.mesh.size)
+        weights = cpu_matmuls_for(weights, args.dtype, self.mesh.size, batch_invariant=args.batch_invariant)
         self.tokenizer = _load_tokenizer(args, model_path, reader, self.model_config)
         # A pooling model (runner "pooling") computes embeddings: prefill-only requests whose
         # runner pools hidden states instead of sampling (engine/pooling.py).
@@ -157,7 +160,8 @@ class LLMEngine:
                                load_format=args.load_format, seed=args.seed,
                                quantization=args.load_quantization(draft_path),
                                expert_parallel=args.enable_expert_parallel)
-            draft = (draft[0], cpu_matmuls_for(draft[1], args.dtype, self.mesh.size))
+            draft = (draft[0], cpu_matmuls_for(draft[1], args.dtype, self.mesh.size,
+                                               batch_invariant=args.batch_invariant))
             draft_plan = plan_for(draft[0], self.mesh, args.enable_expert_parallel)
         # Sized per device: a block costs its heads on one device, the budget is one device's.
         per_block = sum(kvc.bytes_per_block(c.num_layers, args.block_size,

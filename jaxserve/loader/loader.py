@@ -59,18 +59,31 @@ def bf16_tiles_pay() -> bool:
     return int4_cpu.native_bf16() is not False
 
 
-def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None = None):
+BATCH_INVARIANT_ROWS = 1 << 30        # `fused_max_rows` of a batch-invariant engine: every step
+
+
+def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None = None,
+                    batch_invariant: bool = False):
     """`weights` as the engine runs them with `--dtype dtype` on `devices` devices: with "auto" on
     CPU (f32 activations), quantized weights take batches of `BF16_MIN_ROWS` rows or more through
     bf16 tiles where they pay (`bf16_tiles_pay`; `layers.int4.with_bf16_tiles`) and, on
     one device, steps of at most `int4_cpu.FUSED_MAX_ROWS` rows through the fused CPU kernel
     (`layers.int4.with_fused_kernel`) when it builds here, the weights laid out for it
     (`layers.int4_layout.with_cpu_layout`: column blocks, f16 scales where exact). An explicit
-    "float32" keeps f32 tiles: every row's result then is independent of its batch."""
+    "float32" keeps f32 tiles: every row's result then is independent of its batch.
+    `batch_invariant`: the same for "auto": no bf16 tiles, and the fused kernel (one accumulation
+    order per row) for every row count where it builds on one device, else f32 tiles."""
     if dtype != "auto" or resolve_dtype(dtype, platform) != jnp.float32:     # f32 activations: CPU
         return weights
     quantized = any(isinstance(w, Int4Weight) for w in jax.tree.leaves(
         weights, is_leaf=lambda x: isinstance(x, Int4Weight)))
+    if batch_invariant:
+        if devices == 1 and quantized and int4_cpu.load() is None:
+            logger.info("batch-invariant: quantized matmuls of every row count use the fused CPU kernel")
+            return with_cpu_layout(with_fused_kernel(weights, max_rows=BATCH_INVARIANT_ROWS,
+                                                     int8_x=int4_cpu.int8_dot() is not None))
+        logger.info("batch-invariant: quantized matmuls use f32 tiles at every row count")
+        return weights
     if bf16_tiles_pay():
         weights = with_bf16_tiles(weights)
     elif quantized:

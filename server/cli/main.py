@@ -182,6 +182,10 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("fp8_activations", "CompilationConfig", dict(choices=FP8_ACTIVATIONS, help="An FP8 checkpoint's "
                                                   "activations: auto = W8A8 where the GPU has FP8 tensor cores "
                                                   "(compute capability >= 8.9), W8A16 elsewhere (the CPU).")),
+    ("batch_invariant", "CompilationConfig", dict(action="store_true", help="One answer per prompt whatever "
+                                                  "shares its step: on the CPU every quantized matmul takes one "
+                                                  "kernel at every batch size (vLLM's VLLM_BATCH_INVARIANT). "
+                                                  "CPU only.")),
     ("compilation_cache_dir", "CompilationConfig", dict(help="Persistent XLA compilation cache "
                                                         "directory ('' disables).",
                                                         shown_default=DEFAULT_COMPILATION_CACHE_DIR)),

@@ -1,0 +1,61 @@
+"""Batch invariance: a prompt's tokens and logprobs do not depend on what shares its steps.
+
+`--batch-invariant` (EngineArgs.batch_invariant) sends every quantized matmul of the CPU path
+through one kernel at every row count; RMSNorm sums each row in one fixed order on CPU
+(`layers.norm.row_sum`; XLA:CPU's reduce changes its order from 8 rows). The default path keeps
+the faster kernels by row count (bf16 tiles from 16 rows where the CPU multiplies bf16, the fused
+kernel up to 4): there a row's logits move with its batch (benchmarks/RESULTS.md: the cost)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.layers.norm import rms_norm, row_sum
+
+
+@pytest.mark.parametrize("n", [576, 64, 7, 1])
+def test_row_sum_is_the_sum_and_one_rows_value_never_moves_with_the_row_count(n):
+    rng = np.random.default_rng(n)
+    first = rng.standard_normal((1, n)).astype(np.float32) * 3
+    alone = np.asarray(jax.jit(row_sum)(first))
+    np.testing.assert_allclose(alone, first.sum(-1, keepdims=True), rtol=1e-5, atol=1e-5)
+    w = jnp.asarray(rng.standard_normal(n), jnp.float32)
+    norm_alone = np.asarray(jax.jit(rms_norm, static_argnums=2)(first, w, 1e-5))
+    for rows in (2, 8, 9, 64, 300):
+        x = np.concatenate([first, rng.standard_normal((rows - 1, n)).astype(np.float32)])
+        assert np.array_equal(np.asarray(jax.jit(row_sum)(x))[:1], alone)
+        assert np.array_equal(np.asarray(jax.jit(rms_norm, static_argnums=2)(x, w, 1e-5))[:1], norm_alone)
+
+
+def _alone_and_in_a_batch(llm):
+    from jaxserve import SamplingParams
+    sp = SamplingParams(max_tokens=24, temperature=0, logprobs=0)
+    others = [f"Tell me about topic number {i}: the history of" for i in range(19)]
+    alone = llm.generate(["Bees make"], sp, use_tqdm=False)[0].outputs[0]
+    batch = llm.generate(["Bees make", *others], sp, use_tqdm=False)[0].outputs[0]
+    lps = lambda o: [next(iter(d.values())).logprob for d in o.logprobs]   # noqa: E731
+    return (alone.token_ids, lps(alone)), (batch.token_ids, lps(batch))
+
+
+@pytest.mark.slow
+def test_default_model_gives_one_answer_alone_and_in_a_batch_of_20():
+    """The default model (GGUF weights kept quantized, `--dtype auto`): bit for bit the same
+    greedy tokens and logprobs alone as in a batch of 20 prompts (decode and prefill steps of
+    1 to ~240 rows)."""
+    from jaxserve import LLM
+    with LLM(max_model_len=512, max_num_seqs=32, max_num_batched_tokens=256, batch_invariant=True,
+             warmup=False) as llm:
+        w = llm.llm_engine.runner.weights
+        assert w.layers.wq.fused_max_rows is None or w.layers.wq.bf16_min_rows is None
+        alone, batch = _alone_and_in_a_batch(llm)
+    assert alone == batch
+
+
+def test_batch_invariant_is_refused_where_it_is_not_built():
+    from jaxserve.aot.compiler import compile_engine
+    from jaxserve.config import EngineArgs
+    with pytest.raises(ValueError, match="batch_invariant is implemented on the CPU only"):
+        compile_engine(EngineArgs(batch_invariant=True), "h100", "/nonexistent")
