@@ -35,6 +35,14 @@ class StructuredOutputsParams:
     """Constrain a request's output (vLLM's `StructuredOutputsParams`): exactly one of `json` (a
     JSON schema, dict or JSON text), `regex`, `choice` (a list of strings), `grammar` (Lark or
     EBNF text), `json_object` (any JSON object) or `structural_tag` (vLLM's JSON text) is set.
+
+    `unbounded_json_numbers` (jaxserve's; vLLM has none): by default the JSON integers and
+    numbers a schema leaves unbounded, and those of free JSON values, are bounded so that a
+    sampled number cannot run to max_tokens: integers to int64 (from -2**63 + 1024), numbers to
+    |x| <= 1e18 with at most 10 digits after the point and no exponent
+    (`structured_output/json_numbers.py`); a schema's own minimum/maximum/multipleOf are kept.
+    True lifts these bounds (any JSON number literal, as in vLLM). From the server:
+    `"structured_outputs": {"json": SCHEMA, "unbounded_json_numbers": true}`.
     """
 
     json: str | dict[str, Any] | None = None
@@ -46,6 +54,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    unbounded_json_numbers: bool = False
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -65,6 +74,9 @@ class StructuredOutputsParams:
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"structured_outputs.{name} must be a string, got "
                                  f"{type(value).__name__}.")
+        if not isinstance(self.unbounded_json_numbers, bool):
+            raise ValueError("structured_outputs.unbounded_json_numbers must be a bool, got "
+                             f"{self.unbounded_json_numbers!r}.")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError(f"structured_outputs.json must be a JSON schema (dict or JSON text), "
                              f"got {type(self.json).__name__}.")

@@ -8,6 +8,10 @@ builds it (`vllm/v1/structured_output/backend_guidance.py`):
   engine's (`default_whitespace`: COMPACT_JSON_WHITESPACE unless configured), and is none at
   all with `disable_any_whitespace`;
 - `json_object`: the schema `{"type": "object"}`;
+- in `json`, `json_object` and `structural_tag` schemas, integers and numbers without bounds are
+  bounded (int64; |x| <= 1e18 with at most 10 decimals) and so are the numbers of free values,
+  so a sampled number cannot run to max_tokens (`json_numbers.py`), unless the request sets
+  `unbounded_json_numbers`;
 - `regex`, `choice` (the literal strings), `grammar` (Lark, or GBNF/EBNF converted to Lark);
 - `structural_tag`: vLLM's `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`
   JSON, compiled to llguidance's lazy tags (free text until a trigger, then the tag's schema).
@@ -23,6 +27,7 @@ from typing import Any
 import llguidance
 
 from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.structured_output.json_numbers import bound_json_numbers, json_object_schema
 
 
 def _no_additional_properties(schema: Any) -> Any:
@@ -54,7 +59,7 @@ def _json_options(p: StructuredOutputsParams, default_whitespace: str | None) ->
     return {"whitespace_flexible": True, "whitespace_pattern": pattern}
 
 
-def _schema(p: StructuredOutputsParams) -> dict:
+def _schema(p: StructuredOutputsParams, free_values: bool = True) -> dict:
     schema = p.json
     if isinstance(schema, str):
         try:
@@ -68,10 +73,10 @@ def _schema(p: StructuredOutputsParams) -> dict:
         schema = {}
     if p.disable_additional_properties:
         schema = _no_additional_properties(schema)
-    return schema
+    return schema if p.unbounded_json_numbers else bound_json_numbers(schema, free_values)
 
 
-def _structural_tag(text: str, json_options: dict) -> str:
+def _structural_tag(text: str, json_options: dict, bounded: bool, free_values: bool) -> str:
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as e:
@@ -98,6 +103,8 @@ def _structural_tag(text: str, json_options: dict) -> str:
         if trigger is None:
             raise ValueError(f"structured_outputs.structural_tag.structures[{i}].begin {begin!r} "
                              f"starts with none of the triggers {triggers}")
+        if isinstance(schema, dict) and bounded:
+            schema = bound_json_numbers(schema, free_values)
         if isinstance(schema, dict) and "x-guidance" not in schema:
             schema = {**schema, "x-guidance": json_options}    # the JSON whitespace rule
         tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
@@ -107,19 +114,22 @@ def _structural_tag(text: str, json_options: dict) -> str:
 
 
 def grammar_text(p: StructuredOutputsParams,
-                 default_whitespace: str | None = COMPACT_JSON_WHITESPACE) -> str:
+                 default_whitespace: str | None = COMPACT_JSON_WHITESPACE,
+                 free_values: bool = True) -> str:
     """llguidance's grammar for one request's structured_outputs (not yet validated);
-    default_whitespace: JSON whitespace unless the request sets its own (None: none)."""
+    default_whitespace: JSON whitespace unless the request sets its own (None: none);
+    free_values=False: the free values of a schema keep llguidance's unbounded numbers."""
     kind = p.kind
     if kind == "json":
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(
-                _schema(p), defaults=_json_options(p, default_whitespace))
+                _schema(p, free_values), defaults=_json_options(p, default_whitespace))
         except ValueError as e:
             raise ValueError(f"structured_outputs.json: invalid JSON schema: {e}") from None
     if kind == "json_object":
+        schema = {"type": "object"} if p.unbounded_json_numbers else json_object_schema()
         return llguidance.LLMatcher.grammar_from_json_schema(
-            {"type": "object"}, defaults=_json_options(p, default_whitespace))
+            schema, defaults=_json_options(p, default_whitespace))
     if kind == "regex":
         return llguidance.grammar_from("regex", p.regex)
     if kind == "choice":
@@ -129,7 +139,8 @@ def grammar_text(p: StructuredOutputsParams,
             return llguidance.grammar_from("grammar", p.grammar)
         except ValueError as e:
             raise ValueError(f"structured_outputs.grammar: {e}") from None
-    return _structural_tag(p.structural_tag, _json_options(p, default_whitespace))
+    return _structural_tag(p.structural_tag, _json_options(p, default_whitespace),
+                           bounded=not p.unbounded_json_numbers, free_values=free_values)
 
 
 def cache_key(p: StructuredOutputsParams) -> str:
@@ -141,25 +152,36 @@ def cache_key(p: StructuredOutputsParams) -> str:
         except json.JSONDecodeError:
             pass
     return json.dumps([p.kind, value, p.disable_any_whitespace, p.disable_additional_properties,
-                       p.whitespace_pattern], sort_keys=True)
+                       p.whitespace_pattern, p.unbounded_json_numbers], sort_keys=True)
 
 
 def compile_matcher(p: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer,
                     default_whitespace: str | None = COMPACT_JSON_WHITESPACE
                     ) -> llguidance.LLMatcher:
     """A matcher in its initial state; ValueError naming the field when the spec is invalid."""
-    try:
-        grammar = grammar_text(p, default_whitespace)
-    except (TypeError, AssertionError, AttributeError, KeyError) as e:
-        # llguidance's Python helpers assert on some malformed inputs: still the request's fault
-        raise ValueError(f"structured_outputs.{p.kind}: invalid specification: {e!r}") from None
+    grammar = _grammar(p, default_whitespace, free_values=True)
     error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if error and not error.startswith("WARNING") and p.kind in ("json", "structural_tag") \
+            and not p.unbounded_json_numbers:
+        # e.g. two bounded free values intersected (json_numbers._bound): bound only the
+        # schema's own integers and numbers
+        grammar = _grammar(p, default_whitespace, free_values=False)
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if error and not error.startswith("WARNING"):
         raise ValueError(f"structured_outputs.{p.kind}: {_first_lines(error)}")
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_error():
         raise ValueError(f"structured_outputs.{p.kind}: {_first_lines(matcher.get_error())}")
     return matcher
+
+
+def _grammar(p: StructuredOutputsParams, default_whitespace: str | None,
+             free_values: bool) -> str:
+    try:
+        return grammar_text(p, default_whitespace, free_values)
+    except (TypeError, AssertionError, AttributeError, KeyError) as e:
+        # llguidance's Python helpers assert on some malformed inputs: still the request's fault
+        raise ValueError(f"structured_outputs.{p.kind}: invalid specification: {e!r}") from None
 
 
 def _first_lines(message: str, n: int = 6) -> str:
