@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 
 from jaxserve.server.batch import jsonl as batch_io
 from jaxserve.server.batch.jsonl import JsonlWriter
-from jaxserve.server.batch.runner import BatchRunner
+from jaxserve.server.batch.runner import BatchRunner, in_flight_limits
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -128,6 +129,40 @@ def test_reader_is_lazy_and_in_flight_is_bounded():
     assert stats.ok == 300 and len(out) == 300
     assert fake.max_active <= window and stats.max_in_flight <= window
     assert len({o["custom_id"] for o in out}) == 300
+
+
+def test_default_bound_writes_first_lines_before_the_last_are_read():
+    """Issue 45: 2 x max_num_seqs in flight from the start sent a job no bigger than that whole,
+    and, its lines as long as each other, it wrote nothing until its end. The default now gets
+    there by a slow start: the first lines are written while later ones are still unread, and
+    the batch is full after two rounds."""
+    assert in_flight_limits(None, max_num_seqs=16) == (2, 32)
+    assert in_flight_limits(None, max_num_seqs=4) == (1, 8)
+    assert in_flight_limits(5, max_num_seqs=16) == (5, 5)      # --max-concurrency: from the start
+    events = []
+
+    class Recorder(io.StringIO):
+        def write(self, text):
+            events.append(("write", json.loads(text)["custom_id"]))
+            return super().write(text)
+
+    def lines():
+        for i in range(16):
+            events.append(("read", f"r{i}"))
+            yield envelope(f"r{i}", n=i, delay=0.02)        # equal lengths: they finish together
+
+    first, most = in_flight_limits(None, max_num_seqs=16)
+    fake = FakeEngine()
+    runner = BatchRunner(fake.routes(), JsonlWriter(Recorder(), close=False), max_in_flight=most,
+                         start_in_flight=first)
+    stats = asyncio.run(runner.run(lines()))
+    assert stats.ok == 16 and fake.max_active <= 16
+    assert events.index(("write", "r0")) < events.index(("read", "r15"))
+    # lines read when each line was written: rounds of 2, then 2 + 2 x 3 = 8, then the rest
+    # (the window, 2 + 10 x 3, has room for all)
+    read_at_write = [sum(kind == "read" for kind, _ in events[:i])
+                     for i, (kind, _) in enumerate(events) if kind == "write"]
+    assert read_at_write == [2] * 2 + [10] * 8 + [16] * 6
 
 
 def test_engine_death_stops_the_job_and_resume_redoes_the_rest(tmp_path):
@@ -338,6 +373,30 @@ def test_cli_ctrl_c_exits_cleanly_and_its_resume_command_finishes_the_job(tmp_pa
     final = read_out(out)
     assert final[:len(written)] == written
     assert sorted(o["custom_id"] for o in final) == sorted(f"r{i}" for i in range(n))
+
+
+@pytest.mark.slow
+def test_cli_default_writes_first_lines_while_the_rest_run(tmp_path):
+    """Issue 45 on the engine: 16 lines as long as each other and max_num_seqs 16. The old
+    default (2 x max_num_seqs) sent all 16 at once and wrote them in one burst at the end; the
+    slow start writes the first 2 after one small round and the rest follow in rounds."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(completion(f"r{i}", i, max_tokens=16, ignore_eos=True)
+                             for i in range(16)) + "\n")
+    p = cli("-i", str(inp), "-o", str(out))
+    seen = []                           # the file's line count, each time it changed
+    while p.poll() is None:
+        k = len(out.read_text().splitlines()) if out.exists() else 0
+        if k and (not seen or seen[-1] != k):
+            seen.append(k)
+        time.sleep(0.01)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err.decode()[-3000:]
+    assert len(read_out(out)) == 16
+    assert seen[0] <= 2 and len(seen) >= 3, seen
+    bar = [f for f in err.decode().split("\r") if "/16 [" in f]
+    assert any(re.search(r"\d+/16 \[\d\d:\d\d<\d\d:\d\d, .*req/s, [\d.]+ tok/s, 0 failed", f)
+               for f in bar), bar
 
 
 @pytest.mark.slow

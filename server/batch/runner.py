@@ -8,9 +8,14 @@ by the server's own code, so a line gets exactly the JSON the HTTP server would 
 `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`.
 
 Semantics:
-- Streaming: lines are read lazily; at most `--max-concurrency` (default 2 x max_num_seqs) lines
-  are read and not yet written at any time, which keeps the engine's batch full and memory
-  bounded however long the file is. (Only the set of custom_ids seen is kept, to find repeats.)
+- Streaming: lines are read lazily; at most `--max-concurrency` lines are read and not yet
+  written at any time, which keeps memory bounded however long the file is. (Only the set of
+  custom_ids seen is kept, to find repeats.) The default is 2 x max_num_seqs (the engine's batch
+  and as many waiting, so the batch refills in the step a line finishes), reached by a slow
+  start: max_num_seqs / 8 at first, and each line written lets in four (its replacement and
+  three more), so the batch is full after two rounds. Lines sent together and as long as each
+  other finish together: sent whole, a 200-line job of them wrote nothing until its end;
+  staggered, its first lines land after one small round and the rest follow round by round.
 - Each result is written and flushed as soon as it is known: in completion order by default, in
   input order with `--ordered` (the same bound then also caps the reorder buffer).
 - `--resume` keeps an existing output file, truncates a torn last line, and skips every input
@@ -27,7 +32,8 @@ Semantics:
   the summary line ends with the `--resume` command that continues it (exit code 130).
 - Exit code 0 when every line of the output file is a success, 1 otherwise (2 for usage errors,
   3 when stopped early as above, 130 on Ctrl-C).
-- Progress (requests/s, tokens/s) and a summary go to stderr; `-i -` / `-o -` are stdin/stdout.
+- Progress (lines, output tokens/s, ETA: server/batch/progress.py) and a summary go to stderr;
+  `-i -` / `-o -` are stdin/stdout.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 
 from jaxserve.server.batch import jsonl as batch_io
 from jaxserve.server.batch.jsonl import DUPLICATE_CODE, JsonlWriter, ResumeState, error_body, output_line
+from jaxserve.server.batch.progress import BatchProgress
 from jaxserve.server.openai.lora import lora_models_at_start, parse_lora_module
 
 logger = logging.getLogger("jaxserve")
@@ -53,6 +60,20 @@ logger = logging.getLogger("jaxserve")
 # A route answers one validated-envelope body: returns the response JSON, or raises an error that
 # carries an HTTP status (the server's OpenAIError) or a ValueError (400).
 Route = Callable[[dict], Awaitable[dict]]
+
+# The default slow start: max_num_seqs // RAMP_DIVISOR lines in flight at first, and each line
+# written lets RAMP_GROWTH more in besides its replacement (the window quadruples a round).
+RAMP_DIVISOR = 8
+RAMP_GROWTH = 3
+
+
+def in_flight_limits(max_concurrency: int | None, max_num_seqs: int) -> tuple[int, int]:
+    """(first, most): lines in flight at the start, and at most. `--max-concurrency N` is N from
+    the start; the default is 2 x max_num_seqs reached by a slow start from
+    max_num_seqs / RAMP_DIVISOR (see the module docstring)."""
+    if max_concurrency is not None:
+        return max_concurrency, max_concurrency
+    return max(1, max_num_seqs // RAMP_DIVISOR), 2 * max_num_seqs
 
 
 @dataclasses.dataclass
@@ -129,15 +150,22 @@ class BatchRunner:
     """Reads envelopes, answers them through `routes` with bounded concurrency, writes results.
 
     routes: url -> async function(body) -> response JSON. max_in_flight: the most lines read but
-    not yet written. ordered: write in input order. resume: what the output already holds.
+    not yet written; start_in_flight (default: max_in_flight): the most at first, RAMP_GROWTH
+    more per line written up to max_in_flight. ordered: write in input order. resume: what the output
+    already holds.
     """
 
     def __init__(self, routes: dict[str, Route], writer: JsonlWriter, *, max_in_flight: int,
-                 ordered: bool = False, resume: ResumeState | None = None, progress=None):
+                 start_in_flight: int | None = None, ordered: bool = False,
+                 resume: ResumeState | None = None, progress: BatchProgress | None = None):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        if start_in_flight is not None and not 1 <= start_in_flight <= max_in_flight:
+            raise ValueError(f"start_in_flight must be in [1, max_in_flight={max_in_flight}], "
+                             f"got {start_in_flight}")
         self.routes, self.writer = routes, writer
         self.max_in_flight, self.ordered = max_in_flight, ordered
+        self._window = start_in_flight or max_in_flight     # grows as lines are written
         self.resume = resume or ResumeState()
         self.progress = progress
         self.stats = BatchStats(skipped_failed=self.resume.failed)
@@ -145,6 +173,10 @@ class BatchRunner:
         self._dups: dict[str, int] = {}
         self._anonymous = 0
         self._open = 0                       # read and not yet written
+        # for the progress ETA: seq -> when read, and the lines in flight after the latest read
+        # (not counted at writes, which come in bursts before the next read refills)
+        self._admitted_at: dict[int, float] = {}
+        self._filled = 0
         self._slot_free: asyncio.Event | None = None
         self._buffer: dict[int, dict | None] = {}   # --ordered: seq -> line (None: skipped)
         self._next_seq = 0
@@ -208,18 +240,19 @@ class BatchRunner:
         seq = itertools.count()
         try:
             while True:
-                while self._open >= self.max_in_flight and not self.stats.stopped_by:
+                while self._open >= self._window and not self.stats.stopped_by:
                     self._slot_free.clear()
                     await self._slot_free.wait()
                 if self.stats.stopped_by:
                     break
-                room = self.max_in_flight - self._open
+                room = self._window - self._open
                 # Read in a thread: a pipe may block, and the engine loop must keep running.
                 chunk = await asyncio.to_thread(_take, source, room)
                 if not chunk:
                     break
                 for lineno, text in chunk:
                     self._admit(next(seq), lineno, text)
+                self._filled = self._open
             while self._tasks and not self.stats.stopped_by:
                 await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -233,7 +266,7 @@ class BatchRunner:
         if job is None:
             self.stats.skipped += 1
             if self.progress is not None:
-                self.progress.update(1)
+                self.progress.line_done(self.stats, self._filled)
             self._emit(seq, None)
             return
         self._open += 1
@@ -241,6 +274,7 @@ class BatchRunner:
         if job.status:
             self._emit(seq, output_line(job.custom_id, job.status, job.response))
             return
+        self._admitted_at[seq] = time.perf_counter()
         task = asyncio.get_running_loop().create_task(self._answer(job))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -270,18 +304,19 @@ class BatchRunner:
         """Write a result now (completion order) or once all earlier lines are written."""
         if not self.ordered:
             if line is not None:
-                self._write(line)
+                self._write(seq, line)
             return
         self._buffer[seq] = line
         while self._next_seq in self._buffer:
             ready = self._buffer.pop(self._next_seq)
             self._next_seq += 1
             if ready is not None:
-                self._write(ready)
+                self._write(self._next_seq - 1, ready)
 
-    def _write(self, line: dict) -> None:
+    def _write(self, seq: int, line: dict) -> None:
         self.writer.write(line)
         self._open -= 1
+        self._window = min(self._window + RAMP_GROWTH, self.max_in_flight)
         self._slot_free.set()
         st = self.stats
         st.lines += 1
@@ -292,11 +327,10 @@ class BatchRunner:
             st.completion_tokens += usage.get("completion_tokens") or 0
         else:
             st.failed += 1
+        since = self._admitted_at.pop(seq, None)    # None: answered as read (a bad line)
         if self.progress is not None:
-            elapsed = max(time.perf_counter() - self._t0, 1e-9)
-            self.progress.set_postfix_str(f"{st.completion_tokens / elapsed:.1f} tok/s, "
-                                          f"{st.failed} failed", refresh=False)
-            self.progress.update(1)
+            self.progress.line_done(st, self._filled,
+                                    None if since is None else time.perf_counter() - since)
 
 
 def _take(source: Iterator, n: int) -> list:
@@ -347,7 +381,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ordered", action="store_true",
                    help="write results in input order (default: completion order)")
     p.add_argument("--max-concurrency", type=int, default=None,
-                   help="most lines read but not yet written (default: 2 x max_num_seqs)")
+                   help="most lines read but not yet written, from the start (default: "
+                        "2 x max_num_seqs, reached by a slow start from max_num_seqs / 8)")
     p.add_argument("--disable-progress-bar", action="store_true", help="no progress bar on stderr")
     p.add_argument("--config", default=None, help="YAML file of flag values.")
     p.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",
@@ -418,17 +453,18 @@ async def _run(ns, engine_args) -> int:
         print(f"run-batch: {e}", file=sys.stderr)
         await llm.shutdown(graceful=False)
         return 2
-    limit = ns.max_concurrency or 2 * engine_args.max_num_seqs
+    first, most = in_flight_limits(ns.max_concurrency, engine_args.max_num_seqs)
     progress = None
     if not ns.disable_progress_bar:
-        from tqdm.auto import tqdm
-        progress = tqdm(total=batch_io.count_lines(ns.input_file), desc="run-batch", unit="req",
-                        file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+        progress = BatchProgress(batch_io.count_lines(ns.input_file), sys.stderr,
+                                 generated_tokens=lambda: llm.stats.generation_tokens_total)
     writer = JsonlWriter.open(ns.output_file, append=ns.resume)
-    runner = BatchRunner(engine_routes(serving), writer, max_in_flight=limit, ordered=ns.ordered,
-                         resume=resume, progress=progress)
+    runner = BatchRunner(engine_routes(serving), writer, max_in_flight=most,
+                         start_in_flight=first, ordered=ns.ordered, resume=resume,
+                         progress=progress)
     stats = runner.stats
     stats.resume_command = resume_command(ns)
+    ticking = asyncio.create_task(progress.tick()) if progress is not None else None
     try:
         with batch_io.open_input(ns.input_file) as lines:
             await runner.run(lines)
@@ -438,7 +474,8 @@ async def _run(ns, engine_args) -> int:
         stats.interrupted = True
     finally:
         writer.close()
-        if progress is not None:
+        if ticking is not None:
+            ticking.cancel()
             progress.close()
         await llm.shutdown(graceful=False)
     print(stats.summary(), file=sys.stderr)
