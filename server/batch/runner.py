@@ -32,7 +32,7 @@ Semantics:
   the summary line ends with the `--resume` command that continues it (exit code 130).
 - Exit code 0 when every line of the output file is a success, 1 otherwise (2 for usage errors,
   3 when stopped early as above, 130 on Ctrl-C).
-- Progress (lines, output tokens/s, ETA: server/batch/progress.py) and a summary go to stderr;
+- Progress (lines, output tokens/s, ETA; `BatchProgress`) and a summary go to stderr;
   `-i -` / `-o -` are stdin/stdout.
 """
 
