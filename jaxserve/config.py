@@ -294,8 +294,9 @@ class EngineArgs:
     program_cache_dir: str | None = None
     max_logprobs: int = 20
     # One answer per prompt whatever shares its step (vLLM's VLLM_BATCH_INVARIANT): on CPU every
-    # quantized matmul, of any row count, takes the fused kernel (or f32 tiles where it does not
-    # build), never bf16 tiles (`loader.cpu_matmuls_for`). Refused on a GPU.
+    # quantized matmul, of any row count, takes the fused kernel, and attention the CPU kernel
+    # (`loader.cpu_matmuls_for`); refused, with the reason, where that cannot be (a GPU, dense
+    # weights, several devices, an fp8 KV cache, ...).
     batch_invariant: bool = False
     # vLLM's structured_outputs_config.reasoning_parser (--reasoning-parser): a request's
     # structured output applies after its <think>...</think> reasoning (None: from its start).

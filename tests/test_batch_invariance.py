@@ -59,3 +59,27 @@ def test_batch_invariant_is_refused_where_it_is_not_built():
     from jaxserve.config import EngineArgs
     with pytest.raises(ValueError, match="batch_invariant is implemented on the CPU only"):
         compile_engine(EngineArgs(batch_invariant=True), "h100", "/nonexistent")
+
+
+TINY = dict(model=str(__import__("pathlib").Path(__file__).resolve().parent / "data" / "tiny-llama"),
+            load_format="dummy", max_model_len=128, num_gpu_blocks_override=16, warmup=False)
+
+
+@pytest.mark.parametrize("why, kwargs", [
+    ("quantized linear layers", TINY),                                  # dense weights: XLA's dot
+    ("f32 activations", dict(TINY, dtype="bfloat16")),
+])
+def test_batch_invariant_is_refused_where_it_cannot_hold(why, kwargs):
+    from jaxserve import LLM
+    with pytest.raises(ValueError, match=f"batch_invariant needs {why}"):
+        LLM(batch_invariant=True, **kwargs)
+
+
+def test_batch_invariant_needs_one_device_and_the_cpu_attention_kernel():
+    from jaxserve import LLM
+    from jaxserve.loader.loader import _batch_invariant
+    with pytest.raises(ValueError, match="batch_invariant needs one device"):
+        _batch_invariant({}, "auto", 2, "cpu", quantized=True)
+    with pytest.raises(ValueError, match="batch_invariant needs the CPU attention kernel"):
+        LLM(batch_invariant=True, kv_cache_dtype="fp8", max_model_len=128, num_gpu_blocks_override=16,
+            warmup=False)

@@ -180,6 +180,10 @@ class LLMEngine:
         case = AttentionCase.of(cfg, dtype, kv_dtype, args.block_size)
         selected = cpu_backend(select_backend(args.attention_backend, case), args.attention_backend, args.dtype,
                                self.mesh.size, case)
+        if args.batch_invariant and selected != "cpu":
+            raise ValueError(f"batch_invariant needs the CPU attention kernel (attention backend 'cpu'); this "
+                             f"engine would run {selected!r} (an fp8/int8 KV cache, latent attention, an asked "
+                             f"backend, or no kernel build), whose sums depend on the batch")
         if args.fp8_kernel != "auto":
             weights = with_kernel(weights, args.fp8_kernel)
         fp8_kernels = kernels_in(weights)

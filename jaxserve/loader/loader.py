@@ -62,6 +62,25 @@ def bf16_tiles_pay() -> bool:
 BATCH_INVARIANT_ROWS = 1 << 30        # `fused_max_rows` of a batch-invariant engine: every step
 
 
+def _batch_invariant(weights, dtype: str, devices: int, platform: str | None, quantized: bool):
+    """`cpu_matmuls_for(batch_invariant=True)`: the fused kernel at every row count, or why not."""
+    why = None
+    if resolve_dtype(dtype, platform) != jnp.float32:
+        why = f"f32 activations on the CPU (dtype auto or float32), got dtype {dtype!r}"
+    elif not quantized:
+        why = ("quantized linear layers (a GGUF kept quantized, GPTQ/AWQ/compressed-tensors int4): this "
+               "model's are dense, and XLA's dot sums a row in an order that depends on the batch")
+    elif devices != 1:
+        why = f"one device (the fused kernel does not split over devices), got {devices}"
+    elif int4_cpu.load() is not None:
+        why = f"the fused CPU kernel, which did not build here: {int4_cpu.load()}"
+    if why is not None:
+        raise ValueError(f"batch_invariant needs {why}")
+    logger.info("batch-invariant: quantized matmuls of every row count use the fused CPU kernel")
+    return with_cpu_layout(with_fused_kernel(weights, max_rows=BATCH_INVARIANT_ROWS,
+                                             int8_x=int4_cpu.int8_dot() is not None))
+
+
 def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None = None,
                     batch_invariant: bool = False):
     """`weights` as the engine runs them with `--dtype dtype` on `devices` devices: with "auto" on
@@ -71,18 +90,15 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
     (`layers.int4.with_fused_kernel`) when it builds here, the weights laid out for it
     (`layers.int4_layout.with_cpu_layout`: column blocks, f16 scales where exact). An explicit
     "float32" keeps f32 tiles: every row's result then is independent of its batch.
-    `batch_invariant`: the same for "auto": no bf16 tiles, and the fused kernel (one accumulation
-    order per row) for every row count where it builds on one device, else f32 tiles."""
-    if dtype != "auto" or resolve_dtype(dtype, platform) != jnp.float32:     # f32 activations: CPU
-        return weights
+    Even f32 tiles are not bit for bit the same at every row count (XLA's dot blocks by rows).
+    `batch_invariant`: every quantized matmul takes the fused kernel (its rows are independent) at
+    every row count; a ValueError says why where that cannot be (dense weights, several devices,
+    activations not f32, no kernel build)."""
     quantized = any(isinstance(w, Int4Weight) for w in jax.tree.leaves(
         weights, is_leaf=lambda x: isinstance(x, Int4Weight)))
     if batch_invariant:
-        if devices == 1 and quantized and int4_cpu.load() is None:
-            logger.info("batch-invariant: quantized matmuls of every row count use the fused CPU kernel")
-            return with_cpu_layout(with_fused_kernel(weights, max_rows=BATCH_INVARIANT_ROWS,
-                                                     int8_x=int4_cpu.int8_dot() is not None))
-        logger.info("batch-invariant: quantized matmuls use f32 tiles at every row count")
+        return _batch_invariant(weights, dtype, devices, platform, quantized)
+    if dtype != "auto" or resolve_dtype(dtype, platform) != jnp.float32:     # f32 activations: CPU
         return weights
     if bf16_tiles_pay():
         weights = with_bf16_tiles(weights)
