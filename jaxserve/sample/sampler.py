@@ -166,7 +166,7 @@ def _apply_filters(x, t: SamplingTensors, platform: str | None = None):
     if gpu:
         kth = _kth_largest(x, k, bits)
     else:
-        vals = _top_k_values(x, min(CANDIDATES, V))                  # [R, K] descending
+        vals = _kept_top_k(x, min(CANDIDATES, V))[0]                  # [R, K] descending
         K = vals.shape[1]
         kth = jnp.take_along_axis(vals, jnp.minimum(k, K)[:, None] - 1, axis=-1)[:, 0]
         need = (k < V) & (k > K)
@@ -195,19 +195,13 @@ def _apply_filters(x, t: SamplingTensors, platform: str | None = None):
     return jnp.where(x >= jnp.maximum(thr_k, thr_p), x, _NEG)
 
 
-def _top_k_values(x: jax.Array, k: int) -> jax.Array:
-    """The k largest of each row, by XLA:CPU's top-k kernel. Its rewrite matches only a sort whose
-    both outputs are sliced, which simplifying the uses of the values alone undoes (a full sort,
-    ~100x slower at [32, 32000]); a barrier over both keeps them. One array, not the (values,
-    indices) tuple: a tuple barrier crashes XLA's SPMD partitioner under tensor parallelism
-    ("cannot be downcasted to HloGetTupleElementInstruction", jaxlib 0.10.2)."""
-    return _kept_top_k(x, k)[0]
-
-
 def _kept_top_k(x: jax.Array, k: int):
-    """lax.top_k with both outputs behind one barrier (see `_top_k_values`): inside a loop XLA
-    otherwise moves the slices out of the body and the whole [R, V] row sort stays in it
-    (prompt logprobs of 20 tokens: 265 ms instead of 9)."""
+    """lax.top_k by XLA:CPU's top-k kernel. Its rewrite matches only a sort whose both outputs are
+    sliced, which simplifying the uses of the values alone undoes (a full sort, ~100x slower at
+    [32, 32000]), as does XLA moving the slices out of a loop body (prompt logprobs of 20
+    tokens: 265 ms instead of 9); a barrier over both outputs keeps them. One array, not the
+    (values, indices) tuple: a tuple barrier crashes XLA's SPMD partitioner under tensor
+    parallelism ("cannot be downcasted to HloGetTupleElementInstruction", jaxlib 0.10.2)."""
     v, i = jax.lax.top_k(x, k)
     both = jax.lax.optimization_barrier(jnp.stack([v, jax.lax.bitcast_convert_type(i, v.dtype)]))
     return both[0], jax.lax.bitcast_convert_type(both[1], i.dtype)
