@@ -80,6 +80,8 @@ def test_batch_invariant_needs_one_device_and_the_cpu_attention_kernel():
     from jaxserve.loader.loader import _batch_invariant
     with pytest.raises(ValueError, match="batch_invariant needs one device"):
         _batch_invariant({}, "auto", 2, "cpu", quantized=True)
+    with pytest.raises(ValueError, match="batch_invariant needs the CPU"):
+        _batch_invariant({}, "float32", 1, "gpu", quantized=True)
     with pytest.raises(ValueError, match="batch_invariant needs the CPU attention kernel"):
         LLM(batch_invariant=True, kv_cache_dtype="fp8", max_model_len=128, num_gpu_blocks_override=16,
             warmup=False)

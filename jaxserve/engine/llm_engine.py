@@ -91,9 +91,6 @@ class LLMEngine:
         on the step's thread); False compiles each on first use."""
         t0 = time.perf_counter()
         self.args = args
-        if args.batch_invariant and jax.default_backend() != "cpu":
-            raise ValueError(f"batch_invariant is implemented on the CPU only (its matmuls are chosen by "
-                             f"row count there); this engine runs on {jax.default_backend()}")
         model_path = resolve_model(args.model_location(), revision=args.revision, download_dir=args.download_dir,
                                    weights=args.load_format != "dummy") \
             if args.model else str(default_model_path())

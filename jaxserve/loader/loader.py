@@ -65,7 +65,9 @@ BATCH_INVARIANT_ROWS = 1 << 30        # `fused_max_rows` of a batch-invariant en
 def _batch_invariant(weights, dtype: str, devices: int, platform: str | None, quantized: bool):
     """`cpu_matmuls_for(batch_invariant=True)`: the fused kernel at every row count, or why not."""
     why = None
-    if resolve_dtype(dtype, platform) != jnp.float32:
+    if (platform or jax.default_backend()) != "cpu":
+        why = f"the CPU (its matmuls are chosen by row count there), not {platform or jax.default_backend()}"
+    elif resolve_dtype(dtype, platform) != jnp.float32:
         why = f"f32 activations on the CPU (dtype auto or float32), got dtype {dtype!r}"
     elif not quantized:
         why = ("quantized linear layers (a GGUF kept quantized, GPTQ/AWQ/compressed-tensors int4): this "
@@ -92,8 +94,8 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
     "float32" keeps f32 tiles at every row count (close across batch sizes, 1e-5 on the default
     model, yet not bit for bit: XLA's dot blocks by rows).
     `batch_invariant`: every quantized matmul takes the fused kernel (its rows are independent) at
-    every row count; a ValueError says why where that cannot be (dense weights, several devices,
-    activations not f32, no kernel build)."""
+    every row count; a ValueError says why where that cannot be (a GPU, dense weights, several
+    devices, activations not f32, no kernel build)."""
     quantized = any(isinstance(w, Int4Weight) for w in jax.tree.leaves(
         weights, is_leaf=lambda x: isinstance(x, Int4Weight)))
     if batch_invariant:
