@@ -150,3 +150,40 @@ def test_abstract_int4_weights_have_the_layout_the_loader_makes(tmp_path, method
     shapes = abstract_weights(cfg, jnp.float32, mesh, int4_scheme=scheme_of(_hf_json(tmp_path / "q")))
     assert jax.tree.structure(shapes) == jax.tree.structure(loaded)
     assert _spec_signature(shapes) == _spec_signature(loaded)
+
+
+def test_step_compiler_options_read_gemm_weights_in_place_on_a_gpu_only():
+    """On a GPU the layer scan's GEMMs take cuBLAS with dynamic-slice fusion (each layer read in
+    place in its stack) and no dot merger; FP8 weights keep Triton's GEMMs (XLA's cuBLAS FP8 GEMM
+    takes per-tensor scales only); the CPU keeps XLA's defaults."""
+    import types
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.worker.compile_cache import step_compiler_options
+    gpu, cpu = [types.SimpleNamespace(platform="gpu")], [types.SimpleNamespace(platform="cpu")]
+    bf16 = {"w": jnp.zeros((2, 4, 4), jnp.bfloat16)}
+    fp8 = {"w": np.zeros((2, 4, 4), jnp.float8_e4m3fn), "s": np.ones((2, 1, 4), np.float32)}
+    assert step_compiler_options(cpu, bf16) is None
+    assert step_compiler_options(gpu, bf16) == {"xla_gpu_enable_dynamic_slice_fusion": True,
+                                                "xla_gpu_enable_triton_gemm": False,
+                                                "xla_gpu_dot_merger_threshold_mb": 0}
+    assert step_compiler_options(gpu, fp8) == {"xla_gpu_dot_merger_threshold_mb": 0}
+
+
+
+def test_the_compile_gate_fails_on_a_host_sync_or_bytes_over_target():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        from gpu_compile_gate import check_targets
+    finally:
+        sys.path.pop(0)
+
+    def report(syncs, ratio):
+        return {"programs": [{"name": "step_1", "compiled": True, "host_syncs": syncs, "host_sync_points": [],
+                              "bytes_ratio": ratio, "top": []}]}
+    assert check_targets({"llama-3.1-8b-bf16": report(0, 1.07)}) == []
+    assert check_targets({"llama-3.1-70b-tp8": report(0, 3.0)}) == []       # no bytes target there
+    assert len(check_targets({"llama-3.1-8b-bf16": report(0, 1.2)})) == 1
+    assert len(check_targets({"qwen3-30b-a3b-ep2": report(2, 1.0)})) == 1

@@ -122,6 +122,40 @@ ENTRY %main (buf: f32[1024,64], upd: f32[2,64], idx: s32[2,1], a: bf16[8,128]) -
 }
 """
 
+# A layer scan's GEMM reading layer i of a stacked weight in place (XLA's dynamic-slice fusion
+# around a cuBLAS call), and the same weight copied out of the stack first (a Triton GEMM's way)
+CUBLAS_IN_PLACE = """
+HloModule m
+
+%ds_gemm (p0: bf16[32,64,128], p1: s32[], p2: bf16[64]) -> (bf16[128], s8[4096]) {
+  %p2 = bf16[64]{0} parameter(2)
+  %p0 = bf16[32,64,128]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c0 = s32[] constant(0)
+  %ds = bf16[1,64,128]{2,1,0} dynamic-slice(%p0, %p1, %c0, %c0), dynamic_slice_sizes={1,64,128}
+  %bc = bf16[64,128]{1,0} bitcast(%ds)
+  ROOT %mm = (bf16[128]{0}, s8[4096]{0}) custom-call(%p2, %bc), custom_call_target="__cublas$lt$matmul"
+}
+
+%copy_layer (q0: bf16[32,64,128], q1: s32[]) -> bf16[1,64,128] {
+  %q0 = bf16[32,64,128]{2,1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %d = bf16[1,64,128]{2,1,0} dynamic-slice(%q0, %q1, %z, %z), dynamic_slice_sizes={1,64,128}
+}
+
+ENTRY %main (w: bf16[32,64,128], i: s32[], x: bf16[64]) -> bf16[128] {
+  %w = bf16[32,64,128]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %x = bf16[64]{0} parameter(2)
+  %in_place = (bf16[128]{0}, s8[4096]{0}) fusion(%w, %i, %x), kind=kCustom, calls=%ds_gemm
+  %copied = bf16[1,64,128]{2,1,0} fusion(%w, %i), kind=kLoop, calls=%copy_layer
+  %bc2 = bf16[64,128]{1,0} bitcast(%copied)
+  %mm2 = (bf16[128]{0}, s8[4096]{0}) custom-call(%x, %bc2), custom_call_target="__cublas$lt$matmul"
+  ROOT %r = bf16[128]{0} get-tuple-element(%in_place), index=0
+}
+"""
+
 
 def test_shape_bytes():
     assert shape_bytes("f32[2,3]{1,0}") == 24
@@ -247,3 +281,12 @@ def test_compiled_collective_dtypes():
     got = sorted((c["op"], c["dtype"], c["bytes"]) for c in r["collectives"])
     assert got == [("all-reduce", "bf16", 64 * 512 * 2), ("all-reduce", "f32", 64 * 512 * 4)]
     assert r["by_kind"]["collective"] == 2 * (64 * 512 * 2 + 64 * 512 * 4)
+
+
+def test_a_gemm_reading_a_stacked_layer_in_place_counts_the_layer_not_the_stack_nor_its_workspace():
+    by_name = {e["name"]: e["bytes"] for e in modeled_bytes(CUBLAS_IN_PLACE)["top"]}
+    layer = 64 * 128 * 2
+    # one layer of the stack, the index, x, and the bf16 result; the s8 workspace is scratch
+    assert by_name["in_place"] == layer + 4 + 64 * 2 + 128 * 2
+    # copied out first: the layer read and written, then read again by the GEMM
+    assert by_name["copied"] == 2 * layer + 4 and by_name["mm2"] == 64 * 2 + layer + 128 * 2

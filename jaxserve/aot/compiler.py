@@ -121,7 +121,8 @@ def make_runner(s: Setup, num_blocks: int) -> ModelRunner:
                          max_logprobs=args.max_logprobs, kv_quantize=s.kv_quantize, kv_dtype=s.kv_dtype,
                          plan=s.plan, num_speculative_tokens=sched.num_speculative_tokens, abstract=True)
     runner.lower_context = lambda: s.target.context(s.mesh)
-    runner.compiler_options = GPU_COMPILER_OPTIONS if s.target.is_gpu else None
+    if s.target.is_gpu:
+        runner.compiler_options = {**(runner.compiler_options or {}), **GPU_COMPILER_OPTIONS}
     return runner
 
 

@@ -16,7 +16,8 @@ slices. While bodies count x the known trip count (x1 and flagged when unknown),
 largest branch. It misses L2/cache reuse, re-reads and recomputation inside a kernel, the old
 values a combining scatter (scatter-add) reads, and what a custom-call really touches: a
 paged-attention kernel reading only the KV blocks its page table names is counted as reading its
-whole KV operand; `custom_call_bytes` overrides those.
+whole KV operand; `custom_call_bytes` overrides those. A cuBLAS call's workspace (the s8 last element of its
+result) is scratch and not counted.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "afte
 _COLLECTIVES = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                 "collective-broadcast", "ragged-all-to-all"}
 _SLICING = {"dynamic-slice", "slice", "gather"}
+# A cuBLAS call's result is (outputs..., s8[N] workspace): scratch it may barely touch, not output
+_WORKSPACE_RE = re.compile(r",\s*s8\[\d+\](\{[^}]*\})?\s*\)\s*$")
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -250,6 +253,14 @@ def _in_place(inst: Instruction | None) -> tuple[list[int], list[int]]:
     return [], []
 
 
+def result_bytes(inst: Instruction) -> float:
+    """Bytes an instruction writes: its shape, less a cuBLAS call's workspace."""
+    shape = _COMMENT_RE.sub("", inst.shape).strip()
+    if inst.opcode == "custom-call" and (inst.meta("custom_call_target") or "").startswith("__cublas"):
+        shape = _WORKSPACE_RE.sub(")", shape)
+    return shape_bytes(shape)
+
+
 def _fusion_bytes(inst: Instruction, comp: Computation, fused: Computation) -> float:
     users = fused.users
 
@@ -265,7 +276,7 @@ def _fusion_bytes(inst: Instruction, comp: Computation, fused: Computation) -> f
             out = fused.by_name.get(out.operands[0][1])
         buffers, updates = _in_place(out)
         if out is not None:
-            written += sum(fused.operand_bytes(out, k) for k in updates) if updates else shape_bytes(out.shape)
+            written += sum(fused.operand_bytes(out, k) for k in updates) if updates else result_bytes(out)
             in_place |= {(out.name, k) for k in buffers}
     params = {i.operands[0][1]: i for i in fused.instructions if i.opcode == "parameter" and i.operands}
     read = 0.0
@@ -303,6 +314,8 @@ def _inst_bytes(inst: Instruction, comp: Computation, module: HloModule, overrid
         return sum(b for k, b in enumerate(operands) if k not in buffers) + sum(operands[k] for k in updates)
     if inst.opcode in _SLICING:
         return shape_bytes(inst.shape) * 2 + sum(operands[1:])
+    if inst.opcode == "custom-call":
+        return sum(operands) + result_bytes(inst)
     return sum(operands) + shape_bytes(_result_shape(inst, comp))
 
 

@@ -5,8 +5,8 @@ Modeled traffic (`jaxserve.aot.hlo_analysis.modeled_bytes`): every fusion, custo
 collective of the optimized HLO reads its operands and writes its result once (loops times their
 trip count; in-place updates count the update; slices of a stacked operand count the slice). An
 attention kernel's custom call is counted as reading the KV its tokens attend to (below), not its
-whole pool operand. The minimum of a step: the weights once (one device's share) + the KV the
-step's tokens attend to + the KV it writes. The scenario each program is modeled at: a bucket of T
+whole pool operand. The minimum of a step: the weights once (one device's share; of an untied
+embedding table the rows looked up) + the KV the step's tokens attend to + the KV it writes. The scenario each program is modeled at: a bucket of T
 tokens <= max_num_seqs is T decoding sequences at a context of `CONTEXT` tokens each; a larger
 bucket is one prefill chunk of T tokens from position 0. Not counted: L2 reuse, re-reads inside a
 kernel (a kernel that reads a tile twice is charged once), the sampler's logits as an HBM round
@@ -16,6 +16,7 @@ trip where XLA keeps them in a fusion.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -41,7 +42,8 @@ def _kv_token_bytes(s) -> float:
 
 def _attention_overrides(text: str, s, runner, T: int) -> dict[str, int]:
     """custom-call name -> modeled bytes per launch, for the calls that read a layer of the pool
-    (the paged attention kernels): q and out of T tokens plus the KV the step attends to."""
+    (the paged attention kernels, not a GEMM whose weight is as large): q and out of T tokens plus
+    the KV the step attends to."""
     module = hlo_analysis.parse_hlo(text)
     layer_pages = s.bytes_per_block * runner.num_blocks / s.cfg.num_layers / 2     # K (or V) of one layer
     _, attended = _scenario(runner, T)
@@ -50,15 +52,32 @@ def _attention_overrides(text: str, s, runner, T: int) -> dict[str, int]:
     out = {}
     for comp in module.computations.values():
         for inst in comp.instructions:
-            if inst.opcode == "custom-call" and any(
+            gemm = (inst.meta("custom_call_target") or "").startswith("__cublas")
+            if inst.opcode == "custom-call" and not gemm and any(
                     comp.operand_bytes(inst, k) >= 0.9 * layer_pages for k in range(len(inst.operands))):
                 out[inst.name] = int(per_layer_kv + qo)
     return out
 
 
+def _shard_bytes(x) -> float:
+    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+
+def _unread_embedding_bytes(s, T: int) -> float:
+    """Bytes of an untied embedding table that a step of T tokens does not read (it reads T rows;
+    a tied table is the head too, read whole)."""
+    table = getattr(s.weights, "embed", None)
+    if getattr(s.weights, "lm_head", None) is None or not isinstance(table, jax.ShapeDtypeStruct):
+        return 0.0
+    full = _shard_bytes(table)
+    return max(0.0, full - T * full / table.shape[0])
+
+
 def min_bytes(s, runner, T: int) -> int:
+    """The fewest HBM bytes a step of T tokens can move: every weight once (of the embedding table
+    the T rows looked up), the KV it attends to, and its own tokens' KV written."""
     _, attended = _scenario(runner, T)
-    return int(s.weight_bytes + (attended + T) * _kv_token_bytes(s))
+    return int(s.weight_bytes - _unread_embedding_bytes(s, T) + (attended + T) * _kv_token_bytes(s))
 
 
 def program_row(name, key, exe, text: str, s, runner, seconds: float) -> dict:

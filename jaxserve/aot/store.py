@@ -104,6 +104,7 @@ def program_key(runner) -> dict:
         "pooler": repr(getattr(runner, "pooler", None)),
         "architecture": runner.cfg.architecture,
         "attention_backend": runner.backend,
+        "compiler_options": runner.compiler_options,
         "block_size": runner.block_size,
         "num_blocks": runner.num_blocks,
         "max_num_seqs": runner.max_seqs,

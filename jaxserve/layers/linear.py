@@ -53,13 +53,15 @@ def register_linear(weight_type: type) -> Callable:
 @register_linear(DenseWeight)
 def _dense(x: jax.Array, weight: DenseWeight, out_dtype=None) -> jax.Array:
     # f32 accumulation for low-precision inputs, result in the activation dtype unless told. On a
-    # GPU the GEMM accumulates in f32 whatever its output type, so a bf16 result is asked for
-    # directly: under tensor parallelism the row-parallel partial sums (wo, w_down) are then
-    # all-reduced in bf16, half the bytes of f32 (vLLM's choice); an f32 result would be reduced
-    # in f32 and only then rounded. XLA:CPU has no bf16 x bf16 -> f32 fused dot and rounds a bf16
-    # dot's partial sums, so the CPU asks for f32. (Chosen at trace time, from the target.)
+    # GPU the GEMM accumulates in f32 whatever its output type, so a result in the activation
+    # dtype is asked for directly, even for f32 logits (cast after, as vLLM's logits are): under
+    # tensor parallelism the row-parallel partial sums (wo, w_down) are then all-reduced in bf16,
+    # half the bytes of f32 (vLLM's choice), and cuBLAS reads the head's bf16 weight as it is (a
+    # one-row bf16 x bf16 -> f32 dot made XLA convert the whole [E, V] head to f32 first: 3x
+    # its bytes). XLA:CPU has no bf16 x bf16 -> f32 fused dot and rounds a bf16 dot's partial
+    # sums, so the CPU asks for f32. (Chosen at trace time, from the target.)
     low = x.dtype in (jnp.bfloat16, jnp.float16)
-    pref = jnp.float32 if low and (out_dtype == jnp.float32 or target_platform() != "gpu") else None
+    pref = jnp.float32 if low and target_platform() != "gpu" else None
     return jnp.einsum("...i,io->...o", x, weight.w, preferred_element_type=pref).astype(out_dtype or x.dtype)
 
 

@@ -118,25 +118,28 @@ def _largest_key(holds, rows: int, bits: int):
 
 
 def _kth_largest(x, k, bits: int):
-    """The k-th largest value of each row of x [R, V] (k [R] i32 in [1, V]), ties counted. Each
-    pass reads x alone (keys are recomputed, not stored)."""
+    """The k-th largest value of each row of x [R, V] (k [R] i32 in [1, V]), ties counted. The
+    keys are made once, before the passes: each pass reads them alone (made inside the loop,
+    XLA:GPU wrote them out and read them back every pass: 3x the bytes)."""
+    keys = _keys(x)
     return _value(_largest_key(
-        lambda c: jnp.sum(_keys(x)[:, None, :] >= c[..., None], axis=-1) >= k[:, None], x.shape[0], bits))
+        lambda c: jnp.sum(keys[:, None, :] >= c[..., None], axis=-1) >= k[:, None], x.shape[0], bits))
 
 
 def _top_p_cutoff(x, thr_k, m, total, top_p, bits: int):
     """The smallest value v of each row of x [R, V] whose higher values' mass is below top_p [R],
     the mass of a value being the reference's probability exp(x - m) / total where x >= thr_k
     ([R, 1] each): the lowest value the sorted reference keeps. -inf when the whole mass is below
-    top_p. Each pass reads x alone (keys and probabilities are recomputed, not stored)."""
+    top_p. Keys and probabilities are made once, before the passes (as `_kth_largest`'s keys)."""
+    keys = _keys(x)
+    probs = jnp.where(x >= thr_k, jnp.exp(x - m), 0) / total
+
     def holds(c):
-        probs = jnp.where(x >= thr_k, jnp.exp(x - m), 0) / total
-        return jnp.sum(jnp.where(_keys(x)[:, None, :] > c[..., None], probs[:, None, :], 0),
+        return jnp.sum(jnp.where(keys[:, None, :] > c[..., None], probs[:, None, :], 0),
                        axis=-1) >= top_p[:, None]
 
     a = _largest_key(holds, x.shape[0], bits)
-    whole = jnp.sum(jnp.where(x >= thr_k, jnp.exp(x - m), 0) / total, axis=-1)
-    return jnp.where(whole >= top_p, _value(a + 1), -jnp.inf)
+    return jnp.where(jnp.sum(probs, axis=-1) >= top_p, _value(a + 1), -jnp.inf)
 
 
 def _apply_filters(x, t: SamplingTensors, platform: str | None = None):

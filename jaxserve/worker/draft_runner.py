@@ -38,7 +38,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import get_model
 from jaxserve.sample.sampler import argmax_last
 from jaxserve.sharding.plan import ShardingPlan, single_device_plan
-from jaxserve.worker.compile_cache import compile_noting_cache_hit, how_obtained
+from jaxserve.worker.compile_cache import compile_noting_cache_hit, how_obtained, step_compiler_options
 from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, is_latent, kv_cache_sharding
 
 logger = logging.getLogger(__name__)
@@ -167,7 +167,9 @@ class DraftRunner:
             spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype),
                                 example)
             fn = self._catch_up if kind == "catch_up" else self._propose
-            exe, from_cache = compile_noting_cache_hit(lambda: fn.lower(self.weights, self.cache, *spec).compile())
+            options = step_compiler_options(jax.tree_util.tree_leaves(self.weights)[0].devices(), self.weights)
+            exe, from_cache = compile_noting_cache_hit(
+                lambda: fn.lower(self.weights, self.cache, *spec).compile(options))
             self._executables[key] = exe
             logger.info("draft %s program: %d %s, %s (%.1f s)", kind, size,
                         "tokens" if kind == "catch_up" else "rows", how_obtained(from_cache),

@@ -34,7 +34,7 @@ from jaxserve.sample.rejection import accept, emitted_mask
 from jaxserve.sample.sampler import sample, score_rows
 from jaxserve.sharding.plan import ShardingPlan, single_device_plan
 from jaxserve.worker.buckets import pow2_at_least, token_buckets
-from jaxserve.worker.compile_cache import compile_noting_cache_hit, how_obtained
+from jaxserve.worker.compile_cache import compile_noting_cache_hit, how_obtained, step_compiler_options
 from jaxserve.worker.compile_queue import BackgroundCompiler
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, is_latent, kv_cache_sharding
@@ -76,14 +76,14 @@ class ModelRunner:
         self.abstract = abstract
         self.programs = programs
         # What the programs are lowered under and compiled with (`jaxserve.aot`: the target's
-        # abstract mesh, and XLA options a compile-only device needs).
+        # abstract mesh, and XLA options a compile-only device needs besides the step's own).
         self.lower_context = contextlib.nullcontext
-        self.compiler_options: dict | None = None
+        self.plan = plan = plan or single_device_plan(model_config)
+        self.compiler_options: dict | None = step_compiler_options(plan.mesh.devices.flat, weights)
         # Multi-LoRA: a jaxserve.lora.LoraManager (weights already wrapped in LoraWeights), or None.
         self.lora = lora
         self._lora_slots: dict[str, int] = {}     # this step's adapter name -> device slot
-        # How weights, KV pool and the step split over the devices (default: one device).
-        self.plan = plan = plan or single_device_plan(model_config)
+        # How weights, KV pool and the step split over the devices (default: one device): above.
         self.weights = weights
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks
