@@ -1,16 +1,16 @@
-"""The compile report: per step program its memory, host synchronisation points and modeled HBM
-traffic against the minimum; per GPU kernel its registers, spills, shared memory and CTAs per SM.
+"""The compile report: per step program its memory, host synchronisation points and modeled HBM traffic
+against the minimum; per GPU kernel its registers, spills, shared memory and CTAs per SM.
 
 Modeled traffic (`jaxserve.aot.hlo_analysis.modeled_bytes`): every fusion, custom call, copy and
 collective of the optimized HLO reads its operands and writes its result once (loops times their
 trip count; in-place updates count the update; slices of a stacked operand count the slice). An
 attention kernel's custom call is counted as reading the KV its tokens attend to (below), not its
 whole pool operand. The minimum of a step: the weights once (one device's share; of an untied
-embedding table the rows looked up) + the KV the step's tokens attend to + the KV it writes. The scenario each program is modeled at: a bucket of T
-tokens <= max_num_seqs is T decoding sequences at a context of `CONTEXT` tokens each; a larger
-bucket is one prefill chunk of T tokens from position 0. Not counted: L2 reuse, re-reads inside a
-kernel (a kernel that reads a tile twice is charged once), the sampler's logits as an HBM round
-trip where XLA keeps them in a fusion.
+embedding table the rows looked up) + the KV the step's tokens attend to + the KV it writes. The
+scenario each program is modeled at: a bucket of T tokens <= max_num_seqs is T decoding sequences at
+a context of `CONTEXT` tokens each; a larger bucket is one prefill chunk of T tokens from position
+0. Not counted: L2 reuse, re-reads inside a kernel (a kernel that reads a tile twice is charged
+once), the sampler's logits as an HBM round trip where XLA keeps them in a fusion.
 """
 
 from __future__ import annotations
