@@ -13,10 +13,19 @@ OTHERS = ["A river begins as rain on high ground.", "def merge_sort(items):"]
 
 
 def test_buckets_start_with_one_and_two_tokens():
-    assert token_buckets(2048) == [1, 2, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert token_buckets(2048) == [1, 2, 16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
     assert token_buckets(8) == [1, 2, 8] and token_buckets(2) == [1, 2] and token_buckets(1) == [1]
     # speculative decoding: a lone request's step keeps a free draft slot in the 2-token bucket
     assert token_buckets(2048, one_token=False)[:2] == [2, 16] and token_buckets(2, one_token=False) == [2]
+
+
+def test_buckets_past_512_tokens_step_by_512_not_by_doubling():
+    """A 4,100-token step runs at 4,608 tokens, not 8,192 (the GPU-step issue)."""
+    buckets = token_buckets(8192)
+    assert buckets[:8] == [1, 2, 16, 32, 64, 128, 256, 512]
+    assert buckets[8:] == list(range(1024, 8193, 512)) and len(buckets) == 23
+    assert min(b for b in buckets if b >= 4100) == 4608
+    assert token_buckets(600) == [1, 2, 16, 32, 64, 128, 256, 512, 600]
 
 
 def test_one_token_step_writes_the_kv_cache_in_place(llm):
