@@ -3,7 +3,6 @@ compiles one program per bucket and variant)."""
 
 from __future__ import annotations
 
-
 LINEAR_ABOVE = 512      # past this many tokens, buckets step by this many (not by doubling)
 
 

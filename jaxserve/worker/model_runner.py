@@ -38,7 +38,7 @@ from jaxserve.worker.compile_cache import compile_noting_cache_hit, how_obtained
 from jaxserve.worker.compile_queue import BackgroundCompiler
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, is_latent, kv_cache_sharding
-from jaxserve.worker.step_inputs import StepInputs, build_inputs, step_bitmask
+from jaxserve.worker.step_inputs import Packing, StepInputs, build_inputs, step_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +143,8 @@ class ModelRunner:
 
         # Donated state leaves with the sharding it came in with, so the buffers are reused.
         rep = plan.replicated
-        self._step = jax.jit(step, donate_argnames=("cache", "pen"),
-                             out_shardings=(rep, rep, self._cache_sharding(self.cache.quantized, self.cache.codes),
-                                            rep))
+        self._step = self._jit_step(step, (rep, rep, self._cache_sharding(self.cache.quantized, self.cache.codes),
+                                           rep))
         self._executables: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._from_cache = 0        # how many of them the persistent compilation cache supplied
         self._from_dir = 0          # how many were loaded from `programs` (a compiled directory)
@@ -157,6 +156,16 @@ class ModelRunner:
         # a device-resident all-ones mask (no transfer; the sampler's cond skips the masking).
         self.mask_words = -(-model_config.vocab_size // 32)
         self._all_allowed: dict[int, jax.Array] = {}
+
+    @staticmethod
+    def _jit_step(step, out_shardings):
+        """`step(weights, cache, pen, x: StepInputs)` jitted to take x packed (`Packing`): one
+        int32 array, one transfer, plus the structured-output bitmask (device-resident when no
+        row is constrained); the cache and penalty state donated."""
+        def packed_step(weights, cache, pen, packed, bitmask, *, packing: Packing):
+            return step(weights, cache, pen, packing.unpack(packed, bitmask))
+        return jax.jit(packed_step, donate_argnames=("cache", "pen"), static_argnames=("packing",),
+                       out_shardings=out_shardings)
 
     # -- the KV pool ---------------------------------------------------------------------------
     def _cache_sharding(self, quantized: bool, codes: str | None) -> kvc.KVCache:
@@ -219,17 +228,15 @@ class ModelRunner:
             self._all_allowed[num_rows] = mask
         return mask
 
-    def _program_spec(self, num_tokens: int, with_prompt_logprobs: bool) -> StepInputs:
-        """The StepInputs shapes of one program (built from an empty batch: call it on the
-        engine's thread, the input batch is not the compiler thread's to read)."""
+    def _program_spec(self, num_tokens: int, with_prompt_logprobs: bool) -> tuple:
+        """(packed inputs, bitmask, Packing) of one program, as shapes (built from an empty batch:
+        call it on the engine's thread, the input batch is not the compiler thread's to read)."""
         x, _ = self._build([], num_tokens, with_prompt_logprobs)   # shapes only
-        # Inputs are replicated; an abstract runner's programs name the sharding (its devices may
-        # be compile-only ones, which an unplaced input would not reach).
+        packing = Packing.of(x)
+        # Inputs are replicated (an abstract runner's devices may be compile-only ones).
         rep = self.plan.replicated
-        spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep if self.abstract else None),
-                            x)
-        spec.bitmask = jax.ShapeDtypeStruct(x.bitmask.shape, x.bitmask.dtype, sharding=rep)
-        return spec
+        return (jax.ShapeDtypeStruct((packing.size,), np.int32, sharding=rep),
+                jax.ShapeDtypeStruct(x.bitmask.shape, x.bitmask.dtype, sharding=rep), packing)
 
     def _state_specs(self):
         """Weights, KV pool and penalty state as shapes and shardings: a program is lowered from
@@ -239,14 +246,14 @@ class ModelRunner:
                                                            weak_type=a.weak_type),
                             (self.weights, self.cache, self.penalties))
 
-    def _compile(self, key: tuple[int, bool], spec: StepInputs | None = None, state=None):
+    def _compile(self, key: tuple[int, bool], spec: tuple | None = None, state=None):
         """Compile one step program ahead of time (no execution); JAX's persistent cache turns
         a repeat into a load. Runs on the engine's thread or the background compiler's."""
         t0 = time.perf_counter()
-        spec = spec if spec is not None else self._program_spec(*key)
+        packed, bitmask, packing = spec if spec is not None else self._program_spec(*key)
         weights, cache, pen = state if state is not None else self._state_specs()
-        exe, from_cache = self._load_or_compile(self.program_name(key),
-                                                lambda: self._step.lower(weights, cache, pen, spec))
+        exe, from_cache = self._load_or_compile(
+            self.program_name(key), lambda: self._step.lower(weights, cache, pen, packed, bitmask, packing=packing))
         with self._lock:
             self._executables[key] = exe
             self._from_cache += int(from_cache is True)
@@ -291,8 +298,17 @@ class ModelRunner:
         returns the device (SamplerOutput, prompt scores or None)."""
         exe = self._executable(len(inputs.tokens), inputs.prompt_targets is not None)
         out, scores, self.cache, self.penalties = exe(self.weights, self.cache, self.penalties,
-                                                      inputs)
+                                                      *self.device_inputs(inputs))
         return out, scores
+
+    def device_inputs(self, inputs: StepInputs) -> tuple:
+        """(packed inputs, bitmask) on the devices: one host -> device transfer of the packed
+        inputs, and one of the bitmask when some row is constrained (else the resident mask)."""
+        rep = self.plan.replicated
+        bitmask = inputs.bitmask
+        if not isinstance(bitmask, jax.Array):
+            bitmask = jax.device_put(bitmask, rep)
+        return jax.device_put(Packing.of(inputs).pack(inputs), rep), bitmask
 
     def _write_penalty_rows(self) -> None:
         for slot, rows in self.input_batch.take_penalty_writes():

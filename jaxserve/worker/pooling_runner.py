@@ -68,9 +68,7 @@ class PoolingRunner(ModelRunner):
         # Same signature as the generate step (the penalty state passes through untouched), so
         # the base class's AOT compilation per bucket applies as it is.
         rep = plan.replicated
-        self._step = jax.jit(step, donate_argnames=("cache", "pen"),
-                             out_shardings=(rep, self._cache_sharding(self.cache.quantized,
-                                                                      self.cache.codes), rep))
+        self._step = self._jit_step(step, (rep, self._cache_sharding(self.cache.quantized, self.cache.codes), rep))
         # request_id -> the pooled state of the chunks computed so far (MEAN: the sum; CLS: the
         # first token's state)
         self._partial: dict[str, np.ndarray] = {}
@@ -78,7 +76,8 @@ class PoolingRunner(ModelRunner):
     def run_model(self, inputs: StepInputs) -> jax.Array:
         """Run the compiled pooling step; returns the device [S, E] pooled rows."""
         exe = self._executable(len(inputs.tokens), False)
-        pooled, self.cache, self.penalties = exe(self.weights, self.cache, self.penalties, inputs)
+        pooled, self.cache, self.penalties = exe(self.weights, self.cache, self.penalties,
+                                                 *self.device_inputs(inputs))
         return pooled
 
     def execute(self, scheduler_output) -> dict[str, np.ndarray]:

@@ -13,8 +13,10 @@ token bucket.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention import AttentionMetadata
@@ -41,6 +43,50 @@ class StepInputs:
     # Multi-LoRA only (else None): the device slot of each token's adapter, 0 for the base model
     # and padding (jaxserve/lora/weight.py).
     lora_slots: jax.Array | None = None       # [T] i32
+
+
+_WORDS = {"int32": lambda a: a, "uint32": lambda a: a.view(np.int32), "float32": lambda a: a.view(np.int32),
+          "bool": lambda a: a.astype(np.int32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """How one StepInputs (the bitmask aside) lies in one int32 array: the step's inputs reach the
+    device in one transfer, not one per field (~21: tokens, positions, the attention metadata,
+    the sampling parameters, ...), and the step program unpacks them (static slices, bitcasts).
+    A program's packing is static (its token bucket and variant fix every field's shape)."""
+    treedef: Any
+    leaves: tuple[tuple[tuple[int, ...], str], ...]    # each field's shape and dtype name
+
+    @classmethod
+    def of(cls, x: StepInputs) -> Packing:
+        leaves, treedef = jax.tree_util.tree_flatten(dataclasses.replace(x, bitmask=None))
+        fields = tuple((tuple(np.shape(a)), np.dtype(a.dtype).name) for a in leaves)
+        for shape, dtype in fields:
+            if dtype not in _WORDS:
+                raise ValueError(f"a step input of dtype {dtype} cannot be packed (int32, uint32, float32, bool)")
+        return cls(treedef, fields)
+
+    @property
+    def size(self) -> int:
+        return sum(int(np.prod(shape)) for shape, _ in self.leaves)
+
+    def pack(self, x: StepInputs) -> np.ndarray:
+        """The host arrays of x (bitmask aside) as one int32 array [size]."""
+        leaves = jax.tree_util.tree_leaves(dataclasses.replace(x, bitmask=None))
+        return np.concatenate([_WORDS[dtype](np.ascontiguousarray(a, dtype)).reshape(-1)
+                               for a, (_, dtype) in zip(leaves, self.leaves)])
+
+    def unpack(self, packed: jax.Array, bitmask=None) -> StepInputs:
+        """Traced: the StepInputs `pack` made, with `bitmask` set."""
+        out, at = [], 0
+        for shape, dtype in self.leaves:
+            n = int(np.prod(shape))
+            words = packed[at:at + n].reshape(shape)
+            at += n
+            out.append(words != 0 if dtype == "bool" else
+                       words if dtype == "int32" else jax.lax.bitcast_convert_type(words, jnp.dtype(dtype)))
+        return dataclasses.replace(jax.tree_util.tree_unflatten(self.treedef, out), bitmask=bitmask)
 
 
 @dataclasses.dataclass
