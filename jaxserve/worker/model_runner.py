@@ -146,6 +146,7 @@ class ModelRunner:
         self._step = self._jit_step(step, (rep, rep, self._cache_sharding(self.cache.quantized, self.cache.codes),
                                            rep))
         self._executables: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        self._packings: dict[tuple[int, bool], Packing] = {}     # by program: how its inputs pack
         self._from_cache = 0        # how many of them the persistent compilation cache supplied
         self._from_dir = 0          # how many were loaded from `programs` (a compiled directory)
         self._penalty_exe = None    # the compiled penalty-row write (`penalty_program`)
@@ -308,7 +309,11 @@ class ModelRunner:
         bitmask = inputs.bitmask
         if not isinstance(bitmask, jax.Array):
             bitmask = jax.device_put(bitmask, rep)
-        return jax.device_put(Packing.of(inputs).pack(inputs), rep), bitmask
+        key = (len(inputs.tokens), inputs.prompt_targets is not None)    # a program's packing is fixed
+        packing = self._packings.get(key)
+        if packing is None:
+            packing = self._packings[key] = Packing.of(inputs)
+        return jax.device_put(packing.pack(inputs), rep), bitmask
 
     def _write_penalty_rows(self) -> None:
         for slot, rows in self.input_batch.take_penalty_writes():
