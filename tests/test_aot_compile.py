@@ -180,10 +180,12 @@ def test_the_compile_gate_fails_on_a_host_sync_or_bytes_over_target():
     finally:
         sys.path.pop(0)
 
-    def report(syncs, ratio):
+    def report(syncs, ratio, collectives=None):
         return {"programs": [{"name": "step_1", "compiled": True, "host_syncs": syncs, "host_sync_points": [],
-                              "bytes_ratio": ratio, "top": []}]}
+                              "bytes_ratio": ratio, "top": [], "collective_ratio": collectives,
+                              "collectives": []}]}
     assert check_targets({"llama-3.1-8b-bf16": report(0, 1.07)}) == []
-    assert check_targets({"llama-3.1-70b-tp8": report(0, 3.0)}) == []       # no bytes target there
+    assert check_targets({"llama-3.1-70b-tp8": report(0, 3.0, 1.09)}) == []     # no bytes target there
     assert len(check_targets({"llama-3.1-8b-bf16": report(0, 1.2)})) == 1
     assert len(check_targets({"qwen3-30b-a3b-ep2": report(2, 1.0)})) == 1
+    assert len(check_targets({"llama-3.1-70b-tp8": report(0, 1.0, 1.2)})) == 1

@@ -80,6 +80,16 @@ def min_bytes(s, runner, T: int) -> int:
     return int(s.weight_bytes - _unread_embedding_bytes(s, T) + (attended + T) * _kv_token_bytes(s))
 
 
+def min_collective_bytes(s, T: int) -> int | None:
+    """The fewest bytes a step of T tokens all-reduces across the devices, in the activation dtype
+    (None on one device): each layer's two row-parallel sums [T, hidden] (after the attention's
+    output projection and after the MLP or the experts) and the vocabulary-parallel embedding's
+    one. The logits' all-gather to the sampler is not in it (the report counts it against it)."""
+    if s.mesh.size == 1:
+        return None
+    return int((2 * s.cfg.num_layers + 1) * T * s.cfg.hidden_size * jax.numpy.dtype(s.dtype).itemsize)
+
+
 def program_row(name, key, exe, text: str, s, runner, seconds: float) -> dict:
     m = exe.memory_analysis()
     T = key[0]
@@ -99,7 +109,15 @@ def program_row(name, key, exe, text: str, s, runner, seconds: float) -> dict:
         "bytes_ratio": round(model["total"] / floor, 3),
         "bytes_by_kind": {k: int(v) for k, v in model["by_kind"].items()},
         "collectives": model["collectives"], "top": model["top"][:8],
+        **_collective_figures(model["collectives"], min_collective_bytes(s, T)),
     }
+
+
+def _collective_figures(collectives: list[dict], floor: int | None) -> dict:
+    if floor is None:
+        return {"collective_bytes": None, "min_collective_bytes": None, "collective_ratio": None}
+    total = sum(c["bytes"] for c in collectives)
+    return {"collective_bytes": total, "min_collective_bytes": floor, "collective_ratio": round(total / floor, 3)}
 
 
 def failed_program(name, key, error: str) -> dict:
@@ -140,19 +158,27 @@ def _gb(x) -> str:
     return "-" if x is None else f"{x / 1e9:.2f}"
 
 
+def _collectives_cell(r: dict) -> str:
+    if r.get("collective_ratio") is None:
+        return "-"
+    return f"{r['collective_bytes'] / 1e6:.1f} / {r['min_collective_bytes'] / 1e6:.1f} = {r['collective_ratio']}"
+
+
 def markdown(report: dict) -> str:
     t = report["target"]
     lines = [f"# Compile report: {report['model']} on {t['device_kind']} x {t['devices']}",
              "", f"dtype {report['dtype']}, KV {report['kv_cache_dtype']}, attention {report['attention_backend']}, "
              f"TP {report['tensor_parallel_size']}, quantization {report['quantization']}, "
              f"{report['num_blocks']} KV blocks of {report['block_size']}; {report['seconds']} s", "",
-             "| program | tokens | compiled | args GB | temp GB | host syncs | modeled GB | min GB | ratio |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| program | tokens | compiled | args GB | temp GB | host syncs | modeled GB | min GB | ratio | "
+             "collective MB / min |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in report["programs"]:
         mem = r["memory"] or {}
         lines.append(f"| {r['name']} | {r['tokens']} | {'yes' if r['compiled'] else 'no: ' + r['error'][:80]} | "
                      f"{_gb(mem.get('argument'))} | {_gb(mem.get('temp'))} | {r['host_syncs']} | "
-                     f"{_gb(r['modeled_bytes'])} | {_gb(r['min_bytes'])} | {r.get('bytes_ratio', '-')} |")
+                     f"{_gb(r['modeled_bytes'])} | {_gb(r['min_bytes'])} | {r.get('bytes_ratio', '-')} | "
+                     f"{_collectives_cell(r)} |")
     syncs = {}
     for r in report["programs"]:
         for point in r.get("host_sync_points") or ():
