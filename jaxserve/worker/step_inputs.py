@@ -62,7 +62,7 @@ class Packing:
     def of(cls, x: StepInputs) -> Packing:
         leaves, treedef = jax.tree_util.tree_flatten(dataclasses.replace(x, bitmask=None))
         fields = tuple((tuple(np.shape(a)), np.dtype(a.dtype).name) for a in leaves)
-        for shape, dtype in fields:
+        for _, dtype in fields:
             if dtype not in _WORDS:
                 raise ValueError(f"a step input of dtype {dtype} cannot be packed (int32, uint32, float32, bool)")
         return cls(treedef, fields)
