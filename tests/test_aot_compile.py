@@ -119,6 +119,12 @@ def test_h100_programs_hold_the_kernel_not_its_interpreter(tmp_path, backend, cu
         assert not re.search(r'op_name="[^"]*interpret', text) and "callback" not in text
         assert p["memory"]["argument"] > 0 and p["modeled_bytes"] > 0 and p["min_bytes"] > 0
         assert isinstance(p["host_syncs"], int)
+        # no loop inside the layer scan: the kernels' tile planning (a binary search, a `while`
+        # of tiny kernels, once per layer) compares all pairs on a GPU instead
+        from jaxserve.aot.hlo_analysis import parse_hlo, while_loops
+        entry = parse_hlo(text).entry
+        nested = [w for w in while_loops(text) if w["computation"] != entry]
+        assert not nested, nested
     assert report["memory_check"]["fits"]
 
 

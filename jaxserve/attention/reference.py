@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxserve.attention.cpu_kernel import paged_attention as cpu_paged_attention
 from jaxserve.attention.metadata import AttentionMetadata
-from jaxserve.pallas.common import layer_window, token_layout
+from jaxserve.pallas.common import layer_window, searchsorted, token_layout
 
 _MASKED = -1e30
 # CPU tuning of the reference path (measured on the default model, 2 cores; benchmarks/RESULTS.md):
@@ -70,7 +70,7 @@ def _tile_rows(meta: AttentionMetadata, num_tokens: int, tile: int) -> _Rows:
     # sum(ceil(q / tile)) <= T / tile + (number of such sequences) <= T / tile + T / _SHORT
     num_rows = min(num_tokens, num_tokens // tile + max(1, num_tokens // _SHORT))
     r = jnp.arange(num_rows, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(row_cu[1:], r, side="right"), 0, S - 1).astype(jnp.int32)
+    seq = jnp.clip(searchsorted(row_cu[1:], r, side="right"), 0, S - 1).astype(jnp.int32)
     tok = (cu[seq] + (r - row_cu[seq]) * tile)[:, None] + jnp.arange(tile, dtype=jnp.int32)
     real = (tok < cu[seq + 1][:, None]) & (r < row_cu[-1])[:, None]
     pos = (kv_lens[seq] - q_lens[seq] - cu[seq])[:, None] + tok

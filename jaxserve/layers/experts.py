@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.layers.linear import DenseWeight, linear
-from jaxserve.pallas.common import target_platform
+from jaxserve.pallas.common import searchsorted, target_platform
 
 RAGGED_DOT_BACKENDS = ("gpu",)
 PADDING_BUDGET = 0.4           # tiles' padding rows as a fraction of the assignments, at most
@@ -137,7 +137,7 @@ def group_rows(ids: jax.Array, num_experts: int, first_expert=0, layout: str = "
     rank = jnp.arange(P) - starts[jnp.minimum(e_sorted, X - 1)]     # place inside its group
     dest = jnp.where(e_sorted < X, first_tile[jnp.minimum(e_sorted, X - 1)] * tile + rank, N * tile)
     rows = jnp.full((N * tile,), P, jnp.int32).at[dest].set(order, mode="drop")
-    tile_expert = jnp.searchsorted(jnp.cumsum(tiles), jnp.arange(N), side="right")
+    tile_expert = searchsorted(jnp.cumsum(tiles), jnp.arange(N), side="right")
     return Groups("tiles", rows, tile, jnp.minimum(tile_expert, X - 1).astype(jnp.int32))
 
 

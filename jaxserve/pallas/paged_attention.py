@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxserve.pallas.common import layer_window, target_platform, token_layout
+from jaxserve.pallas.common import layer_window, searchsorted, target_platform, token_layout
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -228,7 +228,7 @@ def _plan_tiles(meta, num_tokens: int, bq: int):
     tile_base = tile_end - tiles
     nt = min(num_tokens, pl.cdiv(num_tokens, bq) + S)
     it = jnp.arange(nt, dtype=jnp.int32)
-    tile_seq = jnp.minimum(jnp.searchsorted(tile_end, it, side="right"), S - 1).astype(jnp.int32)
+    tile_seq = jnp.minimum(searchsorted(tile_end, it, side="right"), S - 1).astype(jnp.int32)
     qstart = (it - tile_base[tile_seq]) * bq
     nq = jnp.clip(q_lens[tile_seq] - qstart, 0, bq).astype(jnp.int32)
     return tile_seq, qstart.astype(jnp.int32), nq, tile_base, q_lens, nt

@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxserve.pallas.common import searchsorted
 from jaxserve.pallas.paged_attention import (
     DEFAULT_BLOCK_SIZES,
     _is_concrete,
@@ -138,7 +139,7 @@ def _decode_impl(q, k_cache, v_cache, meta, k_scale, v_scale, *, sm_scale, slidi
     out = out.transpose(1, 0, 2, 3).reshape(S, H, D)
     # scatter back to token order; tokens that are not some real sequence's query get zeros
     t = jnp.arange(T, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, S - 1)
+    seq = jnp.clip(searchsorted(cu[1:], t, side="right"), 0, S - 1)
     is_query = (t < cu[-1]) & real[seq] & (cu[seq] == t) & (q_lens[seq] > 0)
     return jnp.where(is_query[:, None, None], out[seq], 0).astype(q.dtype)
 

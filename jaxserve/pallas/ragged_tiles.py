@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.pallas.common import token_layout
+from jaxserve.pallas.common import searchsorted, token_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,7 @@ def plan_tiles(meta, num_tokens: int, bq: int, gp: int) -> TilePlan:
     tile_base = tile_end - tiles
     nt = max(1, min(num_tokens, -(-num_tokens // bq) + S))
     it = jnp.arange(nt, dtype=jnp.int32)
-    tile_seq = jnp.minimum(jnp.searchsorted(tile_end, it, side="right"), S - 1).astype(jnp.int32)
+    tile_seq = jnp.minimum(searchsorted(tile_end, it, side="right"), S - 1).astype(jnp.int32)
     qstart = (it - tile_base[tile_seq]) * bq
     nq = jnp.clip(q_lens[tile_seq] - qstart, 0, bq).astype(jnp.int32)
     return TilePlan(tile_seq, qstart.astype(jnp.int32), nq, tile_base.astype(jnp.int32),
