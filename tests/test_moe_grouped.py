@@ -5,6 +5,7 @@ dequantised model run by transformers), and `--quantization fp8` covering the ex
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -312,3 +313,45 @@ def test_int4_experts_equal_their_dequantised_experts(T, asym, act_order, layout
     experts, full = zip(*(_int4_experts(a, 32, asym, act_order, seed=i) for i, a in enumerate(w)))
     got = jax.jit(lambda *a: moe.expert_mlp(*a, layout=layout))(x, weights, ids, *experts)
     np.testing.assert_allclose(got, _all_experts(x, weights, ids, *full), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("T,X,k,first,local", [(1, 8, 2, 0, 8), (5, 8, 3, 0, 8), (64, 16, 4, 0, 16),
+                                               (200, 8, 2, 4, 4), (300, 128, 8, 32, 32)])
+def test_gpu_grouped_matmul_kernel_equals_the_oracle_reading_a_layer_of_the_stack(T, X, k, first, local,
+                                                                                   monkeypatch):
+    """The GPU form of the experts (traced as for a GPU target, the kernel in Pallas'
+    interpreter): power-of-two tiles, tiles of padding skipped, each expert read in place from a
+    [L, X, in, out] stack the layer scan kept whole (`layer` set), equals the all-experts oracle."""
+    from jaxserve.layers import experts as ex
+    from jaxserve.layers.int4 import _kept_whole
+    monkeypatch.setattr(ex, "target_platform", lambda: "gpu")
+    E, F, L, layer = 32, 24, 3, 1
+    x, weights, ids, (wg, wu, wd) = _problem(T, E, X, F, k, seed=T)
+    sl = slice(first, first + local)
+    keep = (ids >= first) & (ids < first + local)
+    want = _all_experts(x, jnp.where(keep, weights, 0.0), ids, wg, wu, wd)
+    # the other layers' experts differ (scaled): reading them would show
+    stacks = [ExpertWeight(DenseWeight(jnp.stack([a[sl] * (1 if i == layer else 3 + i) for i in range(L)])))
+              for a in (wg, wu, wd)]
+    assert all(ex.experts_read_in_place(s) and _kept_whole(s) for s in stacks)
+    kept = [dataclasses.replace(s, layer=jnp.int32(layer)) for s in stacks]
+    got = jax.jit(lambda x, w, i, a, b, c: moe.expert_mlp(x, w, i, a, b, c, first_expert=first))(
+        x, weights, ids, *kept)
+    np.testing.assert_allclose(got, want, atol=3e-5)
+    assert ex.tile_rows(300 * 8, 32) in (16, 32, 64) and ex.tile_rows(8, 32) == 1
+
+
+def test_grouped_matmul_kernel_skips_padding_tiles_and_reads_the_named_layer():
+    from jaxserve.pallas.grouped_matmul import grouped_matmul, reference
+    rng = np.random.default_rng(0)
+    for tile, dtype in ((1, jnp.float32), (4, jnp.float32), (16, jnp.bfloat16)):
+        x = jnp.asarray(rng.standard_normal((5 * tile, 40)), dtype)
+        w = jnp.asarray(rng.standard_normal((3, 6, 40, 72)), dtype)          # [L, X, in, out]
+        te = jnp.asarray([2, -1, 5, 0, -1], jnp.int32)
+        got = grouped_matmul(x, w, te, tile, layer=jnp.int32(1), interpret=True)
+        want = reference(x, w[1], te, tile)
+        tol = 1e-5 if dtype == jnp.float32 else 5e-2
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+        assert not np.asarray(got, np.float32).reshape(5, tile, -1)[[1, 4]].any()     # padding tiles: zeros
+    with pytest.raises(ValueError, match="power of two"):
+        grouped_matmul(x, w[0], te, 3)

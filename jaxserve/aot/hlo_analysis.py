@@ -50,6 +50,15 @@ def dtype_bytes(dtype: str) -> float:
     return _DTYPE_BYTES.get(dtype, int(bits.group(1)) / 8 if bits else 0)
 
 
+def parse_dims(comp, inst, k: int) -> tuple[int, ...]:
+    """The dimensions of operand k of inst (an array operand)."""
+    shape, name = inst.operands[k]
+    if shape is None and name in comp.by_name:
+        shape = comp.by_name[name].shape
+    m = _SHAPE_RE.search(_COMMENT_RE.sub("", shape or ""))
+    return tuple(int(d) for d in m.group(2).replace("<=", "").split(",") if d.strip().isdigit()) if m else ()
+
+
 def shape_bytes(shape: str) -> float:
     """Bytes of an HLO shape string, tuples summed; layouts, tiling and comments ignored."""
     total = 0.0

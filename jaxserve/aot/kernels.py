@@ -117,6 +117,16 @@ def _int4_matmul(tiles, group: int, asym: bool, m: int):
     return build
 
 
+def _grouped_matmul(tile: int, k: int, n: int, experts: int = 64, tiles: int = 32):
+    from jaxserve.pallas import grouped_matmul as gm
+
+    def build(sharding):
+        args = [jax.ShapeDtypeStruct(s, jnp.dtype(d), sharding=sharding)
+                for s, d in (((tiles * tile, k), jnp.bfloat16), ((experts, k, n), jnp.bfloat16), ((tiles,), jnp.int32))]
+        return (lambda x, w, e: gm.grouped_matmul(x, w, e, tile)), args
+    return build
+
+
 def kernel_cases() -> list[KernelCase]:
     """Every shipped configuration: Triton ragged attention and split-K decode at each head_dim of
     DEFAULT_BLOCK_SIZES (q bf16/f16; KV the q dtype, fp8 e4m3 or int8 with scales); Mosaic GPU
@@ -158,6 +168,10 @@ def kernel_cases() -> list[KernelCase]:
         for group, asym in ((128, False), (128, True), (32, True)):
             cfg = dict(tile_m=t.tile_m, stages=t.stages, group_size=group, asym=asym, m=m, dtype="bfloat16")
             cases.append(KernelCase("int4/pallas", cfg, "mosaic", _int4_matmul(t, group, asym, m)))
+    for tile in (1, 2, 4, 8, 16, 32, 64):     # the experts' tiles (Qwen3-30B-A3B's gate/up and down)
+        for k, n in ((2048, 768), (768, 2048)):
+            cases.append(KernelCase("experts/grouped-matmul", dict(tile=tile, k=k, n=n, dtype="bfloat16"), "triton",
+                                    _grouped_matmul(tile, k, n), "grouped_matmul"))
     return cases
 
 

@@ -6,7 +6,8 @@ collective of the optimized HLO reads its operands and writes its result once (l
 trip count; in-place updates count the update; slices of a stacked operand count the slice). An
 attention kernel's custom call is counted as reading the KV its tokens attend to (below), not its
 whole pool operand. The minimum of a step: the weights once (one device's share; of an untied
-embedding table the rows looked up) + the KV the step's tokens attend to + the KV it writes. The
+embedding table the rows looked up; of the experts those routed to) + the KV the step's tokens
+attend to + the KV it writes. The
 scenario each program is modeled at: a bucket of T tokens <= max_num_seqs is T decoding sequences at
 a context of `CONTEXT` tokens each; a larger bucket is one prefill chunk of T tokens from position
 0. Not counted: L2 reuse, re-reads inside a kernel (a kernel that reads a tile twice is charged
@@ -42,8 +43,8 @@ def _kv_token_bytes(s) -> float:
 
 def _attention_overrides(text: str, s, runner, T: int) -> dict[str, int]:
     """custom-call name -> modeled bytes per launch, for the calls that read a layer of the pool
-    (the paged attention kernels, not a GEMM whose weight is as large): q and out of T tokens plus
-    the KV the step attends to."""
+    (the paged attention kernels, not a GEMM whose weight is as large, nor the experts' grouped
+    matmul): q and out of T tokens plus the KV the step attends to."""
     module = hlo_analysis.parse_hlo(text)
     layer_pages = s.bytes_per_block * runner.num_blocks / s.cfg.num_layers / 2     # K (or V) of one layer
     _, attended = _scenario(runner, T)
@@ -52,10 +53,36 @@ def _attention_overrides(text: str, s, runner, T: int) -> dict[str, int]:
     out = {}
     for comp in module.computations.values():
         for inst in comp.instructions:
-            gemm = (inst.meta("custom_call_target") or "").startswith("__cublas")
+            gemm = (inst.meta("custom_call_target") or "").startswith("__cublas") \
+                or "grouped_matmul" in (inst.meta("op_name") or "")
             if inst.opcode == "custom-call" and not gemm and any(
                     comp.operand_bytes(inst, k) >= 0.9 * layer_pages for k in range(len(inst.operands))):
                 out[inst.name] = int(per_layer_kv + qo)
+    return out
+
+
+def _grouped_matmul_overrides(text: str, s, runner, T: int) -> dict[str, int]:
+    """custom-call name -> modeled bytes per launch of the experts' grouped matmul, which takes the
+    layer's whole [L, X, in, out] stack and reads only its tiles' experts: at the scenario's T
+    tokens with uniform routing, P = T k X_local / X assignments here, each of the min(P, X_local)
+    experts touched read once per tile of its rows (ceil(P / touched / tile) tiles), plus its rows
+    of x and of the result."""
+    moe = getattr(s.cfg, "moe", None)
+    if moe is None:
+        return {}
+    out = {}
+    for comp in hlo_analysis.parse_hlo(text).computations.values():
+        for inst in comp.instructions:
+            if inst.opcode != "custom-call" or "grouped_matmul" not in (inst.meta("op_name") or ""):
+                continue
+            shapes = [hlo_analysis.parse_dims(comp, inst, k) for k in range(len(inst.operands))]
+            (tiles,), (rows, K), (_, X, _, F) = shapes[1], shapes[2], shapes[3]
+            tile = rows // max(tiles, 1)
+            itemsize = hlo_analysis.shape_bytes(inst.shape) / max(rows * F, 1)
+            P = T * moe.num_experts_per_tok * X / moe.num_experts
+            touched = min(P, X)
+            per_expert = math.ceil(P / max(touched, 1) / tile) if touched else 0
+            out[inst.name] = int(touched * per_expert * K * F * itemsize + P * (K + F) * itemsize)
     return out
 
 
@@ -73,11 +100,26 @@ def _unread_embedding_bytes(s, T: int) -> float:
     return max(0.0, full - T * full / table.shape[0])
 
 
+def _unread_expert_bytes(s, T: int) -> float:
+    """Bytes of the experts a step of T tokens routes to none of: of X experts, top k a token, at
+    most T k are touched (uniform routing reaches that bound while T k <= X)."""
+    from jaxserve.layers.experts import ExpertWeight
+    moe = getattr(s.cfg, "moe", None)
+    if moe is None:
+        return 0.0
+    stacks = [w for w in jax.tree_util.tree_leaves(s.weights, is_leaf=lambda x: isinstance(x, ExpertWeight))
+              if isinstance(w, ExpertWeight)]
+    total = sum(_shard_bytes(a) for w in stacks for a in jax.tree_util.tree_leaves(w))
+    return total * max(0.0, 1 - T * moe.num_experts_per_tok / moe.num_experts)
+
+
 def min_bytes(s, runner, T: int) -> int:
     """The fewest HBM bytes a step of T tokens can move: every weight once (of the embedding table
-    the T rows looked up), the KV it attends to, and its own tokens' KV written."""
+    the T rows looked up, of the experts those routed to), the KV it attends to, and its own
+    tokens' KV written."""
     _, attended = _scenario(runner, T)
-    return int(s.weight_bytes - _unread_embedding_bytes(s, T) + (attended + T) * _kv_token_bytes(s))
+    weights = s.weight_bytes - _unread_embedding_bytes(s, T) - _unread_expert_bytes(s, T)
+    return int(weights + (attended + T) * _kv_token_bytes(s))
 
 
 def min_collective_bytes(s, T: int) -> int | None:
@@ -97,7 +139,8 @@ def program_row(name, key, exe, text: str, s, runner, seconds: float) -> dict:
     for point in syncs:             # "jaxserve/sample/sampler.py:150", wherever the package lives
         src = point.get("source") or ""
         point["source"] = src[src.rfind("jaxserve/"):] if "jaxserve/" in src else src or None
-    model = hlo_analysis.modeled_bytes(text, _attention_overrides(text, s, runner, T))
+    model = hlo_analysis.modeled_bytes(text, {**_attention_overrides(text, s, runner, T),
+                                              **_grouped_matmul_overrides(text, s, runner, T)})
     floor = min_bytes(s, runner, T)
     return {
         "name": name, "tokens": T, "prompt_logprobs": key[1], "compiled": True, "error": None,

@@ -7,15 +7,16 @@ Two layouts of the rows (`Groups`, built by `group_rows` from the routing):
 - "tiles" (every backend): the (token, expert) assignments sorted by expert and cut into tiles
   of `tile` rows that each belong to one expert (a group's last tile padded). Each tile is
   `linear(x_tile [tile, in], w[e])`, the weight type's own kernel, batched over tiles (the tiles'
-  expert matrices are gathered a chunk at a time, `MAX_GATHER_BYTES`). The tile count is static:
+  expert matrices are gathered a chunk at a time, `MAX_GATHER_BYTES`); on a GPU, dense experts
+  take the grouped matmul kernel instead, which reads each tile's expert where it lies. The tile count is static:
   at most `(P + min(X, P) * (tile - 1)) / tile` for P assignments and X experts, so the padding
   costs at most `min(X, P) * (tile - 1) / P` of the useful FLOPs; `tile_rows` picks the tile
   from the shapes at trace time to keep that under `PADDING_BUDGET`. Decode shapes (P <= X) get
   tile 1: each assignment multiplies its own expert's matrix, no sort, exactly the useful FLOPs.
 - "ragged" (backends in `RAGGED_DOT_BACKENDS`, weight types with a `register_ragged` kernel):
-  the assignments sorted by expert and `jax.lax.ragged_dot` over the group sizes. XLA's CPU
-  lowering of ragged_dot is a masked dense dot over every expert (X times the useful FLOPs:
-  benchmarks/bench_moe.py), so CPU never takes it.
+  the assignments sorted by expert and `jax.lax.ragged_dot` over the group sizes. XLA's CPU and
+  GPU lowerings of ragged_dot are a masked dense dot over every expert (X times the useful FLOPs:
+  benchmarks/bench_moe.py, and the compile report), so neither takes it by default.
 
 A weight type that has a `linear` kernel runs as experts with no further code (tiles vmap that
 kernel over the gathered expert slices); `register_ragged` adds a ragged_dot backend for it.
@@ -32,8 +33,12 @@ import jax.numpy as jnp
 
 from jaxserve.layers.linear import DenseWeight, linear
 from jaxserve.pallas.common import searchsorted, target_platform
+from jaxserve.pallas.grouped_matmul import grouped_matmul
 
-RAGGED_DOT_BACKENDS = ("gpu",)
+# Backends whose ragged_dot is a grouped matmul. None: XLA lowers it to a dense dot over every
+# expert on the CPU, and on a GPU too (64x the useful FLOPs for Qwen3-30B-A3B at EP 2, in the
+# compile report); a GPU takes the tiles with the grouped matmul kernel (`pallas/grouped_matmul`).
+RAGGED_DOT_BACKENDS: tuple[str, ...] = ()
 PADDING_BUDGET = 0.4           # tiles' padding rows as a fraction of the assignments, at most
 MAX_GATHER_BYTES = 256 << 20   # expert matrices gathered at once by the tiles layout
 
@@ -42,9 +47,12 @@ MAX_GATHER_BYTES = 256 << 20   # expert matrices gathered at once by the tiles l
 @dataclasses.dataclass
 class ExpertWeight:
     """X experts' matrices stacked `[..., X, in, out]` (layers may lead; `lax.scan` slices them
-    off) in the weight type `w`; `grouped_linear` is its matmul (`linear` refuses it)."""
+    off) in the weight type `w`; `grouped_linear` is its matmul (`linear` refuses it). `layer`:
+    set when the layer scan keeps the stack whole (`experts_read_in_place`): w is then [L, X, in,
+    out] and the matmul reads layer `layer` where it lies; None: w is one layer's."""
 
     w: Any
+    layer: Any = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -57,6 +65,14 @@ class ExpertWeight:
     @property
     def num_experts(self) -> int:
         return self.shape[-3]
+
+
+def experts_read_in_place(experts: ExpertWeight) -> bool:
+    """Whether the layer scan should keep this [L, X, in, out] stack whole: dense experts on a
+    GPU, whose grouped matmul kernel reads a layer's experts where they lie (a scan's slice is a
+    copy of every expert of the layer, every step)."""
+    return (type(experts.w) is DenseWeight and experts.w.w.ndim == 4 and experts.layer is None
+            and target_platform() == "gpu")
 
 
 _RAGGED: dict[type, Callable] = {}
@@ -88,12 +104,20 @@ class Groups(NamedTuple):
     tile: int = 0
     tile_expert: jax.Array | None = None
     group_sizes: jax.Array | None = None
+    assignments: int = 0        # P = T * k: the row id of padding
 
 
 def tile_rows(assignments: int, experts: int) -> int:
     """Rows per tile for P assignments over X experts: the largest whose worst-case padding
-    (min(X, P) * (tile - 1) rows) stays within PADDING_BUDGET of P; 1 at decode shapes."""
-    return 1 + int(PADDING_BUDGET * assignments / min(experts, assignments))
+    (min(X, P) * (tile - 1) rows) stays within PADDING_BUDGET of P; 1 at decode shapes. On a GPU
+    a power of two (the grouped matmul kernel's blocks), rounded down."""
+    tile = 1 + int(PADDING_BUDGET * assignments / min(experts, assignments))
+    if target_platform() != "gpu":
+        return tile
+    tile = 1 << (tile.bit_length() - 1)
+    # 8-row tiles would multiply on CUDA cores (the kernel's dot needs 16 rows): 16, padding up
+    # to 15 rows an expert (the FLOPs stay within 1.5x of the useful ones from P = 32 X up)
+    return 16 if tile == 8 and assignments >= 32 * min(experts, assignments) else tile
 
 
 def num_tiles(assignments: int, experts: int, tile: int) -> int:
@@ -119,13 +143,13 @@ def group_rows(ids: jax.Array, num_experts: int, first_expert=0, layout: str = "
         key = jnp.where(mine, local, X)                             # other devices' experts last
         order = jnp.argsort(key, stable=True).astype(jnp.int32)
         sizes = jnp.bincount(key, length=X + 1)[:X].astype(jnp.int32)
-        return Groups("ragged", jnp.where(mine[order], order, P), group_sizes=sizes)
+        return Groups("ragged", jnp.where(mine[order], order, P), group_sizes=sizes, assignments=P)
     if layout != "tiles":
         raise ValueError(f"layout must be 'tiles' or 'ragged', got {layout!r}")
     tile = tile_rows(P, X)
     if tile == 1:           # one assignment per tile: no sort, P tiles in routing order
         rows = jnp.where(mine, jnp.arange(P, dtype=jnp.int32), P)
-        return Groups("tiles", rows, 1, jnp.where(mine, local, 0).astype(jnp.int32))
+        return Groups("tiles", rows, 1, jnp.where(mine, local, 0).astype(jnp.int32), assignments=P)
     N = num_tiles(P, X, tile)
     key = jnp.where(mine, local, X)
     order = jnp.argsort(key, stable=True).astype(jnp.int32)        # [P] grouped by expert
@@ -138,12 +162,16 @@ def group_rows(ids: jax.Array, num_experts: int, first_expert=0, layout: str = "
     dest = jnp.where(e_sorted < X, first_tile[jnp.minimum(e_sorted, X - 1)] * tile + rank, N * tile)
     rows = jnp.full((N * tile,), P, jnp.int32).at[dest].set(order, mode="drop")
     tile_expert = searchsorted(jnp.cumsum(tiles), jnp.arange(N), side="right")
-    return Groups("tiles", rows, tile, jnp.minimum(tile_expert, X - 1).astype(jnp.int32))
+    return Groups("tiles", rows, tile, jnp.minimum(tile_expert, X - 1).astype(jnp.int32), assignments=P)
 
 
 def grouped_linear(x: jax.Array, experts: ExpertWeight, groups: Groups) -> jax.Array:
     """x [M, in] (rows as `groups` lays them out) @ each row's expert matrix -> [M, out]."""
     w = experts.w
+    if experts.layer is not None:
+        if type(w) is DenseWeight and groups.layout == "tiles" and target_platform() == "gpu":
+            return grouped_matmul(x, w.w, _live_experts(groups), groups.tile, layer=experts.layer)
+        w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, experts.layer, keepdims=False), w)
     if groups.layout == "ragged":
         try:
             fn = _RAGGED[type(w)]
@@ -152,6 +180,8 @@ def grouped_linear(x: jax.Array, experts: ExpertWeight, groups: Groups) -> jax.A
                             "use the tiles layout") from None
         return fn(x, w, groups.group_sizes)
     tile, (M, K) = groups.tile, x.shape
+    if type(w) is DenseWeight and target_platform() == "gpu":   # each tile's expert read in place
+        return grouped_matmul(x, w.w, _live_experts(groups), tile)
     xt = x.reshape(M // tile, tile, K)
 
     def one(args):                 # one tile: its rows through its expert's matrix
@@ -165,6 +195,14 @@ def grouped_linear(x: jax.Array, experts: ExpertWeight, groups: Groups) -> jax.A
     else:
         y = jax.lax.map(one, (xt, groups.tile_expert), batch_size=batch)
     return y.reshape(M, -1)
+
+
+def _live_experts(groups: Groups) -> jax.Array:
+    """Each tile's expert, -1 for a tile of padding rows only (its first row is padding: tiles
+    fill from their first row; a one-row tile of another device's assignment): the grouped matmul
+    skips those (with expert parallelism most of the static tile count)."""
+    first = groups.rows.reshape(-1, groups.tile)[:, 0]
+    return jnp.where(first < groups.assignments, groups.tile_expert, -1)
 
 
 def useful_flops(tokens: int, k: int, hidden: int, inner: int) -> int:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.layers import int4_cpu
-from jaxserve.layers.experts import register_ragged
+from jaxserve.layers.experts import ExpertWeight, experts_read_in_place, register_ragged
 from jaxserve.layers.linear import register_linear
 from jaxserve.pallas.common import target_platform
 
@@ -170,15 +170,22 @@ def checkpoint_layout(w: Int4Weight) -> Int4Weight:
                                offset=_from_blocks(w.offset), col_block=0)
 
 
+def _kept_whole(w) -> bool:
+    """Stacks the layer scan hands to its body whole (their kernels read layer `layer` in place):
+    an `Int4Weight` on the fused CPU kernel, and on a GPU dense experts (the grouped matmul)."""
+    if _is_int4(w):
+        return w.fused_max_rows is not None and len(w.shape) == 3
+    return isinstance(w, ExpertWeight) and experts_read_in_place(w)
+
+
 def scan_layers(body, carry, xs):
     """`lax.scan(body, carry, xs)` over stacked layers `xs = (layer weights, layer indices, ...)`,
-    except that each stacked `Int4Weight` with the fused kernel on is not sliced by the scan: the
-    body gets it whole with `layer` set to the step's index, and the kernel reads that layer in
-    place (a scan copies each step's slice of its inputs out of the stack first)."""
+    except that each stack `_kept_whole` says is not sliced by the scan: the body gets it whole
+    with `layer` set to the step's index, and its kernel reads that layer in place (a scan copies
+    each step's slice of its inputs out of the stack first)."""
     weights, ids, *rest = xs
-    leaves, tree = jax.tree.flatten(weights, is_leaf=_is_int4)
-    kept = {i: w for i, w in enumerate(leaves)
-            if _is_int4(w) and w.fused_max_rows is not None and len(w.shape) == 3}
+    leaves, tree = jax.tree.flatten(weights, is_leaf=lambda x: _is_int4(x) or isinstance(x, ExpertWeight))
+    kept = {i: w for i, w in enumerate(leaves) if _kept_whole(w)}
     if not kept:
         return jax.lax.scan(body, carry, xs)[0]
     sliced = [None if i in kept else w for i, w in enumerate(leaves)]

@@ -178,9 +178,10 @@ def expert_specs(plan: ShardingPlan, experts, axes: Sequence[str]):
     shape = experts.shape[-3:]
 
     def one(a):
-        if a is getattr(inner, "w", None):
-            return PartitionSpec(*spec[:1], spec[2], spec[1]) if getattr(inner, "k_major", False) \
-                else PartitionSpec(*spec)
+        if a is getattr(inner, "w", None):      # layers lead where the scan kept the stack whole
+            lead = (None,) * (a.ndim - 3)
+            return PartitionSpec(*lead, *spec[:1], spec[2], spec[1]) if getattr(inner, "k_major", False) \
+                else PartitionSpec(*lead, *spec)
         if a.ndim < 3:
             return PartitionSpec(*spec[:a.ndim])
         out = [spec[0]]
