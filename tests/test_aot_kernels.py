@@ -101,6 +101,8 @@ def test_cases_cover_the_tables():
         (t.tile_m, t.tile_n) for t in fp8_matmul.SHIPPED_TILES}
     assert {c.config["tile_m"] for c in by["int4/pallas"]} == {t.tile_m for t in int4_matmul.SHIPPED_TILES}
     assert {c.config["kv_dtype"] for c in by["attention/pallas"]} >= {"bfloat16", "float8_e4m3fn", "int8"}
+    # the experts' grouped matmul at every power-of-two tile `tile_rows` gives on a GPU up to 64
+    assert {c.config["tile"] for c in by["experts/grouped-matmul"]} == {1, 2, 4, 8, 16, 32, 64}
 
 
 @pytest.fixture(scope="module")
