@@ -4,15 +4,16 @@ each row of activations by its own expert's matrix, computing only the experts r
 
 Two layouts of the rows (`Groups`, built by `group_rows` from the routing):
 
-- "tiles" (every backend): the (token, expert) assignments sorted by expert and cut into tiles
-  of `tile` rows that each belong to one expert (a group's last tile padded). Each tile is
+- "tiles" (every backend): the (token, expert) assignments sorted by expert and cut into tiles of
+  `tile` rows that each belong to one expert (a group's last tile padded). Each tile is
   `linear(x_tile [tile, in], w[e])`, the weight type's own kernel, batched over tiles (the tiles'
   expert matrices are gathered a chunk at a time, `MAX_GATHER_BYTES`); on a GPU, dense experts
-  take the grouped matmul kernel instead, which reads each tile's expert where it lies. The tile count is static:
-  at most `(P + min(X, P) * (tile - 1)) / tile` for P assignments and X experts, so the padding
-  costs at most `min(X, P) * (tile - 1) / P` of the useful FLOPs; `tile_rows` picks the tile
-  from the shapes at trace time to keep that under `PADDING_BUDGET`. Decode shapes (P <= X) get
-  tile 1: each assignment multiplies its own expert's matrix, no sort, exactly the useful FLOPs.
+  take the grouped matmul kernel instead, which reads each tile's expert where it lies. The tile
+  count is static: at most `(P + min(X, P) * (tile - 1)) / tile` for P assignments and X experts,
+  so the padding costs at most `min(X, P) * (tile - 1) / P` of the useful FLOPs; `tile_rows` picks
+  the tile from the shapes at trace time to keep that under `PADDING_BUDGET`. Decode shapes (P <=
+  X) get tile 1: each assignment multiplies its own expert's matrix, no sort, exactly the useful
+  FLOPs.
 - "ragged" (backends in `RAGGED_DOT_BACKENDS`, weight types with a `register_ragged` kernel):
   the assignments sorted by expert and `jax.lax.ragged_dot` over the group sizes. XLA's CPU and
   GPU lowerings of ragged_dot are a masked dense dot over every expert (X times the useful FLOPs:
