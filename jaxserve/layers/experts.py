@@ -73,7 +73,12 @@ def experts_read_in_place(experts: ExpertWeight) -> bool:
     GPU, whose grouped matmul kernel reads a layer's experts where they lie (a scan's slice is a
     copy of every expert of the layer, every step)."""
     return (type(experts.w) is DenseWeight and experts.w.w.ndim == 4 and experts.layer is None
-            and target_platform() == "gpu")
+            and _grouped_kernel_dtype(experts.w.w.dtype) and target_platform() == "gpu")
+
+
+def _grouped_kernel_dtype(dtype) -> bool:
+    # bf16/f16 only: an f32 dot in a Triton kernel runs as TF32 (the XLA path keeps f32)
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 _RAGGED: dict[type, Callable] = {}
@@ -169,8 +174,9 @@ def group_rows(ids: jax.Array, num_experts: int, first_expert=0, layout: str = "
 def grouped_linear(x: jax.Array, experts: ExpertWeight, groups: Groups) -> jax.Array:
     """x [M, in] (rows as `groups` lays them out) @ each row's expert matrix -> [M, out]."""
     w = experts.w
+    kernel = type(w) is DenseWeight and _grouped_kernel_dtype(x.dtype) and target_platform() == "gpu"
     if experts.layer is not None:
-        if type(w) is DenseWeight and groups.layout == "tiles" and target_platform() == "gpu":
+        if kernel and groups.layout == "tiles":
             return grouped_matmul(x, w.w, _live_experts(groups), groups.tile, layer=experts.layer)
         w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, experts.layer, keepdims=False), w)
     if groups.layout == "ragged":
@@ -181,7 +187,7 @@ def grouped_linear(x: jax.Array, experts: ExpertWeight, groups: Groups) -> jax.A
                             "use the tiles layout") from None
         return fn(x, w, groups.group_sizes)
     tile, (M, K) = groups.tile, x.shape
-    if type(w) is DenseWeight and target_platform() == "gpu":   # each tile's expert read in place
+    if kernel:                      # each tile's expert read in place
         return grouped_matmul(x, w.w, _live_experts(groups), tile)
     xt = x.reshape(M // tile, tile, K)
 
