@@ -50,3 +50,22 @@ def test_scoring_in_its_loop_keeps_xla_cpu_top_k_kernel():
     assert not re.findall(rf"= \(f32\[\d+,{V}\][^)]*\) sort\(", text)
     got = fn(jnp.ones((T, E)), jnp.arange(T, dtype=jnp.int32), jnp.zeros(T, jnp.int32))
     assert got[2].shape == (T, k) and got[3].shape == (T, k)
+
+
+def test_score_rows_gpu_form_runs_a_static_loop_and_scores_the_same(monkeypatch):
+    """On a GPU `score_rows` loops over every chunk of the bucket (a trip count known at compile
+    time, no host sync); the scores are those of the CPU's loop over the scored rows only."""
+    from jaxserve.sample import sampler as sm
+    rng = np.random.default_rng(0)
+    T, E, V = 50, 8, 30
+    hidden = jnp.asarray(rng.standard_normal((T, E)), jnp.float32)
+    W = jnp.asarray(rng.standard_normal((E, V)), jnp.float32)
+    scored = np.array([3, 7, 20, 21, 40], np.int32)
+    rows = jnp.asarray(np.concatenate([scored, np.full(T - len(scored), T, np.int32)]))
+    targets = jnp.asarray(rng.integers(0, V, T), jnp.int32)
+    cpu = sm.score_rows(lambda h: h @ W, hidden, rows, targets, 2, chunk=16)
+    monkeypatch.setattr(sm, "target_platform", lambda: "gpu")
+    gpu = jax.jit(lambda h, r, t: sm.score_rows(lambda x: x @ W, h, r, t, 2, chunk=16))(hidden, rows, targets)
+    for a, b in zip(cpu, gpu):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    assert np.asarray(gpu[0])[scored].any() and not np.asarray(gpu[0])[np.setdiff1d(np.arange(T), scored)].any()

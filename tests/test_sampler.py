@@ -483,3 +483,4 @@ def test_h100_step_sampler_has_no_host_sync_points():
             {"xla_gpu_enable_cub_radix_sort": False}).as_text()
     assert not host_sync_points(text)
     assert " sort(" not in text             # neither the filters nor top logprobs sort the vocabulary
+

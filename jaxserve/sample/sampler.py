@@ -313,8 +313,11 @@ PROMPT_LOGPROB_ROWS = 64    # tokens whose logits [rows, V] exist at once in a p
 def score_rows(logits_fn, hidden, rows, targets, k: int, chunk: int = PROMPT_LOGPROB_ROWS):
     """Prompt logprobs for the tokens `rows` [T] (the scored token indices first, then T) of
     hidden [T, E]: logits are computed `chunk` rows at a time for those tokens only (a loop
-    with as many trips as the real rows need), never for all T tokens. Returns `score`'s
-    (chosen [T], rank [T], top ids [T, k], top logprobs [T, k]); unscored tokens hold zeros."""
+    with as many trips as the real rows need), never for all T tokens. On a GPU the loop runs
+    every chunk of T (a trip count known at compile time: XLA:GPU reads a dynamic one's
+    condition on the host every trip); a scoring step's prompt fills most of its bucket anyway,
+    and chunks past the scored rows score padding. Returns `score`'s (chosen [T], rank [T], top
+    ids [T, k], top logprobs [T, k]); unscored tokens hold zeros."""
     T = hidden.shape[0]
     C = min(chunk, T)
     rows = jnp.pad(rows, (0, (-T) % C), constant_values=T)
@@ -327,4 +330,5 @@ def score_rows(logits_fn, hidden, rows, targets, k: int, chunk: int = PROMPT_LOG
         res = score(logits_fn(hidden[safe]), targets[safe], k)
         return tuple(o.at[idx].set(r, mode="drop") for o, r in zip(out, res))
 
-    return jax.lax.fori_loop(0, (jnp.sum(rows < T) + C - 1) // C, body, init)
+    trips = rows.shape[0] // C if target_platform() == "gpu" else (jnp.sum(rows < T) + C - 1) // C
+    return jax.lax.fori_loop(0, trips, body, init)
