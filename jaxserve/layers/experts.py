@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from jaxserve.layers.linear import DenseWeight, linear
 from jaxserve.pallas.common import searchsorted, target_platform
-from jaxserve.pallas.grouped_matmul import grouped_matmul
+from jaxserve.pallas.grouped_matmul import grouped_matmul, whole_blocks
 
 # Backends whose ragged_dot is a grouped matmul. None: XLA lowers it to a dense dot over every
 # expert on the CPU, and on a GPU too (64x the useful FLOPs for Qwen3-30B-A3B at EP 2, in the
@@ -73,11 +73,13 @@ def experts_read_in_place(experts: ExpertWeight) -> bool:
     GPU, whose grouped matmul kernel reads a layer's experts where they lie (a scan's slice is a
     copy of every expert of the layer, every step)."""
     return (type(experts.w) is DenseWeight and experts.w.w.ndim == 4 and experts.layer is None
-            and _grouped_kernel_dtype(experts.w.w.dtype) and target_platform() == "gpu")
+            and _grouped_kernel_dtype(experts.w.w.dtype) and whole_blocks(*experts.w.w.shape[-2:])
+            and target_platform() == "gpu")
 
 
 def _grouped_kernel_dtype(dtype) -> bool:
-    # bf16/f16 only: an f32 dot in a Triton kernel runs as TF32 (the XLA path keeps f32)
+    # bf16/f16 only: an f32 dot in a Triton kernel runs as TF32 (the XLA path keeps f32). And
+    # (`whole_blocks`) matrices of whole kernel blocks only: gpt-oss's 2880 would pad every stack.
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -174,7 +176,8 @@ def group_rows(ids: jax.Array, num_experts: int, first_expert=0, layout: str = "
 def grouped_linear(x: jax.Array, experts: ExpertWeight, groups: Groups) -> jax.Array:
     """x [M, in] (rows as `groups` lays them out) @ each row's expert matrix -> [M, out]."""
     w = experts.w
-    kernel = type(w) is DenseWeight and _grouped_kernel_dtype(x.dtype) and target_platform() == "gpu"
+    kernel = (type(w) is DenseWeight and _grouped_kernel_dtype(x.dtype) and whole_blocks(*w.w.shape[-2:])
+              and target_platform() == "gpu")
     if experts.layer is not None:
         if kernel and groups.layout == "tiles":
             return grouped_matmul(x, w.w, _live_experts(groups), groups.tile, layer=experts.layer)

@@ -46,6 +46,12 @@ def _blocks(tile: int, k: int, n: int) -> tuple[int, int]:
     return min(32, p2(k)), min(128 // max(1, tile // 2), p2(n))
 
 
+def whole_blocks(k: int, n: int) -> bool:
+    """Whether a [k, n] expert matrix is whole blocks at every tile size: else each call would pad
+    (copy) the whole stack it is given."""
+    return all(k % bk == 0 and n % bn == 0 for bk, bn in (_blocks(t, k, n) for t in (1, 2, 4, DOT_MIN_ROWS)))
+
+
 def _kernel(layer_ref, te_ref, x_ref, w_ref, o_ref, *, tile: int, bk: int, bn: int, steps: int):
     i, j = pl.program_id(0), pl.program_id(1)
     layer, e = layer_ref[0], te_ref[i]
