@@ -50,12 +50,9 @@ def dtype_bytes(dtype: str) -> float:
     return _DTYPE_BYTES.get(dtype, int(bits.group(1)) / 8 if bits else 0)
 
 
-def parse_dims(comp, inst, k: int) -> tuple[int, ...]:
-    """The dimensions of operand k of inst (an array operand)."""
-    shape, name = inst.operands[k]
-    if shape is None and name in comp.by_name:
-        shape = comp.by_name[name].shape
-    m = _SHAPE_RE.search(_COMMENT_RE.sub("", shape or ""))
+def dims(shape: str) -> tuple[int, ...]:
+    """The dimensions of an array shape string ("bf16[32,4096]{1,0}" -> (32, 4096))."""
+    m = _SHAPE_RE.search(_COMMENT_RE.sub("", shape))
     return tuple(int(d) for d in m.group(2).replace("<=", "").split(",") if d.strip().isdigit()) if m else ()
 
 
@@ -98,11 +95,14 @@ class Computation:
     def __post_init__(self):
         self.by_name = {i.name: i for i in self.instructions}
 
-    def operand_bytes(self, inst: Instruction, k: int) -> float:
+    def operand_shape(self, inst: Instruction, k: int) -> str:
         shape, name = inst.operands[k]
         if shape is None and name in self.by_name:
             shape = self.by_name[name].shape
-        return shape_bytes(shape or "")
+        return shape or ""
+
+    def operand_bytes(self, inst: Instruction, k: int) -> float:
+        return shape_bytes(self.operand_shape(inst, k))
 
     @functools.cached_property
     def users(self) -> dict[str, list]:

@@ -7,11 +7,11 @@ trip count; in-place updates count the update; slices of a stacked operand count
 attention kernel's custom call is counted as reading the KV its tokens attend to (below), not its
 whole pool operand. The minimum of a step: the weights once (one device's share; of an untied
 embedding table the rows looked up; of the experts those routed to) + the KV the step's tokens
-attend to + the KV it writes. The
-scenario each program is modeled at: a bucket of T tokens <= max_num_seqs is T decoding sequences at
-a context of `CONTEXT` tokens each; a larger bucket is one prefill chunk of T tokens from position
-0. Not counted: L2 reuse, re-reads inside a kernel (a kernel that reads a tile twice is charged
-once), the sampler's logits as an HBM round trip where XLA keeps them in a fusion.
+attend to + the KV it writes. The scenario each program is modeled at: a bucket of T tokens <=
+max_num_seqs is T decoding sequences at a context of `CONTEXT` tokens each; a larger bucket is one
+prefill chunk of T tokens from position 0. Not counted: L2 reuse, re-reads inside a kernel (a kernel
+that reads a tile twice is charged once), the sampler's logits as an HBM round trip where XLA keeps
+them in a fusion.
 """
 
 from __future__ import annotations
@@ -41,11 +41,10 @@ def _kv_token_bytes(s) -> float:
     return s.bytes_per_block / s.args.block_size
 
 
-def _attention_overrides(text: str, s, runner, T: int) -> dict[str, int]:
+def _attention_overrides(module, s, runner, T: int) -> dict[str, int]:
     """custom-call name -> modeled bytes per launch, for the calls that read a layer of the pool
     (the paged attention kernels, not a GEMM whose weight is as large, nor the experts' grouped
     matmul): q and out of T tokens plus the KV the step attends to."""
-    module = hlo_analysis.parse_hlo(text)
     layer_pages = s.bytes_per_block * runner.num_blocks / s.cfg.num_layers / 2     # K (or V) of one layer
     _, attended = _scenario(runner, T)
     per_layer_kv = attended * _kv_token_bytes(s) / s.cfg.num_layers
@@ -61,7 +60,7 @@ def _attention_overrides(text: str, s, runner, T: int) -> dict[str, int]:
     return out
 
 
-def _grouped_matmul_overrides(text: str, s, runner, T: int) -> dict[str, int]:
+def _grouped_matmul_overrides(module, s, T: int) -> dict[str, int]:
     """custom-call name -> modeled bytes per launch of the experts' grouped matmul, which takes the
     layer's whole [L, X, in, out] stack and reads only its tiles' experts: at the scenario's T
     tokens with uniform routing, P = T k X_local / X assignments here, each of the min(P, X_local)
@@ -71,11 +70,11 @@ def _grouped_matmul_overrides(text: str, s, runner, T: int) -> dict[str, int]:
     if moe is None:
         return {}
     out = {}
-    for comp in hlo_analysis.parse_hlo(text).computations.values():
+    for comp in module.computations.values():
         for inst in comp.instructions:
             if inst.opcode != "custom-call" or "grouped_matmul" not in (inst.meta("op_name") or ""):
                 continue
-            shapes = [hlo_analysis.parse_dims(comp, inst, k) for k in range(len(inst.operands))]
+            shapes = [hlo_analysis.dims(comp.operand_shape(inst, k)) for k in range(len(inst.operands))]
             (tiles,), (rows, K), (_, X, _, F) = shapes[1], shapes[2], shapes[3]
             tile = rows // max(tiles, 1)
             itemsize = hlo_analysis.shape_bytes(inst.shape) / max(rows * F, 1)
@@ -139,8 +138,9 @@ def program_row(name, key, exe, text: str, s, runner, seconds: float) -> dict:
     for point in syncs:             # "jaxserve/sample/sampler.py:150", wherever the package lives
         src = point.get("source") or ""
         point["source"] = src[src.rfind("jaxserve/"):] if "jaxserve/" in src else src or None
-    model = hlo_analysis.modeled_bytes(text, {**_attention_overrides(text, s, runner, T),
-                                              **_grouped_matmul_overrides(text, s, runner, T)})
+    module = hlo_analysis.parse_hlo(text)
+    model = hlo_analysis.modeled_bytes(text, {**_attention_overrides(module, s, runner, T),
+                                              **_grouped_matmul_overrides(module, s, T)})
     floor = min_bytes(s, runner, T)
     return {
         "name": name, "tokens": T, "prompt_logprobs": key[1], "compiled": True, "error": None,

@@ -72,15 +72,15 @@ def experts_read_in_place(experts: ExpertWeight) -> bool:
     """Whether the layer scan should keep this [L, X, in, out] stack whole: dense experts on a
     GPU, whose grouped matmul kernel reads a layer's experts where they lie (a scan's slice is a
     copy of every expert of the layer, every step)."""
-    return (type(experts.w) is DenseWeight and experts.w.w.ndim == 4 and experts.layer is None
-            and _grouped_kernel_dtype(experts.w.w.dtype) and whole_blocks(*experts.w.w.shape[-2:])
-            and target_platform() == "gpu")
+    return experts.w.w.ndim == 4 and experts.layer is None and _grouped_kernel_takes(experts.w)
 
 
-def _grouped_kernel_dtype(dtype) -> bool:
-    # bf16/f16 only: an f32 dot in a Triton kernel runs as TF32 (the XLA path keeps f32). And
-    # (`whole_blocks`) matrices of whole kernel blocks only: gpt-oss's 2880 would pad every stack.
-    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+def _grouped_kernel_takes(w) -> bool:
+    """Whether the grouped matmul kernel serves these dense experts: on a GPU, bf16/f16 only (an
+    f32 dot in a Triton kernel runs as TF32; the XLA path keeps f32), matrices of whole kernel
+    blocks only (`whole_blocks`: gpt-oss's 2880 would pad, i.e. copy, the whole stack)."""
+    return (type(w) is DenseWeight and jnp.dtype(w.w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and whole_blocks(*w.w.shape[-2:]) and target_platform() == "gpu")
 
 
 _RAGGED: dict[type, Callable] = {}
@@ -176,8 +176,7 @@ def group_rows(ids: jax.Array, num_experts: int, first_expert=0, layout: str = "
 def grouped_linear(x: jax.Array, experts: ExpertWeight, groups: Groups) -> jax.Array:
     """x [M, in] (rows as `groups` lays them out) @ each row's expert matrix -> [M, out]."""
     w = experts.w
-    kernel = (type(w) is DenseWeight and _grouped_kernel_dtype(x.dtype) and whole_blocks(*w.w.shape[-2:])
-              and target_platform() == "gpu")
+    kernel = _grouped_kernel_takes(w)
     if experts.layer is not None:
         if kernel and groups.layout == "tiles":
             return grouped_matmul(x, w.w, _live_experts(groups), groups.tile, layer=experts.layer)

@@ -233,7 +233,7 @@ class ModelRunner:
         """(packed inputs, bitmask, Packing) of one program, as shapes (built from an empty batch:
         call it on the engine's thread, the input batch is not the compiler thread's to read)."""
         x, _ = self._build([], num_tokens, with_prompt_logprobs)   # shapes only
-        packing = Packing.of(x)
+        packing = self._packing(x)
         # Inputs are replicated (an abstract runner's devices may be compile-only ones).
         rep = self.plan.replicated
         return (jax.ShapeDtypeStruct((packing.size,), np.int32, sharding=rep),
@@ -309,11 +309,15 @@ class ModelRunner:
         bitmask = inputs.bitmask
         if not isinstance(bitmask, jax.Array):
             bitmask = jax.device_put(bitmask, rep)
-        key = (len(inputs.tokens), inputs.prompt_targets is not None)    # a program's packing is fixed
+        return jax.device_put(self._packing(inputs).pack(inputs), rep), bitmask
+
+    def _packing(self, x: StepInputs) -> Packing:
+        """How the inputs of x's program pack (fixed by the program: planned once, kept)."""
+        key = (len(x.tokens), x.prompt_targets is not None)
         packing = self._packings.get(key)
         if packing is None:
-            packing = self._packings[key] = Packing.of(inputs)
-        return jax.device_put(packing.pack(inputs), rep), bitmask
+            packing = self._packings[key] = Packing.of(x)
+        return packing
 
     def _write_penalty_rows(self) -> None:
         for slot, rows in self.input_batch.take_penalty_writes():
