@@ -72,7 +72,7 @@ def experts_read_in_place(experts: ExpertWeight) -> bool:
     """Whether the layer scan should keep this [L, X, in, out] stack whole: dense experts on a
     GPU, whose grouped matmul kernel reads a layer's experts where they lie (a scan's slice is a
     copy of every expert of the layer, every step)."""
-    return experts.w.w.ndim == 4 and experts.layer is None and _grouped_kernel_takes(experts.w)
+    return experts.layer is None and _grouped_kernel_takes(experts.w) and experts.w.w.ndim == 4
 
 
 def _grouped_kernel_takes(w) -> bool:
