@@ -83,6 +83,10 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
     # Distinct LoRA adapters one step may hold (the device slots); 0: LoRA disabled.
     max_loras: int = 0
+    # Async scheduling: a request's num_computed_tokens advances when it is scheduled and a
+    # sampling row leaves an output placeholder, so the next step can be scheduled (and run)
+    # before this one's tokens are back (core/scheduler.py).
+    async_scheduling: bool = False
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -298,6 +302,11 @@ class EngineArgs:
     # (`loader.cpu_matmuls_for`); refused, with the reason, where that cannot be (a GPU, dense
     # weights, several devices, an fp8 KV cache, ...).
     batch_invariant: bool = False
+    # vLLM's --async-scheduling: the engine launches step N + 1 before it reads step N's results,
+    # so the host's per-step work (collecting, stop checks, detokenising, scheduling) runs while
+    # the device computes (jaxserve/engine/llm_engine.py). None: on, except with speculative
+    # decoding (refused when asked for there: its drafts need the step's tokens on the host).
+    async_scheduling: bool | None = None
     # vLLM's structured_outputs_config.reasoning_parser (--reasoning-parser): a request's
     # structured output applies after its <think>...</think> reasoning (None: from its start).
     reasoning_parser: str | None = None
@@ -396,7 +405,17 @@ class EngineArgs:
                                num_lookahead_tokens=(spec.num_speculative_tokens
                                                      if spec and spec.method == "draft_model"
                                                      else 0),
-                               max_loras=self.max_loras if self.enable_lora else 0)
+                               max_loras=self.max_loras if self.enable_lora else 0,
+                               async_scheduling=self.uses_async_scheduling())
+
+    def uses_async_scheduling(self) -> bool:
+        """`async_scheduling` resolved (None: on without speculative decoding)."""
+        if self.spec_config() is not None:
+            if self.async_scheduling:
+                raise ValueError("async_scheduling is not supported with speculative decoding (speculative_config): "
+                                 "the next step's drafts need this step's tokens on the host; leave it unset")
+            return False
+        return self.async_scheduling is not False
 
     def load_quantization(self, model_path) -> str | None:
         """What `load_model` is asked for `model_path`: a .gguf file's quantized tensors stay

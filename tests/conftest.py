@@ -78,7 +78,8 @@ def llm():
 
 @contextlib.contextmanager
 def engine_variant(llm, *, enable_prefix_caching: bool | None = None,
-                   num_blocks: int | None = None, max_num_batched_tokens: int | None = None):
+                   num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
+                   async_scheduling: bool | None = None):
     """Run the shared engine with a fresh scheduler (empty prefix cache, zeroed counters) built
     from changed configs; the original scheduler is restored afterwards. Yields the scheduler."""
     from jaxserve.core.scheduler import Scheduler
@@ -93,6 +94,8 @@ def engine_variant(llm, *, enable_prefix_caching: bool | None = None,
     if max_num_batched_tokens is not None:
         assert max_num_batched_tokens <= sched_cfg.max_num_batched_tokens   # within the buckets
         sched_cfg = dataclasses.replace(sched_cfg, max_num_batched_tokens=max_num_batched_tokens)
+    if async_scheduling is not None:
+        sched_cfg = dataclasses.replace(sched_cfg, async_scheduling=async_scheduling)
     original = engine.scheduler
     engine.step()   # hands the finished ids to the worker, which drops them from its batch
     engine.scheduler = Scheduler(sched_cfg, cache_cfg)

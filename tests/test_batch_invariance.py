@@ -45,13 +45,26 @@ def test_default_model_gives_one_answer_alone_and_in_a_batch_of_20():
     """The default model (GGUF weights kept quantized, `--dtype auto`): bit for bit the same
     greedy tokens and logprobs alone as in a batch of 20 prompts (decode and prefill steps of
     1 to ~240 rows)."""
-    from jaxserve import LLM
+    from conftest import engine_variant
+
+    from jaxserve import LLM, SamplingParams
     with LLM(max_model_len=512, max_num_seqs=32, max_num_batched_tokens=256, batch_invariant=True,
              warmup=False) as llm:
         w = llm.llm_engine.runner.weights
         assert w.layers.wq.fused_max_rows is None or w.layers.wq.bf16_min_rows is None
         alone, batch = _alone_and_in_a_batch(llm)
+        # Async scheduling on and off: bit for bit the same tokens, logprobs and stops (a stopped
+        # request's one extra step in async mode changes its batch, not anyone's numbers here).
+        sp = SamplingParams(max_tokens=16, temperature=0.9, seed=4, logprobs=2, stop=[" the"])
+        prompts = ["Bees make", "The river", "def f(x):", "Once upon"]
+        runs = []
+        for asynchronous in (False, True):
+            with engine_variant(llm, async_scheduling=asynchronous):
+                runs.append([(c.token_ids, c.text, c.finish_reason,
+                              [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
+                             for o in llm.generate(prompts, sp, use_tqdm=False) for c in o.outputs])
     assert alone == batch
+    assert runs[0] == runs[1]
 
 
 def test_batch_invariant_is_refused_where_it_is_not_built():

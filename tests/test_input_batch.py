@@ -30,6 +30,7 @@ class FakeWorker:
             if row.sample:
                 state = self.batch.requests[row.request_id]
                 tok = next_token(state.prompt_token_ids + state.output_token_ids)
+                self.batch.count_dispatched(row.request_id)
                 self.batch.append_sampled(row.request_id, [tok])
                 sampled[row.request_id] = [tok]
         return sampled
@@ -105,6 +106,7 @@ def test_sampling_arrays_follow_each_request_and_pad_with_slot_c():
     batch.add("greedy", _new(temperature=0.0, logprobs=2))
     batch.add("seeded", _new(temperature=0.8, top_k=5, top_p=0.9, seed=123, min_tokens=3,
                              presence_penalty=0.5))
+    batch.count_dispatched("seeded")
     batch.append_sampled("seeded", [4])
     a = batch.sampling_arrays([batch.slot_of("seeded"), batch.slot_of("greedy")], 4)
     np.testing.assert_array_equal(a["temperature"], np.float32([0.8, 0, 0, 0]))

@@ -5,6 +5,7 @@ default model: greedy and seeded outputs identical with and without speculation.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import jax.numpy as jnp
@@ -55,8 +56,7 @@ def test_verified_tokens_are_distributed_as_the_target(case):
     if case == "penalties":
         counts = np.zeros((1, V), np.int32)
         counts[0, np.argsort(logits)[-3:]] = 2              # the three likeliest were output
-        state = penalties.PenaltyState(jnp.asarray(counts), jnp.zeros((1, V), bool),
-                                       jnp.zeros((1, V), jnp.float32), jnp.zeros((1, V), bool))
+        state = dataclasses.replace(state, output_counts=jnp.asarray(counts))
         kw = dict(top_p=0.95, penalised=True, repetition=1.5, presence=0.7)
     R = 2 * N
     t = _tensors(R, np.tile([0, 1], N), **kw)

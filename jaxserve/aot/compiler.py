@@ -33,7 +33,8 @@ from jaxserve.default_model import default_model_path
 from jaxserve.loader.loader import resolve_dtype
 from jaxserve.sharding.mesh import make_mesh
 from jaxserve.sharding.plan import plan_for
-from jaxserve.worker.model_runner import PENALTY_PROGRAM, ModelRunner
+from jaxserve.worker.model_runner import ModelRunner
+from jaxserve.worker.programs import PENALTY_PROGRAM
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def _model_config_and_weights(args: EngineArgs, target: Target, mesh, dtype):
 
 def setup(args: EngineArgs, target: Target) -> Setup:
     """The engine's choices for `target`, made by the engine's own functions."""
-    from jaxserve.engine.llm_engine import _kv_quantization
+    from jaxserve.engine.builder import kv_quantization
     if args.enable_lora or args.spec_config() is not None and args.spec_config().method == "draft_model":
         raise ValueError("jaxserve compile: enable_lora and a draft model's programs are not compiled ahead "
                          "of time yet; serve them without --compiled-dir")
@@ -99,7 +100,7 @@ def setup(args: EngineArgs, target: Target) -> Setup:
     cfg, weights = _model_config_and_weights(args, target, mesh, dtype)
     cfg = dataclasses.replace(cfg, max_model_len=cfg.resolve_max_model_len(args.max_model_len))
     plan = plan_for(cfg, mesh, args.enable_expert_parallel)
-    kv_quantize, kv_dtype = _kv_quantization(args.kv_cache_dtype, dtype)
+    kv_quantize, kv_dtype = kv_quantization(args.kv_cache_dtype, dtype)
     case = AttentionCase.of(cfg, dtype, kv_dtype, args.block_size)
     platform = Platform(target.platform, target.compute_capability, _version(jax.__version__))
     backend = select_backend(args.attention_backend, case, platform=platform)

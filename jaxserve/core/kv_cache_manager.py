@@ -226,14 +226,17 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = max(num_cached, num_full)
         return KVCacheBlocks(new_blocks)
 
-    def uncache_uncomputed_blocks(self, request: Request) -> None:
+    def uncache_uncomputed_blocks(self, request: Request, start_token: int | None = None) -> None:
         """Unregister the blocks this step's allocation hashed for the request, i.e. those at or
         past its first uncomputed token. Needed when a scheduled row is dropped from the step
         (priority preemption) or its step raised: its K/V will never be written, so the hashes
         would lie. Such a block can be shared only by a request admitted in the same step that
         took it as a prefix hit (a hit on a block hashed earlier in the step); that request's
-        row is dropped or failed with it, so the hash goes whatever the block's ref count."""
-        start = request.num_computed_tokens // self.block_size
+        row is dropped or failed with it, so the hash goes whatever the block's ref count.
+        start_token: the row's first position (default the request's first uncomputed token; async
+        scheduling advances that when the row is scheduled)."""
+        start_token = request.num_computed_tokens if start_token is None else start_token
+        start = start_token // self.block_size
         blocks = self.req_to_blocks.get(request.request_id, [])
         for block in blocks[start:]:
             self.block_pool.uncache_block(block)

@@ -95,6 +95,9 @@ class Request:
         # Draft tokens proposed for the positions after all_token_ids (speculative decoding);
         # never part of all_token_ids until the target has verified them.
         self.spec_token_ids: list[int] = []
+        # Async scheduling: tokens sampled by steps in flight, not yet appended (each has its
+        # KV position scheduled: the next row computes it from the device-side token).
+        self.num_output_placeholders = 0
         if sampling_params.seed is not None:
             sample_seed = sampling_params.seed
         elif sample_seed is None:

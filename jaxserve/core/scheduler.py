@@ -15,6 +15,15 @@ Contract with the engine:
 - Stop strings are the engine's: it calls `finish_requests(ids, RequestStatus.FINISHED_STOPPED)`.
 - Structured output: a request with `request.structured` (the engine's StructuredRequest) has
   each sampled token fed to it here, and finishes "stop" once its grammar is complete.
+- Async scheduling (`SchedulerConfig.async_scheduling`, vLLM's AsyncScheduler): `schedule()`
+  advances each row's `num_computed_tokens` at once and counts its sampled token as an output
+  placeholder, so the next `schedule()` may run before this step's `update_from_output`: a
+  request whose last step is in flight gets a row for the position of the token that step
+  samples (token id PLACEHOLDER_TOKEN_ID; the worker takes it from that step's output on the
+  device). A request whose in-flight tokens reach max_tokens / max_model_len is not scheduled
+  again; one that stops one step late (EOS, stop ids, stop strings) has its extra row's token
+  dropped by `update_from_output` (the request is gone). Without it (synchronous steps, and
+  always with speculative decoding) `num_computed_tokens` advances in `update_from_output`.
 """
 
 from __future__ import annotations
@@ -22,99 +31,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from jaxserve.core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.core.request_queue import WaitingQueue
-from jaxserve.lora.request import LoRARequest
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.scheduler_output import (PLACEHOLDER_TOKEN_ID, GrammarBitmask, NewRequestData, ScheduledRequest,
+                                            SchedulerOutput, SpecDecodingStats)
+
+__all__ = ["GrammarBitmask", "NewRequestData", "ScheduledRequest", "Scheduler", "SchedulerOutput",
+           "SpecDecodingStats"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class NewRequestData:
-    """What the worker needs about a request it does not hold yet: on its first schedule, and
-    again when it resumes after a preemption (the worker dropped it then). `output_token_ids`
-    is empty for a fresh request and the tokens generated so far for a resumed one."""
-
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sampling_params: SamplingParams
-    sample_seed: int
-    lora_request: LoRARequest | None = None     # the adapter it runs under (None: base model)
-
-
-@dataclass
-class ScheduledRequest:
-    """One row of a step. `token_ids` are the tokens whose KV this step computes, starting at
-    position `num_computed_tokens`; `block_ids` is the request's whole block table. `sample`:
-    the step's last logits for this row give a new token. `prompt_logprobs`: this chunk covers
-    prompt positions and the request asked for prompt logprobs (after a preemption a chunk may
-    cover positions already reported; keep the first). `num_lookahead_tokens`: KV slots reserved
-    after the known tokens for speculative tokens (0 without speculative decoding).
-    `new_request`: set on the row that (re)admits a request from the waiting queue, None on the
-    rows of requests the worker already holds (vLLM's NewRequestData / CachedRequestData)."""
-
-    request_id: str
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_ids: list[int]
-    sample: bool
-    prompt_logprobs: bool = False
-    num_lookahead_tokens: int = 0
-    new_request: NewRequestData | None = None
-    # Draft tokens appended at the end of `token_ids` (speculative decoding): the row's logits
-    # at each of them and at its last known token are sampled and verified.
-    spec_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class SpecDecodingStats:
-    """Counters since start (vLLM's spec_decode metrics)."""
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        while len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
-            self.num_accepted_tokens_per_pos.append(0)
-        for i in range(num_accepted):
-            self.num_accepted_tokens_per_pos[i] += 1
-
-
-@dataclass
-class GrammarBitmask:
-    """The tokens the structured-output rows of a step may sample (vLLM's GrammarOutput), filled
-    by the engine after `schedule()`: `bitmask` ([n, ceil(V / 32)] int32 numpy; bit j of word w
-    set = token 32 * w + j allowed) holds, for each of `request_ids` in turn, 1 + len(its row's
-    spec_token_ids) rows: its sampling position, then the position after each draft."""
-
-    request_ids: list[str]
-    bitmask: Any
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_scheduled_tokens: int = 0                  # sum of len(token_ids)
-    preempted_request_ids: list[str] = field(default_factory=list)
-    finished_request_ids: list[str] = field(default_factory=list)  # freed since the last step
-    grammar_bitmask: GrammarBitmask | None = None  # None: no constrained row samples this step
-    # Draft model only: request_id -> drafts the worker should propose after this step (filled
-    # by the engine from the proposer's opt-out; None: k for every sampling row).
-    draft_lengths: dict[str, int] | None = None
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -208,7 +136,7 @@ class Scheduler:
             request = self.requests.get(row.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            self.kv_cache_manager.uncache_uncomputed_blocks(request)
+            self.kv_cache_manager.uncache_uncomputed_blocks(request, row.num_computed_tokens)
             self.running.remove(request)
             request.status = RequestStatus.FINISHED_ERROR
             self._free_request(request)
@@ -253,6 +181,7 @@ class Scheduler:
     def _row(self, request: Request, num_new: int, drafts: list[int] = (),
              new: bool = False) -> ScheduledRequest:
         start = request.num_computed_tokens
+        known = request.all_token_ids[start:start + num_new]
         scores_prompt = (request.sampling_params.prompt_logprobs is not None
                          and start < request.num_prompt_tokens)
         if scores_prompt:
@@ -262,10 +191,10 @@ class Scheduler:
                                      request.sample_seed, request.lora_request) if new else None
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_new] + list(drafts),
+            token_ids=known + [PLACEHOLDER_TOKEN_ID] * (num_new - len(known)) + list(drafts),
             num_computed_tokens=start,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new == request.num_tokens + request.num_output_placeholders,
             prompt_logprobs=scores_prompt,
             new_request=new_request, spec_token_ids=list(drafts))
 
@@ -295,6 +224,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.num_output_placeholders = 0     # a step in flight still appends its token
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.add(request, front=True)
@@ -316,7 +246,10 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:   # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._at_length_limit(request):
+                continue        # its in-flight token is its last: it finishes on update
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                          budget)
             if num_new <= 0:
                 continue
             drafts = self._drafts(request, request.num_computed_tokens, num_new, budget)
@@ -374,12 +307,24 @@ class Scheduler:
             budget -= num_new
 
         scheduled = list(rows.values())
+        if self.config.async_scheduling:
+            for row in scheduled:
+                request = self.requests[row.request_id]
+                request.num_computed_tokens += len(row.token_ids)
+                request.num_output_placeholders += row.sample
         output = SchedulerOutput(scheduled=scheduled,
                                  num_scheduled_tokens=sum(len(r.token_ids) for r in scheduled),
                                  preempted_request_ids=preempted,
                                  finished_request_ids=self.finished_req_ids)
         self.finished_req_ids = []
         return output
+
+    def _at_length_limit(self, request: Request) -> bool:
+        """Async scheduling: the tokens of steps in flight take the request to max_tokens or
+        max_model_len (it will finish when they are back; no further row)."""
+        p = request.num_output_placeholders
+        return p > 0 and (request.num_output_tokens + p >= request.max_tokens
+                          or request.num_tokens + p >= self.config.max_model_len)
 
     def prompt_logprobs_of_step(self, scheduler_output: SchedulerOutput,
                                 computed: dict[str, list[tuple]]) -> dict[str, list[tuple]]:
@@ -407,11 +352,15 @@ class Scheduler:
         """Advance each scheduled request by what was computed, append sampled tokens for the
         `sample` rows (several per row with speculative decoding; tokens after a stop are
         dropped; every sample row needs at least one), finish and free stopped requests. Returns
-        the requests that got tokens or finished. Rows aborted since `schedule()` are skipped."""
+        the requests that got tokens or finished. Rows aborted since `schedule()` are skipped. With
+        async scheduling `num_computed_tokens` advanced at `schedule()`, and a request preempted
+        since (by a later `schedule()`) still gets its tokens: it resumes after them."""
         changed = []
+        asynchronous = self.config.async_scheduling
         for row in scheduler_output.scheduled:
             request = self.requests.get(row.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or not (request.status == RequestStatus.RUNNING or (
+                    asynchronous and request.status == RequestStatus.PREEMPTED)):
                 continue
             new_tokens = sampled.get(row.request_id, []) if row.sample else []
             if row.sample and not new_tokens:
@@ -426,7 +375,10 @@ class Scheduler:
             # computed, so the next step overwrites them before anything reads them. Accepted
             # drafts are the first len(new_tokens) - 1 sampled tokens.
             num_accepted = max(0, len(new_tokens) - 1) if num_drafts else 0
-            request.num_computed_tokens += len(row.token_ids) - num_drafts + num_accepted
+            if asynchronous:
+                request.num_output_placeholders = max(0, request.num_output_placeholders - row.sample)
+            else:
+                request.num_computed_tokens += len(row.token_ids) - num_drafts + num_accepted
             if num_drafts:
                 self.spec_stats.observe(num_drafts, num_accepted)
             request.spec_token_ids = []
@@ -442,7 +394,10 @@ class Scheduler:
                 if self._check_stop(request):
                     break
             if request.is_finished():
-                self.running.remove(request)
+                if request in self.running:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)        # preempted while its step ran
                 self._free_request(request)
             if new_tokens or request.is_finished():
                 changed.append(request)

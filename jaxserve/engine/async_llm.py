@@ -1,11 +1,15 @@
 """`AsyncLLM`: the engine behind an asyncio server.
 
-One asyncio task owns the engine. Each `LLMEngine.step()` runs in a single worker thread
-(`run_in_executor` on a 1-thread pool) so the event loop never blocks; adds and aborts from
-request handlers are queued and applied by that task between steps, never while a step runs
-(the engine is not thread-safe). Every request has its own `RequestStream`, one slot that
-merges outputs while the consumer is behind; a consumer that stops iterating, or whose task is
-cancelled (client disconnect), aborts its request at once so its KV blocks are freed.
+The engine core runs on its own thread ("jaxserve-engine-core", vLLM's EngineCore busy loop):
+apply the adds and aborts queued since the last step, run `LLMEngine.step()`, hand the outputs
+to the event loop (`call_soon_threadsafe`), step again — it never waits for the event loop, so
+HTTP work (parsing, JSON encoding, writing SSE chunks) never sits between two steps and a slow
+client never slows one (with async scheduling the next step is already running on the device
+while the host works). Only that thread touches the engine (it is not thread-safe); request
+handlers queue adds and aborts, which the thread applies between steps. Every request has its
+own `RequestStream`, one slot that merges outputs while the consumer is behind; a consumer that
+stops iterating, or whose task is cancelled (client disconnect), aborts its request at once so
+its KV blocks are freed.
 
     llm = AsyncLLM(EngineArgs(...))
     await llm.start()                      # builds the engine in the worker thread
@@ -20,6 +24,8 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import queue
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -126,13 +132,17 @@ class AsyncLLM:
         self.warmup = warmup
         self.max_waiting_requests = max_waiting_requests
         self.on_output = on_output
+        # builds and frees the engine off the event loop
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-engine")
-        self._streams: dict[str, RequestStream] = {}
-        self._arrivals: dict[str, float] = {}
-        self._adds: list[_Add] = []
-        self._aborts: list[str] = []
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._streams: dict[str, RequestStream] = {}        # event loop side
+        self._arrivals: dict[str, float] = {}               # event loop side: accepted requests
+        self._num_queued_adds = 0                           # adds not yet taken by the core
+        # To the core thread: _Add items and abort ids (str), applied between steps.
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._work = threading.Event()          # set when the inbox has something, or to stop
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = True
         self.errored = False
         self.error: BaseException | None = None
@@ -141,11 +151,11 @@ class AsyncLLM:
     # -- lifetime ---------------------------------------------------------------------------------
     @property
     def is_ready(self) -> bool:
-        return self._task is not None and not self._task.done() and not self.errored
+        return self.is_running and not self.errored
 
     @property
     def is_running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._thread is not None and self._thread.is_alive() and not self._stop
 
     async def start(self) -> None:
         """Build the engine (if needed) without blocking the loop, then start the loop task."""
@@ -159,8 +169,9 @@ class AsyncLLM:
                 self.errored, self.error = True, e
                 raise
         self.stats = self.engine.stats()
-        self._wake = asyncio.Event()
-        self._task = loop.create_task(self._run(), name="jaxserve-engine-loop")
+        self._loop = loop
+        self._thread = threading.Thread(target=self._core, name="jaxserve-engine-core", daemon=True)
+        self._thread.start()
         group = getattr(self.engine, "group", None)
         if group is not None and group.is_leader:
             # A lost follower leaves the step waiting in a collective forever: report the engine
@@ -182,12 +193,11 @@ class AsyncLLM:
                 if not self._streams or not self.is_running:
                     break
                 await asyncio.sleep(0.02)
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        if self._thread is not None:
+            self._stop = True
+            self._work.set()
+            if not self._stuck():
+                await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         for stream in list(self._streams.values()):
             stream.put(EngineDeadError("the server is shutting down"))
         self._streams.clear()
@@ -203,7 +213,7 @@ class AsyncLLM:
 
     # -- requests ---------------------------------------------------------------------------------
     def num_waiting(self) -> int:
-        return (self.stats.num_waiting if self.stats else 0) + len(self._adds)
+        return (self.stats.num_waiting if self.stats else 0) + self._num_queued_adds
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
                           priority: int = 0, lora_request=None) -> RequestStream:
@@ -229,9 +239,9 @@ class AsyncLLM:
         stream = RequestStream(self, request_id, params.output_kind)
         self._streams[request_id] = stream
         accepted = asyncio.get_running_loop().create_future()
-        self._adds.append(_Add(request_id, prompt, params, priority, time.time(), accepted,
-                               lora_request))
-        self._wake.set()
+        self._num_queued_adds += 1
+        self._inbox.put(_Add(request_id, prompt, params, priority, time.time(), accepted, lora_request))
+        self._work.set()
         try:
             await accepted
         except BaseException:
@@ -261,10 +271,10 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op when it has finished). Applied before the next step."""
-        if self._wake is None:
+        if self._thread is None:
             return
-        self._aborts.append(request_id)
-        self._wake.set()
+        self._inbox.put(request_id)
+        self._work.set()
 
     def _check_alive(self) -> None:
         if self.errored:
@@ -273,31 +283,85 @@ class AsyncLLM:
             raise EngineDeadError("The server is not accepting requests (starting up or "
                                   "shutting down).")
 
-    # -- the loop ---------------------------------------------------------------------------------
-    def _apply_pending(self) -> None:
-        adds, self._adds = self._adds, []
-        for add in adds:
+    # -- the engine core thread -------------------------------------------------------------------
+    def _core(self) -> None:
+        """The engine core loop (its own thread): inbox, step, outputs to the event loop."""
+        engine, call = self.engine, self._loop.call_soon_threadsafe
+        live: set[str] = set()          # accepted and not finished (this thread's view)
+        try:
+            while not self._stop:
+                self._work.clear()
+                self._apply_inbox(live)
+                if not engine.has_unfinished_requests():
+                    call(self._publish, [], engine.stats())
+                    if self._inbox.empty():
+                        self._work.wait()
+                    continue
+                outputs = engine.step()
+                for out in outputs:
+                    if out.finished:
+                        live.discard(out.request_id)
+                call(self._publish, outputs, engine.stats())
+        except BaseException as e:
+            logger.exception("engine loop failed; the server answers 503 from now on")
+            call(self._die, e)
+
+    def _apply_inbox(self, live: set[str]) -> None:
+        """On the core thread, between steps: the queued adds (each accepted or refused on the
+        event loop), then the aborts."""
+        aborts, call = [], self._loop.call_soon_threadsafe
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, str):
+                aborts.append(item)
+                continue
+            add = item
             if add.accepted.done():             # the caller gave up while it was queued
+                call(self._settled, add, None, False)
                 continue
             try:
                 self.engine.add_request(add.request_id, add.prompt, add.params,
                                         arrival_time=add.arrival_time, priority=add.priority,
                                         **({"lora_request": add.lora_request} if add.lora_request else {}))
             except Exception as e:
-                self._streams.pop(add.request_id, None)
-                add.accepted.set_exception(e)
+                call(self._settled, add, e, False)
                 continue
-            self._arrivals[add.request_id] = add.arrival_time
-            add.accepted.set_result(None)
-        aborts, self._aborts = self._aborts, []
-        live = [rid for rid in dict.fromkeys(aborts) if rid in self._arrivals]
-        if live:
-            self.engine.abort_request(live)
-        for rid in aborts:
+            live.add(add.request_id)
+            call(self._settled, add, None, True)
+        known = [rid for rid in dict.fromkeys(aborts) if rid in live]
+        if known:
+            self.engine.abort_request(known)    # its final output comes with the next step's
+        unknown = [rid for rid in aborts if rid not in live]
+        if unknown:
+            call(self._forget, unknown)
+
+    # -- the event loop side ------------------------------------------------------------------------
+    def _settled(self, add: _Add, error: Exception | None, added: bool) -> None:
+        """An add the core took: added to the engine, refused (error), or skipped (its caller
+        gave up while it was queued)."""
+        self._num_queued_adds -= 1
+        rid = add.request_id
+        if added:
+            self._arrivals[rid] = add.arrival_time
+            if add.accepted.done():     # the caller gave up while the core added it
+                self._streams.pop(rid, None)
+                self.abort(rid)
+            else:
+                add.accepted.set_result(None)
+        elif error is not None and not add.accepted.done():
+            self._streams.pop(rid, None)
+            add.accepted.set_exception(error)
+
+    def _forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
             if rid not in self._arrivals:
                 self._streams.pop(rid, None)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _publish(self, outputs: list[RequestOutput], stats) -> None:
+        self.stats = stats
         for out in outputs:
             arrival = self._arrivals.get(out.request_id, time.time())
             if out.finished:
@@ -313,37 +377,19 @@ class AsyncLLM:
             if stream is not None and not stream.finished:
                 stream.put(out)
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        engine = self.engine
-        try:
-            while True:
-                self._apply_pending()
-                if not engine.has_unfinished_requests():
-                    self.stats = engine.stats()
-                    self._wake.clear()
-                    if not self._adds and not self._aborts:
-                        await self._wake.wait()
-                    continue
-                outputs = await loop.run_in_executor(self._executor, engine.step)
-                self.stats = engine.stats()
-                self._dispatch(outputs)
-                await asyncio.sleep(0)      # let handlers run between steps
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
-            logger.exception("engine loop failed; the server answers 503 from now on")
-            self._die(e)
-
     def _die(self, e: BaseException) -> None:
         """The engine cannot serve again: fail what waits on it; /health answers 503."""
         if self.errored:
             return
         self.errored, self.error = True, e
         dead = EngineDeadError(f"The engine is dead: {e!r}")
-        for add in self._adds:
-            if not add.accepted.done():
-                add.accepted.set_exception(dead)
+        while True:                     # adds the core never took
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if not isinstance(item, str) and not item.accepted.done():
+                item.accepted.set_exception(dead)
         for stream in self._streams.values():
             stream.put(dead)
         self._streams.clear()

@@ -1,52 +1,38 @@
-"""`LLMEngine`: one step = schedule -> execute -> update (+ detokenize into RequestOutputs).
+"""`LLMEngine`, the engine core: one step = schedule -> dispatch -> collect -> update (+ detokenise
+into RequestOutputs); with async scheduling step N + 1 is dispatched before step N is collected.
 
-Builds the parts from `EngineArgs`: model and tokenizer, the KV pool sized from the memory budget,
-the scheduler (host), the model runner (device) and the output processor (host).
+`engine/builder.py` makes the parts from `EngineArgs` (model, tokenizer, the runner with its
+programs and KV pool); the engine adds the scheduler (host), the output processor (host) and
+the loop over them, and takes requests in and out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import os
 import random
 import time
 from collections.abc import Callable
 
 import jax
 
-from jaxserve.aot.store import compiled_pool_blocks, open_cache, open_matching
-from jaxserve.attention import AttentionCase, cpu_backend, select_backend
-from jaxserve.attention import kv_cache as kvc
-from jaxserve.config import DEFAULT_COMPILATION_CACHE_DIR, EngineArgs
+from jaxserve.config import EngineArgs
 from jaxserve.core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.core.scheduler import GrammarBitmask, Scheduler, SchedulerOutput
-from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
 from jaxserve.engine import multihost
-from jaxserve.engine.fallback import Choice, build_with_fallback, fallback_plan
+from jaxserve.engine.builder import build_engine, enable_compilation_cache
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.engine.pooling import PoolingRequests, engine_args_for_pooling
-from jaxserve.loader.fp8 import kernels_in, with_kernel
-from jaxserve.loader.generation_config import default_sampling_params, generation_eos_token_ids
-from jaxserve.loader.gguf import read_gguf
-from jaxserve.loader.hub import resolve_model
-from jaxserve.loader.loader import ModelLoadError, cpu_matmuls_for, load_model, resolve_dtype
-from jaxserve.loader.pooling_config import matryoshka_of, resolve_pooler
-from jaxserve.lora.manager import setup_lora
+from jaxserve.engine.pooling import PoolingRequests
+from jaxserve.loader.fp8 import kernels_in
+from jaxserve.loader.pooling_config import matryoshka_of
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.sharding.mesh import make_mesh
-from jaxserve.sharding.plan import plan_for
 from jaxserve.spec_decode import make_proposer
 from jaxserve.structured_output import StructuredOutputManager
-from jaxserve.tokenizer.tokenizer import Tokenizer
-from jaxserve.worker.draft_runner import DraftRunner, load_draft
-from jaxserve.worker.kv_sizing import num_kv_blocks, probe_blocks, profile_peak_bytes
-from jaxserve.worker.model_runner import ModelRunner
-from jaxserve.worker.pooling_runner import PoolingRunner
 
 logger = logging.getLogger("jaxserve")
+
+__all__ = ["EngineStats", "LLMEngine", "enable_compilation_cache"]
 
 
 @dataclasses.dataclass
@@ -67,22 +53,6 @@ class EngineStats:
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
-def enable_compilation_cache(directory: str | None) -> str | None:
-    """JAX's persistent compilation cache, so a second start loads programs instead of compiling.
-    Process-wide (jax.config, so every jitted function of the process is cached there): the
-    `jaxserve` CLI turns it on (default directory DEFAULT_COMPILATION_CACHE_DIR), which owns its
-    process; `LLM` and an engine only when given `compilation_cache_dir`.
-    None: the default directory; "": do nothing."""
-    if directory == "":
-        return None
-    directory = os.path.expanduser(directory or DEFAULT_COMPILATION_CACHE_DIR)
-    os.makedirs(directory, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    return directory
-
-
 class LLMEngine:
     def __init__(self, args: EngineArgs, *, warmup: bool | str = True):
         """warmup: True compiles every step program before returning; "background" only those
@@ -90,161 +60,11 @@ class LLMEngine:
         (steps stay within the built programs, or wait for the one they need: nothing compiles
         on the step's thread); False compiles each on first use."""
         t0 = time.perf_counter()
-        self.args = args
-        model_path = resolve_model(args.model_location(), revision=args.revision, download_dir=args.download_dir,
-                                   weights=args.load_format != "dummy") \
-            if args.model else str(default_model_path())
-        self.model_path = model_path
-        self.model_name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None
-                                                     else args.model)
-        if args.compilation_cache_dir:      # opt-in: jax.config is the whole process's
-            enable_compilation_cache(args.compilation_cache_dir)
-        # Several processes: join the job first (before any array), then every process builds
-        # the same engine; process 0 schedules, the others follow (`follow`).
-        self.group = None if args.nnodes == 1 else multihost.initialize(
-            args.nnodes, args.node_rank, args.master_addr, args.master_port)
-        if self.group is not None and args.tensor_parallel_size != jax.device_count():
-            raise ValueError(f"with nnodes={args.nnodes}, tensor_parallel_size must cover every "
-                             f"device of every process ({jax.device_count()}), got "
-                             f"{args.tensor_parallel_size}")
-        reader = read_gguf(model_path) if str(model_path).endswith(".gguf") else None
-        # Request fields left unset take the model's recommended values (vLLM's
-        # default_sampling_params): SamplingParams field -> value.
-        self.default_sampling_params, origin = default_sampling_params(
-            os.fspath(args.generation_config), model_path, args.override_generation_config, reader)
-        self._generation_eos = () if reader is not None else generation_eos_token_ids(
-            os.fspath(args.generation_config), model_path)
-        if self.default_sampling_params:
-            logger.info("default sampling parameters from %s: %s (a request's own values win; "
-                        "--generation-config vllm ignores the model's)", origin,
-                        self.default_sampling_params)
-        dtype = resolve_dtype(args.dtype)
-        self.mesh = make_mesh(args.tensor_parallel_size)
-        self.model_config, weights = load_model(model_path, dtype, gguf_reader=reader,
-                                                mesh=self.mesh, load_format=args.load_format,
-                                                seed=args.seed,
-                                                quantization=args.load_quantization(model_path),
-                                                expert_parallel=args.enable_expert_parallel,
-                                                hf_overrides=args.model_overrides(),
-                                                fp8_activations=args.fp8_activations)
-        weights = cpu_matmuls_for(weights, args.dtype, self.mesh.size, batch_invariant=args.batch_invariant)
-        self.tokenizer = _load_tokenizer(args, model_path, reader, self.model_config)
-        # A pooling model (runner "pooling") computes embeddings: prefill-only requests whose
-        # runner pools hidden states instead of sampling (engine/pooling.py).
-        self.pooler = resolve_pooler(args.runner, args.convert, args.pooler_config, model_path)
-        if self.pooler is not None:
-            args = self.args = engine_args_for_pooling(args, self.pooler)
-        del reader
-        cfg = self.model_config
-        self.max_model_len = cfg.resolve_max_model_len(args.max_model_len)
-        # the served length is part of the model for LongRoPE (short or long factors, vLLM's rule)
-        cfg = self.model_config = dataclasses.replace(cfg, max_model_len=self.max_model_len)
-        kv_quantize, kv_dtype = _kv_quantization(args.kv_cache_dtype, dtype)
-        if args.enable_lora and self.pooler is not None:
-            raise ValueError("enable_lora: LoRA adapters are not supported with a pooling model")
-        weights, self.lora = setup_lora(args, cfg, weights, dtype, self.mesh)
-        self.plan = plan_for(cfg, self.mesh, args.enable_expert_parallel)
-        # Speculative decoding with a draft model: its own pool of the same blocks.
-        spec = args.spec_config()
-        draft = draft_plan = None
-        if spec is not None and spec.method == "draft_model":
-            try:
-                draft_path = resolve_model(spec.model, download_dir=args.download_dir,
-                                           weights=args.load_format != "dummy")
-            except ModelLoadError as e:     # name the field, as every config error does
-                raise ModelLoadError(f"speculative_config.model: {e}") from None
-            draft = load_draft(draft_path, cfg, self.tokenizer, dtype=dtype, mesh=self.mesh,
-                               load_format=args.load_format, seed=args.seed,
-                               quantization=args.load_quantization(draft_path),
-                               expert_parallel=args.enable_expert_parallel)
-            draft = (draft[0], cpu_matmuls_for(draft[1], args.dtype, self.mesh.size,
-                                               batch_invariant=args.batch_invariant))
-            draft_plan = plan_for(draft[0], self.mesh, args.enable_expert_parallel)
-        # Sized per device: a block costs its heads on one device, the budget is one device's.
-        per_block = sum(kvc.bytes_per_block(c.num_layers, args.block_size,
-                                            plan.kv_heads_per_device(c.num_kv_heads),
-                                            c.head_dim, kv_dtype, kv_quantize is not None,
-                                            latent=c.mla is not None)
-                        for c, plan in [(cfg, self.plan)] + ([(draft[0], draft_plan)] if draft
-                                                             else []))
-        # One device's share, from the sharding (no per-shard array objects: on CPU those would
-        # stay alive beside the weights and count twice in jax.live_arrays()).
-        weight_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                           for x in jax.tree_util.tree_leaves((weights, draft and draft[1])))
-        # Simulated CPU devices share the host's memory: there a budget covers all of them.
-        host_copies = self.mesh.size if jax.default_backend() == "cpu" else 1
-        self.scheduler_config = args.scheduler_config(self.max_model_len)
-        case = AttentionCase.of(cfg, dtype, kv_dtype, args.block_size)
-        selected = cpu_backend(select_backend(args.attention_backend, case), args.attention_backend, args.dtype,
-                               self.mesh.size, case)
-        if args.batch_invariant and selected != "cpu":
-            raise ValueError(f"batch_invariant needs the CPU attention kernel (attention backend 'cpu'); this "
-                             f"engine would run {selected!r} (an fp8/int8 KV cache, latent attention, an asked "
-                             f"backend, or no kernel build), whose sums depend on the batch")
-        if args.fp8_kernel != "auto":
-            weights = with_kernel(weights, args.fp8_kernel)
-        fp8_kernels = kernels_in(weights)
-        fp8 = "pallas" if "pallas" in fp8_kernels else ("xla" if fp8_kernels else None)
-
-        def make_runner(num_blocks: int, choice: Choice, weights,
-                        drafter: DraftRunner | None = None) -> ModelRunner:
-            cache_config = dataclasses.replace(args.cache_config(), num_blocks=num_blocks)
-            pooling = {} if self.pooler is None else {"pooler": self.pooler}
-            return (ModelRunner if self.pooler is None else PoolingRunner)(
-                cfg, weights, cache_config, self.scheduler_config, **pooling, dtype=dtype,
-                backend=choice.attention, max_logprobs=args.max_logprobs,
-                kv_quantize=kv_quantize, kv_dtype=kv_dtype, plan=self.plan,
-                num_speculative_tokens=self.scheduler_config.num_speculative_tokens,
-                drafter=drafter, **({} if self.lora is None else {"lora": self.lora}))
-
-        def make_drafter(num_blocks: int, choice: Choice) -> DraftRunner | None:
-            if draft is None:
-                return None
-            dcfg, dweights = draft
-            backend = choice.attention if choice.attention != selected else select_backend(
-                args.attention_backend, AttentionCase.of(dcfg, dtype, kv_dtype, args.block_size))
-            return DraftRunner(dcfg, dweights, num_blocks=num_blocks, block_size=args.block_size,
-                               max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
-                               num_speculative_tokens=spec.num_speculative_tokens, dtype=dtype,
-                               backend=backend, kv_quantize=kv_quantize, kv_dtype=kv_dtype,
-                               plan=draft_plan)
-
-        def build(choice: Choice):
-            """Size the pool (a profile run compiles the largest programs), then the runner and
-            its warm-up: everything that compiles a kernel happens here (`build_with_fallback`).
-            With a compiled directory whose programs were built for this backend, the pool is the
-            size they were compiled for (no profile run: it would compile) and the runner loads
-            them (`aot.store.open_matching`; a mismatch is logged and compiles)."""
-            w = weights if choice.fp8 == fp8 else with_kernel(weights, choice.fp8)
-            blocks = compiled_pool_blocks(args.compiled_dir, choice.attention, per_block, weight_bytes)
-            if blocks is None:
-                blocks = num_kv_blocks(args, per_block * host_copies, weight_bytes,
-                                       profile=lambda n: profile_peak_bytes(make_runner(n, choice, w)),
-                                       probe_num_blocks=probe_blocks(args, self.max_model_len))
-            if self.group is not None:      # one pool size for all (profiles differ per process)
-                blocks = self.group.agree_min("kv_blocks", blocks)
-            runner = make_runner(blocks, choice, w, make_drafter(blocks, choice))
-            if args.compiled_dir:
-                runner.programs = open_matching(args.compiled_dir, runner)
-            elif args.program_cache_dir:
-                runner.programs = open_cache(args.program_cache_dir, runner)
-            if not warmup:
-                return blocks, runner, 0.0
-            # A background warm-up only where one process schedules alone (followers of a
-            # multi-host job must hold the same programs at the same step).
-            background = warmup == "background" and self.group is None and self.pooler is None
-            return blocks, runner, (runner.warmup(background=True) if background else runner.warmup())
-
-        choice, (blocks, self.runner, self.warmup_seconds) = build_with_fallback(
-            fallback_plan(selected, fp8), build)
-        self.attention_backend = choice.attention
-        logger.info("attention backend: %s (asked: %s)%s", self.attention_backend, args.attention_backend,
-                    "" if choice.fp8 is None else f"; fp8 matmul: {choice.fp8} (asked: {args.fp8_kernel})")
-        self.cache_config = dataclasses.replace(args.cache_config(), num_blocks=blocks)
-        tokens = blocks * args.block_size
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); maximum concurrency "
-                    "for %d tokens per request: %.2fx", blocks, args.block_size, tokens,
-                    blocks * per_block / 2**30, self.max_model_len, tokens / self.max_model_len)
+        parts = build_engine(args, warmup)
+        # The parts become the engine's attributes (model_config, tokenizer, runner, ...).
+        for f in dataclasses.fields(parts):
+            setattr(self, f.name, getattr(parts, f.name))
+        args, cfg, spec = self.args, self.model_config, self.args.spec_config()
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.processor = OutputProcessor(self.tokenizer)
         so_config = args.structured_config()
@@ -255,9 +75,12 @@ class LLMEngine:
                                                   disable_any_whitespace=so_config.disable_any_whitespace)
         self.proposer = make_proposer(spec)
         self.pooling = None if self.pooler is None else PoolingRequests(
-            self, self.pooler, matryoshka_of(model_path))
+            self, self.pooler, matryoshka_of(self.model_path))
         self._rng = random.Random(args.seed)
         self._pending = []          # outputs produced outside step() (aborts)
+        # Async scheduling: the step launched by the last step() call, read by the next one:
+        # (SchedulerOutput, the runner's StepInFlight), or None.
+        self._in_flight = None
         self._eos_ids = self._eos_token_ids(cfg)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -276,7 +99,7 @@ class LLMEngine:
         return bool(kernels_in(self.runner.weights))
 
     def _eos_token_ids(self, cfg) -> set[int]:
-        ids = set(cfg.eos_token_ids) | set(self._generation_eos)
+        ids = set(cfg.eos_token_ids) | set(self.generation_eos)
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
@@ -403,11 +226,18 @@ class LLMEngine:
             self._pending.extend(outs)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+        return self.scheduler.has_unfinished_requests() or bool(self._pending) or self._in_flight is not None
 
     # -- the step -----------------------------------------------------------------------------
     def step(self):
         """One engine iteration; returns the RequestOutputs that have something new.
+
+        Synchronous: schedule, run the step, read its tokens, update. Async scheduling: schedule
+        and launch step N + 1, then read step N's tokens and update while N + 1 runs (vLLM's
+        async scheduler): each call returns the outputs of the step launched by the call before,
+        so the device always has the next step queued while the host works. A step whose
+        schedule needs the tokens of the one in flight (a running request under a grammar: its
+        bitmask follows the last token) first waits for them.
 
         When the model step raises, only the requests of that step fail (finish_reason
         "error"); the engine keeps serving the rest. An error that leaves the runner unusable
@@ -415,22 +245,54 @@ class LLMEngine:
         """
         if self.pooling is not None:
             return self.pooling.step()
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and any(r.structured is not None for r in self.scheduler.running):
+            outputs = self._finish(*previous)       # the grammars need its tokens first
+            previous = None
+        else:
+            outputs = []
         sched = self.scheduler.schedule(self._ready_token_budget())
         sched.grammar_bitmask = self._grammar_bitmask(sched)
         if self.runner.drafter is not None:
             sched.draft_lengths = self._draft_lengths(sched) if self.proposer else {}
-        # Even an empty schedule goes to the runner: it carries the finished / preempted ids the
-        # worker must drop from its input batch.
+        launched = self._launch(sched)
+        if previous is not None:
+            outputs += self._finish(*previous)
+        if isinstance(launched, list):              # the step failed to launch
+            outputs += launched
+        elif launched is not None:
+            if self.scheduler.config.async_scheduling:
+                self._in_flight = (sched, launched)
+            else:
+                outputs += self._finish(sched, launched)
+        if self._pending:
+            outputs, self._pending = self._pending + outputs, []
+        return outputs
+
+    def _launch(self, sched: SchedulerOutput):
+        """Dispatch a step: its StepInFlight, None (nothing scheduled) or, when it raised, the
+        outputs of its failed requests. Even an empty schedule goes to the runner: it carries
+        the finished / preempted ids the worker must drop from its input batch."""
         try:
             if self.fault_hook is not None and not sched.is_empty:
                 self.fault_hook(sched)
             if self.group is not None:
                 self.group.send(sched)      # the followers run the same step
-            result = self.runner.execute(sched)
+            return self.runner.dispatch(sched)
         except multihost.PeerLostError:
             raise                           # no step can run again: the engine is dead
         except Exception as e:
             if sched.is_empty or not self._runner_usable():
+                raise
+            return self._fail_step(sched, e)
+
+    def _finish(self, sched: SchedulerOutput, step) -> list:
+        """Read a launched step's results and apply them: prompt logprobs, the scheduler's update
+        (stop tokens, lengths), drafts for the next step, detokenised outputs and stop strings."""
+        try:
+            result = self.runner.collect(step)
+        except Exception as e:
+            if not self._runner_usable():
                 raise
             return self._fail_step(sched, e)
         # Each chunk's entries score the prompt positions after its first token, in order.
@@ -454,8 +316,6 @@ class LLMEngine:
         outputs, stopped = self.processor.process(updated + extra, result.logprobs, prompt_lps)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        if self._pending:
-            outputs, self._pending = self._pending + outputs, []
         return outputs
 
     def _grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask | None:
@@ -540,8 +400,6 @@ class LLMEngine:
         logger.error("a model step failed; finishing its %d request(s) with finish_reason "
                      "'error': %r", len(failed), error, exc_info=error)
         outputs, _ = self.processor.process(failed, {}, {})
-        if self._pending:
-            outputs, self._pending = self._pending + outputs, []
         return outputs
 
     def stats(self) -> EngineStats:
@@ -579,6 +437,9 @@ class LLMEngine:
             group.close()
         runner = getattr(self, "runner", None)
         if runner is not None:
+            in_flight, self._in_flight = getattr(self, "_in_flight", None), None
+            if in_flight is not None:       # let it finish before its buffers go
+                jax.block_until_ready(in_flight[1].results)
             runner.stop_compiling()
             if runner.drafter is not None:
                 runner.drafter.release()
@@ -588,29 +449,3 @@ class LLMEngine:
             self.runner = None
 
 
-def _load_tokenizer(args: EngineArgs, model_path: str, reader, cfg) -> Tokenizer:
-    """The model's tokenizer; a dummy-weights directory without tokenizer files gets the
-    synthetic word-level one ("t17 t42" <-> [17, 42]) so the whole engine path still runs."""
-    if args.tokenizer is None and reader is not None:
-        return Tokenizer.from_gguf(reader)
-    source = resolve_model(args.tokenizer, download_dir=args.download_dir, weights=False) \
-        if args.tokenizer else model_path
-    if args.load_format == "dummy" and args.tokenizer is None and os.path.isdir(source) and \
-            not any(os.path.exists(os.path.join(source, f))
-                    for f in ("tokenizer.json", "tokenizer_config.json")):
-        logger.info("no tokenizer files in %s: using a synthetic word-level tokenizer of %d "
-                    "tokens", source, cfg.vocab_size)
-        return Tokenizer.synthetic(cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids
-                                   else None)
-    return Tokenizer.from_model(source)
-
-
-def _kv_quantization(kv_cache_dtype: str, model_dtype):
-    """(quantize function or None, storage dtype) for --kv-cache-dtype."""
-    if kv_cache_dtype == "auto":
-        return None, model_dtype
-    from functools import partial
-
-    from jaxserve.attention import kv_quant
-    storage = kv_quant.kv_storage_dtype(kv_cache_dtype, model_dtype)
-    return partial(kv_quant.quantize_kv, storage_dtype=storage), storage

@@ -31,7 +31,11 @@ class _Pooled:
 
 def engine_args_for_pooling(args, pooler: PoolerConfig):
     """The engine arguments a pooling model runs with: MEAN and CLS read hidden states of
-    every prompt token, which a prefix-cache hit would skip, so prefix caching is off for them."""
+    every prompt token, which a prefix-cache hit would skip, so prefix caching is off for them.
+    Steps are synchronous (nothing is sampled, so nothing feeds the next step: no overlap to win)."""
+    if args.async_scheduling:
+        raise ValueError("async_scheduling does not apply to pooling models (runner 'pooling'): leave it unset")
+    args = args.replace(async_scheduling=False)
     if args.speculative_config:
         raise ValueError("speculative_config does not apply to pooling models (runner 'pooling')")
     if args.nnodes > 1:

@@ -6,6 +6,9 @@ written once when the worker adds it (`write_row`, from host rows built by `host
 output counts grow on the device by the tokens each step samples (`count_sampled`). The sampler
 reads the rows of the step's requests by slot (`apply_penalties`). Rows of requests without any
 penalty are never read (their `penalised` flag is off), so they are not written on add.
+
+`last_token` [C] holds each slot's last sampled token: with async scheduling the next step's
+input ids take a token still in flight from it (`take_placeholders`), on the device.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ class PenaltyState:
     prompt_mask: jax.Array     # [C, V] bool, token occurs in the prompt
     bias: jax.Array            # [C, V] f32, logit_bias (0 elsewhere)
     stop_mask: jax.Array       # [C, V] bool, ids masked while output < min_tokens
+    last_token: jax.Array      # [C] i32, the token each slot sampled last
 
 
 def zeros(capacity: int, vocab: int) -> PenaltyState:
     shape = (capacity, vocab)
     return PenaltyState(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool),
-                        jnp.zeros(shape, jnp.float32), jnp.zeros(shape, bool))
+                        jnp.zeros(shape, jnp.float32), jnp.zeros(shape, bool), jnp.zeros(capacity, jnp.int32))
 
 
 def host_rows(prompt_ids, output_ids, logit_bias: dict | None, stop_ids, vocab: int):
@@ -59,14 +63,24 @@ def write_row(state: PenaltyState, slot: jax.Array, counts, prompt, bias, stop) 
     """Replace row `slot` (i32 scalar; C = dropped) with the host rows ([V] each)."""
     put = lambda a, row: a.at[slot].set(row, mode="drop")   # noqa: E731
     return PenaltyState(put(state.output_counts, counts), put(state.prompt_mask, prompt),
-                        put(state.bias, bias), put(state.stop_mask, stop))
+                        put(state.bias, bias), put(state.stop_mask, stop), state.last_token)
 
 
 def count_sampled(state: PenaltyState, slots: jax.Array, token_ids: jax.Array) -> PenaltyState:
-    """Add one occurrence of token_ids [R] to rows slots [R]; padding rows carry slot C and are
-    dropped."""
+    """Add one occurrence of token_ids [R] to rows slots [R] and make each slot's last token its
+    sample; padding rows carry slot C and are dropped. (With speculative decoding a slot has
+    several rows and `last_token` one of them: it is read by async scheduling only, which
+    speculative decoding does not use.)"""
     counts = state.output_counts.at[slots, token_ids].add(1, mode="drop")
-    return dataclasses.replace(state, output_counts=counts)
+    return dataclasses.replace(state, output_counts=counts,
+                               last_token=state.last_token.at[slots].set(token_ids, mode="drop"))
+
+
+def take_placeholders(tokens: jax.Array, state: PenaltyState) -> jax.Array:
+    """Input ids [T] with each placeholder (-1 - slot: a token a step in flight samples) replaced
+    by that slot's last sampled token."""
+    slot = jnp.clip(-1 - tokens, 0, state.last_token.shape[0] - 1)
+    return jnp.where(tokens < 0, state.last_token[slot], tokens)
 
 
 def apply_penalties(logits, slots, penalised, min_tokens_active, presence, frequency,

@@ -6,7 +6,9 @@ Host side (numpy). Each request holds one slot in `[0, max_num_seqs)`; per-slot 
 parameters live in `[C]` arrays, so one step's sampling tensors are a gather by slot. Lifecycle:
 - `update(scheduler_output)`: drop finished and preempted ids, then add every row carrying
   `new_request` (first schedule, or resume after a preemption, which recomputes from scratch);
-- `append_sampled(request_id, token_ids)`: the tokens the runner sampled for it;
+- `count_dispatched(request_id)`: a step that samples its next token was launched (the next
+  step's sampling positions count it, before it is back: async scheduling);
+- `append_sampled(request_id, token_ids)`: the tokens that step sampled for it;
 - `take_penalty_writes()`: rows the device penalty state must receive for the requests just
   added with a penalty (`jaxserve.sample.penalties.write_row`).
 """
@@ -60,7 +62,7 @@ class InputBatch:
         self.penalised = np.zeros(C, bool)
         self.min_tokens = np.zeros(C, np.int32)
         self.wants_logprobs = np.zeros(C, bool)
-        self.num_output = np.zeros(C, np.int32)
+        self.num_output = np.zeros(C, np.int32)     # outputs, those of dispatched steps included
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -118,10 +120,15 @@ class InputBatch:
         self.penalised[state.slot] = False
         self._free.append(state.slot)
 
+    def count_dispatched(self, request_id: str) -> None:
+        self.num_output[self.requests[request_id].slot] += 1
+
     def append_sampled(self, request_id: str, token_ids: list[int]) -> None:
+        """The tokens a step counted by `count_dispatched` sampled (speculative decoding: the
+        accepted drafts and one more)."""
         state = self.requests[request_id]
         state.output_token_ids.extend(token_ids)
-        self.num_output[state.slot] = len(state.output_token_ids)
+        self.num_output[state.slot] += len(token_ids) - 1
 
     def take_penalty_writes(self) -> list[tuple[int, tuple]]:
         """(slot, host rows) for requests added since the last call; the caller writes them."""

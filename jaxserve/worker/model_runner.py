@@ -1,6 +1,12 @@
 """The model runner: a SchedulerOutput -> the worker's input batch -> one StepInputs pytree ->
-one jitted step (model, prompt scoring, sampling; KV cache and penalty state donated) -> host
-token ids and logprobs.
+one jitted step (`worker/step.py`: model, prompt scoring, sampling; KV cache and sampling state
+donated) -> host token ids and logprobs.
+
+A step is `dispatch` (inputs built, the program launched, its results' copy to the host started;
+nothing waits for the device) then `collect` (the results read, the input batch told what was
+sampled); `execute` is both. With async scheduling the engine dispatches step N + 1 before it
+collects step N: N + 1's rows for positions whose tokens N samples carry placeholders, and the
+step program reads those tokens from the device (`worker/step.py`).
 
 The runner never sees the scheduler's `Request` objects: what it knows about a request comes
 from the SchedulerOutput (`new_request` rows, finished / preempted ids) and from what it sampled
@@ -19,35 +25,29 @@ import dataclasses
 import logging
 import threading
 import time
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from jaxserve.host_memory import release_freed_host_memory
-from jaxserve.lora.weight import bind_token_slots
 from jaxserve.models import get_model
 from jaxserve.sample import penalties
-from jaxserve.sample.rejection import accept, emitted_mask
-from jaxserve.sample.sampler import sample, score_rows
+from jaxserve.sample.rejection import accept
 from jaxserve.sharding.plan import ShardingPlan, single_device_plan
 from jaxserve.worker.buckets import pow2_at_least, token_buckets
-from jaxserve.worker.compile_cache import compile_noting_cache_hit, how_obtained, step_compiler_options
+from jaxserve.worker.compile_cache import step_compiler_options
 from jaxserve.worker.compile_queue import BackgroundCompiler
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, is_latent, kv_cache_sharding
-from jaxserve.worker.step_inputs import Packing, StepInputs, build_inputs, step_bitmask
+from jaxserve.worker.programs import FIRST_PROGRAM_TOKENS, PENALTY_PROGRAM, StepPrograms
+from jaxserve.worker.step import StepContext, generate_step, jit_step
+from jaxserve.worker.step_inputs import Packing, StepInputs, StepLayout, build_inputs, step_bitmask
+
+__all__ = ["FIRST_PROGRAM_TOKENS", "PENALTY_PROGRAM", "ModelRunner", "RunnerOutput", "StepInFlight"]
 
 logger = logging.getLogger(__name__)
-
-
-# A background warm-up builds the plain programs of buckets up to this many tokens before the
-# engine reports ready (batch-1 decode and short prompts), the rest while it serves.
-FIRST_PROGRAM_TOKENS = 16
-
-PENALTY_PROGRAM = "penalty_write"     # the penalty-row write's name in a compiled directory
 
 
 @dataclasses.dataclass
@@ -62,7 +62,21 @@ class RunnerOutput:
     draft_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
-class ModelRunner:
+@dataclasses.dataclass
+class StepInFlight:
+    """A dispatched step: what `collect` needs to read its results."""
+    scheduler_output: Any
+    inputs: StepInputs
+    layout: StepLayout
+    drafts: dict[str, list[int]]        # request_id -> the drafts its row verifies
+    want_logprobs: set[str]             # the sampling rows' requests that asked for logprobs
+    results: tuple                      # device (SamplerOutput or its tokens only, prompt scores)
+    prompt_scoring: dict[str, tuple[int, int]]     # `_prompt_scoring`; empty: no prompt logprobs
+    timed: bool                         # its program was built before: its wall time is its cost
+    t0: float
+
+
+class ModelRunner(StepPrograms):
     def __init__(self, model_config: ModelConfig, weights, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, *, dtype, backend: str, max_logprobs: int,
                  kv_quantize=None, kv_dtype=None, plan: ShardingPlan | None = None,
@@ -113,38 +127,11 @@ class ModelRunner:
         model = get_model(model_config.architecture)
         self._model = model
         self.backend = backend          # the attention backend the step programs use
-        k = max_logprobs
-
-        def step(weights, cache, pen, x: StepInputs):
-            if x.lora_slots is not None:      # each token's adapter slot reaches every LoraWeight
-                weights = bind_token_slots(weights, x.lora_slots)
-            hidden, cache = model.forward(weights, cache, x.tokens, x.positions, x.meta,
-                                          cfg=model_config, backend=backend,
-                                          kv_quantize=kv_quantize, plan=plan)
-
-            def logits_of(h):
-                # Vocabulary-parallel head: each device scores its slice of the vocabulary, then
-                # the rows are gathered (not the head), so the sampler reads whole rows.
-                logits = jax.lax.with_sharding_constraint(model.compute_logits(weights, h),
-                                                          plan.sharding(("tokens", "vocab")))
-                return jax.lax.with_sharding_constraint(logits, plan.replicated)
-
-            logits, scores = logits_of(hidden[x.logit_rows]), None
-            if x.prompt_targets is not None:
-                scores = score_rows(logits_of, hidden, x.prompt_rows, x.prompt_targets, k)
-            out = sample(logits, x.sampling, pen, k=k, bitmask=x.bitmask)
-            slots = x.sampling.slots
-            if x.draft_ids is not None:
-                # Only emitted samples join the output history (rejected rows are dropped).
-                keep = emitted_mask(out.token_ids, x.draft_ids, x.group_start)
-                slots = jnp.where(keep, slots, pen.output_counts.shape[0])
-            pen = penalties.count_sampled(pen, slots, out.token_ids)
-            return out, scores, cache, pen
-
+        self.step_context = StepContext(model, model_config, backend, plan, max_logprobs, kv_quantize)
         # Donated state leaves with the sharding it came in with, so the buffers are reused.
         rep = plan.replicated
-        self._step = self._jit_step(step, (rep, rep, self._cache_sharding(self.cache.quantized, self.cache.codes),
-                                           rep))
+        self._step = jit_step(generate_step, self.step_context,
+                              (rep, rep, self._cache_sharding(self.cache.quantized, self.cache.codes), rep))
         self._executables: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._packings: dict[tuple[int, bool], Packing] = {}     # by program: how its inputs pack
         self._from_cache = 0        # how many of them the persistent compilation cache supplied
@@ -157,16 +144,6 @@ class ModelRunner:
         # a device-resident all-ones mask (no transfer; the sampler's cond skips the masking).
         self.mask_words = -(-model_config.vocab_size // 32)
         self._all_allowed: dict[int, jax.Array] = {}
-
-    @staticmethod
-    def _jit_step(step, out_shardings):
-        """`step(weights, cache, pen, x: StepInputs)` jitted to take x packed (`Packing`): one
-        int32 array, one transfer, plus the structured-output bitmask (device-resident when no
-        row is constrained); the cache and penalty state donated."""
-        def packed_step(weights, cache, pen, packed, bitmask, *, packing: Packing):
-            return step(weights, cache, pen, packing.unpack(packed, bitmask))
-        return jax.jit(packed_step, donate_argnames=("cache", "pen"), static_argnames=("packing",),
-                       out_shardings=out_shardings)
 
     # -- the KV pool ---------------------------------------------------------------------------
     def _cache_sharding(self, quantized: bool, codes: str | None) -> kvc.KVCache:
@@ -229,71 +206,6 @@ class ModelRunner:
             self._all_allowed[num_rows] = mask
         return mask
 
-    def _program_spec(self, num_tokens: int, with_prompt_logprobs: bool) -> tuple:
-        """(packed inputs, bitmask, Packing) of one program, as shapes (built from an empty batch:
-        call it on the engine's thread, the input batch is not the compiler thread's to read)."""
-        x, _ = self._build([], num_tokens, with_prompt_logprobs)   # shapes only
-        packing = self._packing(x)
-        # Inputs are replicated (an abstract runner's devices may be compile-only ones).
-        rep = self.plan.replicated
-        return (jax.ShapeDtypeStruct((packing.size,), np.int32, sharding=rep),
-                jax.ShapeDtypeStruct(x.bitmask.shape, x.bitmask.dtype, sharding=rep), packing)
-
-    def _state_specs(self):
-        """Weights, KV pool and penalty state as shapes and shardings: a program is lowered from
-        these, never from the arrays (the pool and penalties are donated and replaced every step,
-        so a background compile must not read them)."""
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding,
-                                                           weak_type=a.weak_type),
-                            (self.weights, self.cache, self.penalties))
-
-    def _compile(self, key: tuple[int, bool], spec: tuple | None = None, state=None):
-        """Compile one step program ahead of time (no execution); JAX's persistent cache turns
-        a repeat into a load. Runs on the engine's thread or the background compiler's."""
-        t0 = time.perf_counter()
-        packed, bitmask, packing = spec if spec is not None else self._program_spec(*key)
-        weights, cache, pen = state if state is not None else self._state_specs()
-        exe, from_cache = self._load_or_compile(
-            self.program_name(key), lambda: self._step.lower(weights, cache, pen, packed, bitmask, packing=packing))
-        with self._lock:
-            self._executables[key] = exe
-            self._from_cache += int(from_cache is True)
-            self._from_dir += int(isinstance(from_cache, str))
-            n = len(self._executables)
-        logger.info("step program %d: %d tokens%s, %s (%.1f s)%s", n, key[0],
-                    ", prompt logprobs" if key[1] else "", how_obtained(from_cache),
-                    time.perf_counter() - t0,
-                    " (background)" if threading.current_thread().name.startswith("jaxserve-compile")
-                    else "")
-        return exe
-
-    def _executable(self, num_tokens: int, with_prompt_logprobs: bool):
-        """The compiled step for one token bucket and variant: built at warm-up, or (a background
-        warm-up) waited for from the compiler thread, or (no warm-up) compiled on first use."""
-        key = (num_tokens, with_prompt_logprobs)
-        exe = self._executables.get(key)
-        if exe is None:
-            exe = self._compiler.get(key) if self._compiler is not None else self._compile(key)
-        return exe
-
-    @staticmethod
-    def program_name(key: tuple[int, bool]) -> str:
-        """A step program's file name in a compiled directory: "step_16", "step_64_prompt_logprobs"."""
-        return f"step_{key[0]}" + ("_prompt_logprobs" if key[1] else "")
-
-    @property
-    def compiled_programs(self) -> list[tuple[int, bool]]:
-        """(token bucket, with prompt logprobs) of every compiled step program."""
-        with self._lock:
-            return sorted(self._executables)
-
-    def programs_obtained(self) -> str:
-        """How the step programs came to be: "3 loaded from the compilation cache, 1 compiled"."""
-        with self._lock:
-            loaded, from_dir, n = self._from_cache, self._from_dir, len(self._executables)
-        pre = f"{from_dir} loaded from the {self.programs.kind}, " if self.programs is not None else ""
-        return f"{pre}{loaded} loaded from the compilation cache, {n - loaded - from_dir} compiled"
-
     def run_model(self, inputs: StepInputs):
         """Run the compiled step (cache and penalty state replaced by the donated results);
         returns the device (SamplerOutput, prompt scores or None)."""
@@ -328,40 +240,22 @@ class ModelRunner:
         args = jax.device_put((np.asarray(slot, np.int32), *rows), self.plan.replicated)
         self.penalties = self.penalty_program()(self.penalties, *args)
 
-    def penalty_program(self):
-        """The penalty-row write (`penalties.write_row`), compiled ahead like the step programs, or
-        loaded from `programs` ("penalty_write")."""
-        if self._penalty_exe is None:
-            rep = self.plan.replicated
-            spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep)   # noqa: E731
-            rows = penalties.host_rows([], [], None, (), self.cfg.vocab_size)
-            self._penalty_exe, _ = self._load_or_compile(PENALTY_PROGRAM, lambda: penalties.write_row.lower(
-                self._state_specs()[2], spec(np.int32(0)), *map(spec, rows)))
-        return self._penalty_exe
-
-    def _load_or_compile(self, name: str, lower):
-        """(executable, how it came): `programs`' copy of `name` (how: the store's kind), or
-        `lower()` compiled here (how: whether JAX's persistent cache answered), then kept in a
-        writable store (the program cache)."""
-        exe = None if self.programs is None else self.programs.load(name, self.plan.mesh.devices.flat)
-        if exe is not None:
-            return exe, self.programs.kind
-        with self.lower_context():
-            exe, from_cache = compile_noting_cache_hit(lambda: lower().compile(self.compiler_options))
-        if self.programs is not None and self.programs.writable:
-            self.programs.save(name, exe)
-        return exe, from_cache
-
     def execute(self, scheduler_output) -> RunnerOutput:
         """Run one step for a SchedulerOutput (its finished / preempted ids are applied even
-        when nothing is scheduled)."""
+        when nothing is scheduled): `dispatch` then `collect`."""
+        return self.collect(self.dispatch(scheduler_output))
+
+    def dispatch(self, scheduler_output) -> StepInFlight | None:
+        """Apply a SchedulerOutput to the input batch and launch its step; returns at once (the
+        device runs it; None when nothing is scheduled). The copy of its sampled ids (and
+        logprobs, prompt scores) to the host starts now. Rows may carry placeholder ids for the
+        tokens a step dispatched before samples (async scheduling)."""
         batch = self.input_batch
         batch.update(scheduler_output)
         self._write_penalty_rows()
         scheduled = scheduler_output.scheduled
-        out = RunnerOutput({}, {}, {})
         if not scheduled:
-            return out
+            return None
         want_prompt_lp = any(s.prompt_logprobs for s in scheduled)
         t0 = time.perf_counter()
         if self.lora is not None:       # this step's adapters into device slots
@@ -373,29 +267,49 @@ class ModelRunner:
         if grammar is not None and grammar.request_ids:
             inputs.bitmask = step_bitmask(grammar, layout.sample_rows, len(inputs.logit_rows), self.mask_words,
                                           {r: len(d) for r, d in drafts.items()})
-        compiled = (len(inputs.tokens), want_prompt_lp) in self._executables
-        step_out = self.run_model(inputs)
+        timed = (len(inputs.tokens), want_prompt_lp) in self._executables and not want_prompt_lp
+        out, scores = self.run_model(inputs)
         if self.drafter is not None:        # the draft's K/V for the same tokens (async)
             self.drafter.catch_up(inputs)
-        want_lp = any(batch.requests[rid].sampling_params.logprobs is not None for rid in layout.sample_rows)
-        res, scores = jax.device_get((step_out[0] if want_lp else step_out[0].tokens_only(), step_out[1]))
-        if compiled and not want_prompt_lp:          # a first run's compile is not its cost
-            self._time_step(len(inputs.tokens), time.perf_counter() - t0)
-        for rid, r in layout.sample_rows.items():
-            d = drafts[rid]
+        for rid in layout.sample_rows:      # the next step's sampling positions count this token
+            batch.count_dispatched(rid)
+        want_lp = {rid for rid in layout.sample_rows if batch.requests[rid].sampling_params.logprobs is not None}
+        results = (out if want_lp else out.tokens_only(), scores)
+        for a in jax.tree_util.tree_leaves(results):
+            a.copy_to_host_async()
+        return StepInFlight(scheduler_output, inputs, layout, drafts, want_lp, results,
+                            self._prompt_scoring(scheduled), timed, t0)
+
+    def collect(self, step: StepInFlight | None) -> RunnerOutput:
+        """Wait for a dispatched step and read its results: the tokens each sampling row keeps
+        (speculative rows: the accepted drafts and one more), their logprobs, prompt logprobs, the
+        draft model's next drafts. A request the batch dropped since (finished, aborted or
+        preempted by a later step's SchedulerOutput) still gets its tokens (the scheduler keeps
+        those of a preempted one, which resumes after them), but the batch has none to extend."""
+        out = RunnerOutput({}, {}, {})
+        if step is None:
+            return out
+        batch = self.input_batch
+        res, scores = jax.device_get(step.results)
+        if step.timed:          # a first run's compile is not its cost
+            self._time_step(len(step.inputs.tokens), time.perf_counter() - step.t0)
+        for rid, r in step.layout.sample_rows.items():
+            d = step.drafts[rid]
             n = accept(res.token_ids[r:r + len(d) + 1], d) + 1 if d else 1
             tokens = [int(t) for t in res.token_ids[r:r + n]]
             out.sampled[rid] = tokens
-            if batch.requests[rid].sampling_params.logprobs is not None:
+            if rid in step.want_logprobs:
                 out.logprobs[rid] = [(float(res.logprob[i]), int(res.rank[i]), res.top_ids[i],
                                       res.top_logprobs[i]) for i in range(r, r + n)]
-            batch.append_sampled(rid, tokens)
+            if rid in batch.requests:
+                batch.append_sampled(rid, tokens)
+        scheduled = step.scheduler_output.scheduled
         if self.drafter is not None:
             out.draft_token_ids = self.drafter.propose(
-                scheduled, out.sampled, getattr(scheduler_output, "draft_lengths", None))
-        if want_prompt_lp:
-            out.prompt_logprobs = self._prompt_logprobs(scheduled, layout.offsets,
-                                                        inputs.prompt_targets, scores)
+                scheduled, out.sampled, getattr(step.scheduler_output, "draft_lengths", None))
+        if step.prompt_scoring:
+            out.prompt_logprobs = self._prompt_logprobs(scheduled, step.layout.offsets,
+                                                        step.inputs.prompt_targets, scores, step.prompt_scoring)
         return out
 
     def _time_step(self, bucket: int, seconds: float) -> None:
@@ -421,19 +335,25 @@ class ModelRunner:
             return t[lo]
         return t[lo] + (t[hi] - t[lo]) * (b - lo) / (hi - lo)
 
-    def _prompt_logprobs(self, scheduled, offsets, targets, scores):
+    def _prompt_scoring(self, scheduled) -> dict[str, tuple[int, int]]:
+        """request_id -> (prompt logprobs asked, prompt length) of the rows that score prompt
+        tokens (taken at dispatch: the batch may have dropped the request by collection)."""
+        requests = self.input_batch.requests
+        return {s.request_id: (requests[s.request_id].sampling_params.prompt_logprobs,
+                               requests[s.request_id].num_prompt_tokens) for s in scheduled if s.prompt_logprobs}
+
+    def _prompt_logprobs(self, scheduled, offsets, targets, scores, scoring: dict[str, tuple[int, int]]):
         """Each prompt token of a chunk scored under the logits of the token before it."""
         chosen, rank, top_ids, top_vals = scores
         result = {}
         for i, s in enumerate(scheduled):
-            if not s.prompt_logprobs:
+            if s.request_id not in scoring:
                 continue
-            state = self.input_batch.requests[s.request_id]
-            k = state.sampling_params.prompt_logprobs
+            k, num_prompt_tokens = scoring[s.request_id]
             entries = []
             for j in range(len(s.token_ids)):
                 r, nxt = offsets[i] + j, s.num_computed_tokens + j + 1
-                if nxt < state.num_prompt_tokens:
+                if nxt < num_prompt_tokens:
                     entries.append((int(targets[r]), float(chosen[r]), int(rank[r]),
                                     top_ids[r][:k], top_vals[r][:k]))
             result[s.request_id] = entries
@@ -459,74 +379,3 @@ class ModelRunner:
         self._penalty_exe = None
         self._all_allowed.clear()
 
-    def warmup_keys(self) -> list[tuple[int, bool]]:
-        """Every step program a step can need, in the order warm-up builds them: the plain
-        programs by token bucket, smallest first, then the prompt-logprobs variants (rare)."""
-        keys = [(T, False) for T in self.buckets]
-        keys += [(self._variant_bucket(T, True), True) for T in self.buckets]
-        return list(dict.fromkeys(keys))
-
-    def warmup(self, background: bool = False):
-        """Compile every program a step can need: each token bucket with and without prompt
-        logprobs, and the penalty-row write. Nothing big is executed; with a warm persistent
-        cache this is loads.
-
-        background: build only the plain programs of buckets up to FIRST_PROGRAM_TOKENS now (what
-        decodes and short prompts need) and the rest on a background thread, smallest first
-        (`ready_token_budget` lets the scheduler keep steps within the built ones; a step that
-        needs one still queued waits for it, see `BackgroundCompiler`)."""
-        t0 = time.perf_counter()
-        keys = self.warmup_keys()
-        now = [k for k in keys if not background or (not k[1] and k[0] <= FIRST_PROGRAM_TOKENS)]
-        later = [k for k in keys if k not in now]
-        state = self._state_specs()
-        for key in now:
-            self._compile(key, state=state)
-        # Writing to slot C is dropped: this builds the write and changes nothing.
-        self._write_penalty_row(self.max_seqs, penalties.host_rows([], [], None, (), self.cfg.vocab_size))
-        jax.block_until_ready(self.penalties)
-        if self.lora is not None:       # the adapter slot write
-            self.weights = self.lora.warmup(self.weights)
-        if self.drafter is not None:
-            self.drafter.warmup(lambda T: self._build([], T, False)[0], self.buckets)
-        if later:
-            specs = {k: self._program_spec(*k) for k in later}     # on this thread (module doc)
-            self._compiler = BackgroundCompiler(
-                lambda k: self._compile(k, specs.get(k), state), later, on_done=self._warmup_done)
-        release_freed_host_memory()     # what the compiler freed
-        elapsed = time.perf_counter() - t0
-        logger.info("warm-up: %d step programs (%s) for token buckets %s%s in %.1f s%s",
-                    len(self._executables), self.programs_obtained(), self.buckets,
-                    "" if self.drafter is None else
-                    f" and {len(self.drafter.compiled_programs)} draft-model programs", elapsed,
-                    f"; {len(later)} more building in the background" if later else "")
-        return elapsed
-
-    def _warmup_done(self, seconds: float) -> None:
-        release_freed_host_memory()
-        logger.info("background warm-up done: %d step programs (%s) in %.1f s", len(self._executables),
-                    self.programs_obtained(), seconds)
-
-    def ready_token_budget(self) -> int | None:
-        """While programs compile in the background: the most tokens a step may schedule so
-        that its plain program is built (every bucket up to it is); None when all are."""
-        c = self._compiler
-        if c is None or c.pending == 0:
-            return None
-        budget = None
-        for T in self.buckets:
-            if (T, False) not in self._executables:
-                break
-            budget = T
-        return budget
-
-    def wait_for_programs(self, timeout: float | None = None) -> None:
-        """Block until the background warm-up (if any) has built every program."""
-        if self._compiler is not None:
-            self._compiler.wait(timeout)
-
-    def stop_compiling(self, timeout: float | None = 120.0) -> None:
-        """Cancel the background warm-up's queued programs and wait (up to `timeout` s) for the
-        one compiling (shutdown)."""
-        if self._compiler is not None:
-            self._compiler.close(timeout)

@@ -12,33 +12,20 @@ chunk's, CLS the first chunk's. Only [S, E] comes back per step, never [T, E].
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.host_memory import release_freed_host_memory
 from jaxserve.pooling_params import PoolerConfig
 from jaxserve.worker.model_runner import ModelRunner
+from jaxserve.worker.step import jit_step, pooling_step
 from jaxserve.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
-
-
-def pool_rows(hidden: jax.Array, cu_q_lens: jax.Array, pooling_type: str) -> jax.Array:
-    """hidden [T, E], cu_q_lens [S + 1] (padding rows repeat the total) -> [S, E] f32: per row
-    of the step the sum of its tokens' hidden states (MEAN), its last token's (LAST) or its
-    first token's (CLS). Padding rows hold garbage; the caller reads only real rows."""
-    T = hidden.shape[0]
-    S = cu_q_lens.shape[0] - 1
-    if pooling_type == "MEAN":
-        # Row of each token: padding tokens (at or past the total) land in row S, dropped.
-        row = jnp.searchsorted(cu_q_lens[1:], jnp.arange(T, dtype=cu_q_lens.dtype), side="right")
-        return jax.ops.segment_sum(hidden.astype(jnp.float32), row, num_segments=S)
-    index = cu_q_lens[1:] - 1 if pooling_type == "LAST" else cu_q_lens[:-1]
-    return hidden[jnp.clip(index, 0, T - 1)].astype(jnp.float32)
 
 
 class PoolingRunner(ModelRunner):
@@ -55,20 +42,9 @@ class PoolingRunner(ModelRunner):
                          backend=backend, max_logprobs=max_logprobs, kv_quantize=kv_quantize,
                          kv_dtype=kv_dtype, plan=plan)
         self.pooler = pooler
-        model, plan = self._model, self.plan
-        pooling_type = pooler.pooling_type
-
-        def step(weights, cache, pen, x: StepInputs):
-            hidden, cache = model.forward(weights, cache, x.tokens, x.positions, x.meta,
-                                          cfg=model_config, backend=backend,
-                                          kv_quantize=kv_quantize, plan=plan)
-            pooled = pool_rows(hidden, x.meta.cu_q_lens, pooling_type)
-            return jax.lax.with_sharding_constraint(pooled, plan.replicated), cache, pen
-
-        # Same signature as the generate step (the penalty state passes through untouched), so
-        # the base class's AOT compilation per bucket applies as it is.
-        rep = plan.replicated
-        self._step = self._jit_step(step, (rep, self._cache_sharding(self.cache.quantized, self.cache.codes), rep))
+        self._step = jit_step(pooling_step, dataclasses.replace(self.step_context, pooling_type=pooler.pooling_type),
+                              (self.plan.replicated, self._cache_sharding(self.cache.quantized, self.cache.codes),
+                               self.plan.replicated))
         # request_id -> the pooled state of the chunks computed so far (MEAN: the sum; CLS: the
         # first token's state)
         self._partial: dict[str, np.ndarray] = {}

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention import AttentionMetadata
+from jaxserve.core.scheduler_output import PLACEHOLDER_TOKEN_ID
 from jaxserve.sample.sampler import SamplingTensors
 
 
@@ -128,6 +129,9 @@ def build_inputs(scheduled, batch, *, num_tokens: int, num_seqs: int, num_blocks
         pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + n, dtype=np.int32)
         blocks = np.asarray(s.block_ids, np.int32)
         tokens[start:start + n] = s.token_ids
+        if PLACEHOLDER_TOKEN_ID in s.token_ids:     # taken from the step in flight, on the device
+            ids = tokens[start:start + n]
+            ids[ids == PLACEHOLDER_TOKEN_ID] = -1 - batch.slot_of(s.request_id)
         positions[start:start + n] = pos
         slots[start:start + n] = blocks[pos // B] * B + pos % B
         tables[i, :len(blocks)] = blocks
