@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import os
 import platform
@@ -87,8 +88,11 @@ class Recorder:
         runner, sched = engine.runner, engine.scheduler
         self._orig = dict(run_model=runner.run_model,
                           schedule=sched.schedule, update=sched.update_from_output,
-                          process=engine.processor.process, execute=runner.execute,
-                          prepare=runner.prepare, step=engine.step)
+                          process=engine.processor.process, dispatch=runner.dispatch,
+                          collect=runner.collect, prepare=runner.prepare, step=engine.step)
+        # Each step is paired with a replay of its program (below), which must see the state the
+        # step saw: synchronous steps (async scheduling's next step would already be in flight).
+        sched.config = dataclasses.replace(sched.config, async_scheduling=False)
         self.step_s = 0.0                   # wall time inside engine.step()
         self.bare_s = 0.0                   # the same steps replayed: the jitted step only
 
@@ -139,7 +143,8 @@ class Recorder:
         engine.step = step
         runner.run_model = run_model
         runner.prepare = prepare
-        runner.execute = timed("execute (total)", self._orig["execute"])
+        runner.dispatch = timed("dispatch (total)", self._orig["dispatch"])
+        runner.collect = timed("collect (total)", self._orig["collect"])
         sched.schedule = timed("schedule (host)", self._orig["schedule"])
         sched.update_from_output = update
         engine.processor.process = timed("detokenize + outputs (host)", self._orig["process"])
@@ -154,7 +159,7 @@ class Recorder:
 
     def restore(self):
         runner, sched = self.engine.runner, self.engine.scheduler
-        for name in ("run_model", "execute", "prepare"):
+        for name in ("run_model", "dispatch", "collect", "prepare"):
             delattr(runner, name)
         for name in ("schedule", "update_from_output"):
             delattr(sched, name)

@@ -218,3 +218,19 @@ def test_engine_outputs_identical_with_async_scheduling_on_and_off(llm, variant,
         for a, b in zip(lps, lps2, strict=True):
             _assert_close_logprobs(a, b)
         _assert_close_logprobs(prompt_lps, prompt_lps2)
+
+
+def test_async_scheduling_is_refused_where_it_cannot_run_and_resolved_elsewhere():
+    from jaxserve.config import EngineArgs
+    from jaxserve.engine.pooling import engine_args_for_pooling
+    from jaxserve.pooling_params import PoolerConfig
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    assert EngineArgs().scheduler_config(512).async_scheduling is True
+    assert EngineArgs(async_scheduling=False).scheduler_config(512).async_scheduling is False
+    assert EngineArgs(speculative_config=spec).scheduler_config(512).async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling is not supported with speculative decoding"):
+        EngineArgs(speculative_config=spec, async_scheduling=True).scheduler_config(512)
+    pooler = PoolerConfig(pooling_type="LAST")
+    assert engine_args_for_pooling(EngineArgs(), pooler).uses_async_scheduling() is False
+    with pytest.raises(ValueError, match="async_scheduling does not apply to pooling models"):
+        engine_args_for_pooling(EngineArgs(async_scheduling=True), pooler)

@@ -13,6 +13,8 @@ import pytest
 
 from jaxserve.config import EngineArgs
 from jaxserve.server.cli import main as cli
+from jaxserve.server.cli.flags import _ENGINE_FLAGS, add_engine_args, engine_args_from
+from jaxserve.server.cli.offline import generate_inputs
 
 
 def parse(*argv):
@@ -23,7 +25,7 @@ def parse(*argv):
 
 
 def test_every_engine_arg_has_a_flag():
-    flagged = {name for name, _, _ in cli._ENGINE_FLAGS} | {"model"}
+    flagged = {name for name, _, _ in _ENGINE_FLAGS} | {"model"}
     assert flagged == set(EngineArgs.field_names())
 
 
@@ -44,7 +46,7 @@ def test_only_given_flags_override_engine_defaults():
     ns = parse("some/model.gguf", "--max-model-len", "1k", "--no-enable-prefix-caching",
                "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
                "-tp", "1", "--served-model-name", "a", "b")
-    args = cli.engine_args_from(ns)
+    args = engine_args_from(ns)
     assert args.model == "some/model.gguf" and args.max_model_len == 1000
     assert args.enable_prefix_caching is False
     assert args.speculative_config["num_speculative_tokens"] == 3
@@ -56,7 +58,7 @@ def test_config_yaml_fills_flags_and_the_command_line_wins(tmp_path):
     cfg = tmp_path / "config.yaml"
     cfg.write_text("max-model-len: 256\nmax_num_seqs: 8\nport: 9001\nenable-prefix-caching: false\n")
     ns = parse("--config", str(cfg), "--max-model-len", "128")
-    args = cli.engine_args_from(ns)
+    args = engine_args_from(ns)
     assert args.max_model_len == 128 and args.max_num_seqs == 8
     assert args.enable_prefix_caching is False and ns.port == 9001
 
@@ -71,10 +73,10 @@ def test_unknown_config_key_is_an_error(tmp_path):
 def test_registered_subcommand_appears(monkeypatch):
     monkeypatch.setattr(cli, "SUBCOMMANDS", dict(cli.SUBCOMMANDS))
     cli.register_subcommand("run-batch", "Run a JSONL batch.",
-                            lambda p: (p.add_argument("-i"), cli.add_engine_args(p)),
+                            lambda p: (p.add_argument("-i"), add_engine_args(p)),
                             lambda ns: 0)
     ns = cli.build_parser().parse_args(["run-batch", "-i", "in.jsonl", "--max-num-seqs", "4"])
-    assert ns.command == "run-batch" and cli.engine_args_from(ns).max_num_seqs == 4
+    assert ns.command == "run-batch" and engine_args_from(ns).max_num_seqs == 4
     assert cli.main(["run-batch", "-i", "x"]) == 0
 
 
@@ -82,9 +84,9 @@ def test_generate_takes_the_model_as_a_flag_and_every_positional_as_a_prompt():
     parser = cli.build_parser()
     ns = parser.parse_args(["generate", "--model", "path/to/model.gguf", "Once upon a time",
                             "--max-model-len", "256"])
-    args, prompts = cli.generate_inputs(ns)
+    args, prompts = generate_inputs(ns)
     assert (args.model, prompts, args.max_model_len) == ("path/to/model.gguf", ["Once upon a time"], 256)
-    args, prompts = cli.generate_inputs(parser.parse_args(["generate", "First", "Second"]))
+    args, prompts = generate_inputs(parser.parse_args(["generate", "First", "Second"]))
     assert (args.model, prompts) == (None, ["First", "Second"])
 
 
@@ -165,13 +167,14 @@ def test_help_says_each_default_once_and_names_no_source_files():
 
 
 def test_the_start_up_configuration_is_one_block_of_non_default_settings():
+    from jaxserve.server.cli.serve import describe_config
     from jaxserve.server.http.api_server import ServerArgs
     ns = parse("m.gguf", "--max-model-len", "512", "--served-model-name", "a", "b", "--port", "9000",
                "--api-key", "secret", "--reasoning-parser", "qwen3")
-    engine_args = cli.engine_args_from(ns)
+    engine_args = engine_args_from(ns)
     server_args = ServerArgs(port=9000, api_key="secret", served_model_name=["a", "b"],
                              reasoning_parser="qwen3")
-    block = cli.describe_config(engine_args, server_args)
+    block = describe_config(engine_args, server_args)
     assert block.splitlines()[1:] == ["    served_model_name: a b", "    max_model_len: 512",
                                       "    reasoning_parser: qwen3", "    port: 9000", "    api_key: ***"]
-    assert cli.describe_config(cli.engine_args_from(parse()), ServerArgs()) == " none"
+    assert describe_config(engine_args_from(parse()), ServerArgs()) == " none"

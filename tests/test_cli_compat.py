@@ -9,6 +9,7 @@ import pytest
 
 from jaxserve.server.cli import compat
 from jaxserve.server.cli import main as cli
+from jaxserve.server.cli.flags import engine_args_from
 
 
 def parse(*argv: str):
@@ -40,15 +41,15 @@ def test_harmless_vllm_flag_is_accepted_with_one_warning_naming_it(caplog, flag)
     assert len(warnings) == 1, warnings
     name = "-O/--compilation-config" if flag[0].startswith(("-O", "--compilation-config")) else flag[0]
     assert name in warnings[0] and "does nothing here" in warnings[0]
-    args = cli.engine_args_from(ns)         # and the engine settings are the defaults'
-    assert args == cli.engine_args_from(parse())
+    args = engine_args_from(ns)         # and the engine settings are the defaults'
+    assert args == engine_args_from(parse())
 
 
 def test_aliases_map_to_jaxserve_values_without_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="jaxserve"):
-        assert cli.engine_args_from(parse("--dtype", "half")).dtype == "float16"
-        assert cli.engine_args_from(parse("--dtype=float")).dtype == "float32"
-        assert cli.engine_args_from(parse("--load-format", "safetensors")).load_format == "auto"
+        assert engine_args_from(parse("--dtype", "half")).dtype == "float16"
+        assert engine_args_from(parse("--dtype=float")).dtype == "float32"
+        assert engine_args_from(parse("--load-format", "safetensors")).load_format == "auto"
         assert parse("--allowed-origins", '["https://a.example", "https://b.example"]').allowed_origins == \
             ["https://a.example", "https://b.example"]
         assert parse("--allowed-origins", "https://a.example").allowed_origins == ["https://a.example"]
@@ -58,7 +59,7 @@ def test_aliases_map_to_jaxserve_values_without_a_warning(caplog):
 def test_underscore_spellings_are_the_dashed_flags():
     ns = parse("--max_model_len", "64", "--speculative_config", '{"method": "ngram"}', "--enable_prefix_caching",
                "--trust_remote_code")
-    args = cli.engine_args_from(ns)
+    args = engine_args_from(ns)
     assert args.max_model_len == 64 and args.speculative_config == {"method": "ngram"}
     assert args.enable_prefix_caching is True
 
@@ -89,7 +90,7 @@ def test_config_file_takes_vllm_flags_too(tmp_path, caplog, capsys):
     good.write_text("trust-remote-code: true\nmax_model_len: auto\nrope-scaling: '{\"rope_type\": \"linear\", "
                     "\"factor\": 2.0}'\n")
     with caplog.at_level(logging.WARNING, logger="jaxserve"):
-        args = cli.engine_args_from(parse("--config", str(good)))
+        args = engine_args_from(parse("--config", str(good)))
     assert args.max_model_len is None and args.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert sum("--trust-remote-code" in r.getMessage() for r in caplog.records) == 1
     bad = tmp_path / "bad.yaml"

@@ -194,7 +194,8 @@ def test_server_requests_take_the_models_defaults(tiny):
 
 
 def test_cli_flags_reach_engine_args(tmp_path):
-    from jaxserve.server.cli.main import build_parser, engine_args_from
+    from jaxserve.server.cli.flags import engine_args_from
+    from jaxserve.server.cli.main import build_parser
     ns = build_parser().parse_args(["serve", "--generation-config", "vllm",
                                     "--override-generation-config", '{"temperature": 0.5}'])
     args = engine_args_from(ns)

@@ -23,6 +23,7 @@ import pytest
 from jaxserve.loader.loader import fp8_scheme_of, load_hf_config
 from jaxserve.server.cli import compat
 from jaxserve.server.cli import main as cli
+from jaxserve.server.cli.flags import check_tool_arguments, engine_args_from
 
 DATA = Path(__file__).parent / "data" / "vllm_seed_commands.txt"
 
@@ -140,8 +141,8 @@ def check_line(argv: list[str]) -> str | None:
             ns = compat.parse_command_line(parser, ["serve", *argv])
             cli.apply_config_file(ns, ns._subparser)
             compat.apply_or_exit(ns)
-            cli.check_tool_arguments(ns)
-            args = cli.engine_args_from(ns)
+            check_tool_arguments(ns)
+            args = engine_args_from(ns)
             if args.gguf_file:            # the file inside the (local) repo is what loads
                 assert Path(args.model_location()).is_file(), args.model_location()
             path = Path(args.model_location())

@@ -154,7 +154,7 @@ def test_every_request_gets_one_access_line_with_status_and_tokens(server):
 
 # -- tool calling with a template that cannot render tools ---------------------------------------
 def test_start_up_warns_when_the_template_ignores_tools(server):
-    from jaxserve.server.openai.serving import CHATML_TOOLS_TEMPLATE
+    from jaxserve.server.openai.templates import CHATML_TOOLS_TEMPLATE
     log = server.log()
     assert "the chat template ignores `tools`" in log
     assert CHATML_TOOLS_TEMPLATE in log
@@ -163,7 +163,7 @@ def test_start_up_warns_when_the_template_ignores_tools(server):
 def test_shipped_tools_template_renders_tools_and_matches_plain_chats(server):
     """The template the warning names: with no tools it builds the same prompt as the model's
     own; with tools, the prompt lists them (more tokens)."""
-    from jaxserve.server.openai.serving import CHATML_TOOLS_TEMPLATE, load_chat_template
+    from jaxserve.server.openai.templates import CHATML_TOOLS_TEMPLATE, load_chat_template
     template = load_chat_template(CHATML_TOOLS_TEMPLATE)
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -178,7 +178,7 @@ def test_shipped_tools_template_renders_tools_and_matches_plain_chats(server):
 
 def test_template_check_tells_the_two_templates_apart():
     from jaxserve.default_model import default_model_path
-    from jaxserve.server.openai.serving import (
+    from jaxserve.server.openai.templates import (
         CHATML_TOOLS_TEMPLATE,
         load_chat_template,
         template_renders_tools,

@@ -23,7 +23,8 @@ from test_server_tools import MODEL, TOOLS, _outputs, _stream_chunks
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.openai.protocol import ChatCompletionRequest, validate_request
-from jaxserve.server.openai.serving import SSE_DONE, OpenAIServing
+from jaxserve.server.openai.serving import OpenAIServing
+from jaxserve.server.openai.sse import SSE_DONE
 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 PARIS = '{"city": "Paris"}'

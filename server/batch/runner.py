@@ -371,7 +371,7 @@ def engine_routes(serving) -> dict[str, Route]:
 
 # -- CLI -----------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from jaxserve.server.cli.main import add_engine_args, add_tool_arguments
+    from jaxserve.server.cli.flags import add_engine_args, add_tool_arguments
     p.description = __doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("-i", "--input-file", required=True, help="input JSONL ('-' for stdin)")
@@ -392,7 +392,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from jaxserve.server.cli.main import check_tool_arguments, engine_args_from
+    from jaxserve.server.cli.flags import check_tool_arguments, engine_args_from
     check_tool_arguments(ns)
     if ns.resume and ns.output_file == "-":
         print("run-batch: --resume needs an output file, not stdout", file=sys.stderr)
@@ -419,7 +419,8 @@ def resume_command(ns: argparse.Namespace) -> str:
 
 async def _run(ns, engine_args) -> int:
     from jaxserve.engine.async_llm import AsyncLLM
-    from jaxserve.server.openai.serving import OpenAIServing, load_chat_template
+    from jaxserve.server.openai.serving import OpenAIServing
+    from jaxserve.server.openai.templates import load_chat_template
     chat_template = load_chat_template(ns.chat_template)
 
     resume = batch_io.repair_and_scan(ns.output_file) if ns.resume else ResumeState()

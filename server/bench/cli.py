@@ -161,7 +161,7 @@ def _check_serve(ns: argparse.Namespace) -> None:
 
 
 def _offline_common(p: argparse.ArgumentParser) -> None:
-    from jaxserve.server.cli.main import add_engine_args
+    from jaxserve.server.cli.flags import add_engine_args
     g = p.add_argument_group("Benchmark")
     g.add_argument("--n", type=_positive(int), default=1, help="Outputs per prompt (default: 1).")
     g.add_argument("--output-json", default=None, help="Write the result to this JSON file.")

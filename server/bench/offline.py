@@ -19,7 +19,7 @@ LATENCY_PERCENTILES = [10, 25, 50, 75, 90, 99]
 
 def _llm(ns):
     from jaxserve.llm import LLM
-    from jaxserve.server.cli.main import engine_args_from
+    from jaxserve.server.cli.flags import engine_args_from
     return LLM(**dataclasses.asdict(engine_args_from(ns)))
 
 

@@ -137,7 +137,7 @@ def add_frontend_compat_arguments(parser: argparse.ArgumentParser) -> None:
 
 def max_model_len(text: str) -> int | str:
     """--max-model-len: a token count (1k, 32K, ...), or 'auto' / -1 (the model's own length)."""
-    from jaxserve.server.cli.main import _bytes
+    from jaxserve.server.cli.flags import _bytes
     if str(text).strip().lower() in ("auto", "-1"):
         return "auto"
     return _bytes(text)

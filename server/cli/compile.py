@@ -10,7 +10,7 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from jaxserve.server.cli.main import add_engine_args
+    from jaxserve.server.cli.flags import add_engine_args
     add_engine_args(p)
     p.add_argument("--target", required=True, choices=("h100", "h200", "cpu"),
                    help="What to compile for: an H100 SXM or H200 (compile-only devices: needs the "
@@ -32,7 +32,7 @@ def run(ns: argparse.Namespace) -> int:
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     from jaxserve.aot.compiler import compile_engine
     from jaxserve.aot.report import markdown
-    from jaxserve.server.cli.main import engine_args_from
+    from jaxserve.server.cli.flags import engine_args_from
     args = engine_args_from(ns, compilation_cache_dir="")
     try:
         report = compile_engine(args, ns.target, ns.out, programs=ns.programs, hlo=not ns.no_hlo,

@@ -37,7 +37,8 @@ from jaxserve.server.openai.protocol import (
 )
 from jaxserve.server.openai.responses import ResponsesServing
 from jaxserve.server.openai.responses_protocol import ResponsesRequest
-from jaxserve.server.openai.serving import OpenAIServing, load_chat_template
+from jaxserve.server.openai.serving import OpenAIServing
+from jaxserve.server.openai.templates import load_chat_template
 
 # Routes behind --api-key besides /v1/*: the tokenizer's (vLLM leaves them open; they read
 # prompts, so they sit with the API).

@@ -21,7 +21,7 @@ from pydantic import Field, field_validator
 from jaxserve.engine.async_llm import EngineDeadError
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.server.openai.protocol import OpenAIBaseModel, OpenAIError
-from jaxserve.server.openai.serving import _Prompt
+from jaxserve.server.openai.serving_base import _Prompt
 
 
 class EmbeddingRequest(OpenAIBaseModel):

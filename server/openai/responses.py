@@ -30,7 +30,8 @@ from jaxserve.server.openai.responses_protocol import (
     responses_error,
 )
 from jaxserve.server.openai.responses_stream import stream_events
-from jaxserve.server.openai.serving import OpenAIServing, SSEStream
+from jaxserve.server.openai.serving import OpenAIServing
+from jaxserve.server.openai.sse import SSEStream
 
 MAX_STORED = 1024    # responses kept for previous_response_id and GET (least recently used go)
 

@@ -1,0 +1,154 @@
+"""Server vs offline engine throughput on the same prompts, in one sitting (issue: async scheduling).
+
+    python benchmarks/bench_server.py                 # 64 streamed completions x 64 tokens, concurrency 32
+    python benchmarks/bench_server.py --rounds 3 --append
+
+The default model (SmolLM2-135M GGUF, `--dtype auto`). Two `jaxserve serve` processes are
+started, one with async scheduling (the default) and one with `--no-async-scheduling`, and an
+offline `LLM` in this process, all with the same engine flags. Each round, in turn (A B C A B C):
+`jaxserve bench serve`'s client sends the 64 prompts as streamed completions (ignore_eos,
+greedy) to each server at concurrency 32 and counts output tokens by the streams' `usage`; the
+offline engine generates the same 64 prompts with the same parameters in one `generate` call.
+Reports output tok/s of each and the server / offline ratios (best round of each). Only one of
+the three works at a time (the idle servers wait on an event).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import aiohttp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE_FLAGS = dict(max_model_len=1024, max_num_seqs=64, seed=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(asynchronous: bool) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "jaxserve.server.cli", "serve", "--port", str(port),
+           "--max-model-len", str(ENGINE_FLAGS["max_model_len"]), "--max-num-seqs", str(ENGINE_FLAGS["max_num_seqs"]),
+           "--seed", str(ENGINE_FLAGS["seed"]), "--disable-log-requests"]
+    if not asynchronous:
+        cmd.append("--no-async-scheduling")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready in {timeout} s")
+
+
+async def serve_round(url: str, requests, concurrency: int) -> float:
+    """Output tok/s of one round of streamed completions (tokens counted by `usage`)."""
+    from jaxserve.default_model import DEFAULT_MODEL_NAME
+    from jaxserve.server.bench.serve import request_body, run_requests
+    ns = argparse.Namespace(temperature=0.0, ignore_eos=True, top_p=None, top_k=None, min_p=None)
+    bodies = [request_body(DEFAULT_MODEL_NAME, r, False, ns) for r in requests]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        outcomes, wall = await run_requests(session, url + "/v1/completions", bodies, requests, False, None,
+                                            request_rate=float("inf"), burstiness=1.0,
+                                            max_concurrency=concurrency, seed=0)
+    failed = [o.error for o in outcomes if not o.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
+    return sum(o.output_tokens for o in outcomes) / wall
+
+
+def offline_round(llm, requests) -> float:
+    from jaxserve import SamplingParams
+    params = [SamplingParams(max_tokens=r.expected_output_len, temperature=0.0, ignore_eos=True) for r in requests]
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    return sum(len(o.outputs[0].token_ids) for o in outs) / wall
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--append", action="store_true")
+    args = ap.parse_args()
+    from jaxserve import LLM
+    from jaxserve.default_model import DEFAULT_MODEL_NAME
+    from jaxserve.engine.llm_engine import enable_compilation_cache
+    from jaxserve.server.bench.datasets import random_requests
+    from jaxserve.server.bench.serve import load_tokenizer
+
+    enable_compilation_cache(None)          # as the servers do (the CLI's default cache)
+    requests = random_requests(load_tokenizer(DEFAULT_MODEL_NAME), args.num_prompts, args.input_len,
+                               args.output_len, seed=0)
+    servers = {mode: start_server(mode) for mode in (True, False)}
+    try:
+        for proc, url in servers.values():
+            wait_ready(url, proc)
+        llm = LLM(**ENGINE_FLAGS, program_cache_dir="")
+        offline_round(llm, requests[:4])            # warm
+        for proc, url in servers.values():
+            asyncio.run(serve_round(url, requests[:4], args.concurrency))
+        got = {"async": [], "sync": [], "offline": []}
+        for r in range(args.rounds):
+            for name in ("async", "offline", "sync"):
+                if name == "offline":
+                    tps = offline_round(llm, requests)
+                else:
+                    tps = asyncio.run(serve_round(servers[name == "async"][1], requests, args.concurrency))
+                got[name].append(tps)
+                print(f"round {r}: {name} {tps:.1f} tok/s", flush=True)
+        llm.shutdown()
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
+    best = {k: max(v) for k, v in got.items()}
+    date = datetime.date.today().isoformat()
+    table = "\n".join([
+        f"### Server vs offline engine, same prompts ({date})", "",
+        f"`python benchmarks/bench_server.py --num-prompts {args.num_prompts} --input-len {args.input_len} "
+        f"--output-len {args.output_len} --concurrency {args.concurrency} --rounds {args.rounds}` on "
+        f"{platform.machine()} ({os.cpu_count()} cores); default model, greedy, ignore_eos; best of the rounds, "
+        "A B C in turn.", "",
+        "| what | output tok/s | / offline |", "|---|---|---|",
+        f"| offline `LLM.generate` (all prompts at once) | {best['offline']:.1f} | 1.00x |",
+        f"| server, async scheduling (default), concurrency {args.concurrency} | {best['async']:.1f} | "
+        f"{best['async'] / best['offline']:.2f}x |",
+        f"| server, `--no-async-scheduling`, concurrency {args.concurrency} | {best['sync']:.1f} | "
+        f"{best['sync'] / best['offline']:.2f}x |"]) + "\n"
+    print(table)
+    if args.append:
+        with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as f:
+            f.write("\n" + table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
