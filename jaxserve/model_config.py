@@ -1,6 +1,8 @@
 """`ModelConfig`: the network as the engine sees it, read from a Hugging Face `config.json`
-(`ModelConfig.from_hf`, one field reader per family) or GGUF metadata, with its rope scaling
-checked; `MoeConfig` for mixture-of-experts layers. Host side: never imports jax.
+(`ModelConfig.from_hf`: the common decoder fields here, each family's own in
+`jaxserve.model_config_hf`) or GGUF metadata, with its rope scaling read and checked. The MoE and
+MLA block configs (`MoeConfig`, `DeepseekMoeConfig`, `MlaConfig`) live in
+`jaxserve.model_config_blocks` and are re-exported here. Host side: never imports jax.
 (`jaxserve.config` re-exports these beside the engine's other configuration.)"""
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.model_config_blocks import DeepseekMoeConfig, MlaConfig, MoeConfig  # noqa: F401  (re-exported)
+from jaxserve.model_config_hf import family_defaults, family_fields
 from jaxserve.models.registry import check_architecture
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
@@ -16,55 +20,10 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclass(frozen=True)
-class MoeConfig:
-    """A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): the router scores `num_experts`
-    experts per token with a softmax, keeps the top `num_experts_per_tok`, and (when
-    `norm_topk_prob`) renormalises the kept weights to sum to 1. Mixtral's "top-k, then softmax
-    over the k logits" is exactly softmax -> top-k -> renormalise, so it is `norm_topk_prob=True`.
-    """
-
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    norm_topk_prob: bool = True
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
-    # gpt-oss's experts: a router with a bias, experts with biases and the clamped SwiGLU
-    # (up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g), g = gate.clamp(max=limit); None: SwiGLU
-    swiglu_alpha: float | None = None
-    swiglu_limit: float | None = None
-
-    def __post_init__(self):
-        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                     "decoder_sparse_step"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"model config field {name} must be a positive integer, "
-                                 f"got {getattr(self, name)!r}")
-        if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
-                             f"num_experts ({self.num_experts})")
-        if (self.swiglu_alpha is None) != (self.swiglu_limit is None) or not all(
-                v is None or v > 0 for v in (self.swiglu_alpha, self.swiglu_limit)):
-            raise ValueError(f"model config fields swiglu_alpha and swiglu_limit must both be positive numbers, "
-                             f"got {self.swiglu_alpha!r} and {self.swiglu_limit!r}")
-        if not all(isinstance(i, int) and i >= 0 for i in self.mlp_only_layers):
-            raise ValueError(f"model config field mlp_only_layers must list layer indices >= 0, "
-                             f"got {list(self.mlp_only_layers)}")
-
-    def sparse_layers(self, num_layers: int) -> tuple[int, ...]:
-        """The layers whose MLP is the mixture of experts; the others have a dense MLP of the
-        model's intermediate_size. Transformers' rule (Qwen3-MoE, Qwen2-MoE): layer i is sparse
-        unless listed in mlp_only_layers, and only every decoder_sparse_step-th layer is
-        ((i + 1) % step == 0). Indices past the last layer are ignored, as transformers does."""
-        return tuple(i for i in range(num_layers)
-                     if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
-
-
-@dataclass(frozen=True)
 class ModelConfig:
     """The shape of a decoder of one of the registered families, independent of where its
     weights come from. Family-specific fields (q/k norm, qkv bias, sliding window, `moe`) are
-    read from config.json by that family's parser (`_FAMILY_FIELDS`)."""
+    read from config.json by that family's parser (`model_config_hf.family_fields`)."""
 
     architecture: str
     vocab_size: int
@@ -196,7 +155,7 @@ class ModelConfig:
         arch = archs[0]
         check_architecture(arch)
         text = hf.get("text_config") or hf
-        text = {**_FAMILY_DEFAULTS.get(arch, {}), **text}
+        text = {**family_defaults(arch), **text}
         try:
             hidden = int(text["hidden_size"])
             num_heads = int(text["num_attention_heads"])
@@ -215,7 +174,7 @@ class ModelConfig:
         eos = text.get("eos_token_id", hf.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         try:
-            family = _FAMILY_FIELDS.get(arch, _llama_fields)(text)
+            family = family_fields(arch, text)
         except KeyError as e:
             raise ValueError(f"config.json is missing the required field {e.args[0]!r}") from None
         # a family's parser may replace a common field (DeepSeek's MLA: one latent "head")
@@ -232,243 +191,6 @@ class ModelConfig:
             bos_token_id=text.get("bos_token_id", hf.get("bos_token_id")),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             **cfg), **family})
-
-
-# --- per-family config.json fields ---------------------------------------------------------------
-# Each parser reads the fields its family adds to the common decoder shape; a family not listed
-# reads Llama's (optional qkv bias, sliding window only when use_sliding_window says so).
-
-def _window(text: dict[str, Any], default_on: bool) -> int | None:
-    window = text.get("sliding_window") if text.get("use_sliding_window", default_on) else None
-    return int(window) if window else None
-
-
-def _llama_fields(text: dict[str, Any]) -> dict[str, Any]:
-    return dict(attention_bias=bool(text.get("attention_bias", False)),
-                sliding_window=_window(text, False))
-
-
-def _mistral_fields(text: dict[str, Any]) -> dict[str, Any]:
-    return dict(_llama_fields(text), sliding_window=_window(text, True))
-
-
-def _qwen2_fields(text: dict[str, Any]) -> dict[str, Any]:
-    return dict(_llama_fields(text), attention_bias=bool(text.get("attention_bias", True)))
-
-
-def _qwen3_fields(text: dict[str, Any]) -> dict[str, Any]:
-    return dict(_llama_fields(text), qk_norm=True)
-
-
-def _qwen3_moe_fields(text: dict[str, Any]) -> dict[str, Any]:
-    # transformers 5 writes num_local_experts beside (or instead of) num_experts
-    experts = text.get("num_experts", text.get("num_local_experts"))
-    if experts is None:
-        raise KeyError("num_experts")
-    moe = MoeConfig(num_experts=int(experts),
-                    num_experts_per_tok=int(text["num_experts_per_tok"]),
-                    moe_intermediate_size=int(text["moe_intermediate_size"]),
-                    norm_topk_prob=bool(text.get("norm_topk_prob", False)),
-                    decoder_sparse_step=int(text.get("decoder_sparse_step", 1)),
-                    mlp_only_layers=tuple(int(i) for i in text.get("mlp_only_layers") or ()))
-    return dict(_qwen3_fields(text), moe=moe)
-
-
-def _mixtral_fields(text: dict[str, Any]) -> dict[str, Any]:
-    # Mixtral's experts are intermediate_size wide; its router is top-k then softmax over the k
-    moe = MoeConfig(num_experts=int(text["num_local_experts"]),
-                    num_experts_per_tok=int(text["num_experts_per_tok"]),
-                    moe_intermediate_size=int(text["intermediate_size"]),
-                    norm_topk_prob=True)
-    return dict(_mistral_fields(text), moe=moe)
-
-
-@dataclass(frozen=True)
-class MlaConfig:
-    """DeepSeek's multi-head latent attention: q from the hidden state directly (q_lora_rank None,
-    V2-Lite) or through a q_lora_rank-wide normed bottleneck; K and V of every head up-projected
-    (kv_b) from one kv_lora_rank-wide normed latent per token, beside a qk_rope_head_dim-wide rope
-    key shared by all heads. q.k covers qk_nope_head_dim + qk_rope_head_dim dims per head, values
-    v_head_dim. `rope_interleave`: the rope dims are rotated in adjacent pairs (DeepSeek's layout)."""
-
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope_interleave: bool = True
-
-    def __post_init__(self):
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"model config field {name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
-            raise ValueError(f"model config field q_lora_rank must be a positive integer or null, "
-                             f"got {self.q_lora_rank!r}")
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(f"qk_rope_head_dim must be even for rotary embeddings, got {self.qk_rope_head_dim}")
-
-    @property
-    def latent_dim(self) -> int:
-        """What the KV cache holds per token and layer: the latent and the rope key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-
-DEEPSEEK_ROUTING = {("softmax", "greedy"), ("softmax", "group_limited_greedy"), ("sigmoid", "noaux_tc")}
-
-
-@dataclass(frozen=True)
-class DeepseekMoeConfig(MoeConfig):
-    """DeepSeek's MoE (V2: softmax scores, top-k greedy or within the best `topk_group` of
-    `n_group` expert groups by their best score; V3: sigmoid scores plus a per-expert
-    correction bias for the choice, groups ranked by the sum of their two best, "noaux_tc"),
-    the kept weights (renormalised when `norm_topk_prob`) times `routed_scaling_factor`, plus
-    `n_shared_experts` experts every token uses (one SwiGLU of that many times the experts'
-    width). Layers before `first_k_dense_replace`, and those off every `moe_layer_freq`-th, are
-    dense (vLLM's rule)."""
-
-    scoring_func: str = "softmax"
-    topk_method: str = "greedy"
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    n_shared_experts: int = 0
-    first_k_dense_replace: int = 0
-    moe_layer_freq: int = 1
-
-    def __post_init__(self):
-        super().__post_init__()
-        if (self.scoring_func, self.topk_method) not in DEEPSEEK_ROUTING:
-            raise ValueError(f"scoring_func {self.scoring_func!r} with topk_method {self.topk_method!r} is not "
-                             f"supported; supported: {sorted(DEEPSEEK_ROUTING)}")
-        for name in ("n_group", "topk_group", "moe_layer_freq"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"model config field {name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.topk_method != "greedy":
-            if self.num_experts % self.n_group or self.topk_group > self.n_group:
-                raise ValueError(f"n_group ({self.n_group}) must divide n_routed_experts ({self.num_experts}) "
-                                 f"and topk_group ({self.topk_group}) be at most n_group")
-            if self.topk_group * (self.num_experts // self.n_group) < self.num_experts_per_tok:
-                raise ValueError(f"topk_group ({self.topk_group}) groups of {self.num_experts // self.n_group} "
-                                 f"experts hold fewer than num_experts_per_tok ({self.num_experts_per_tok})")
-
-    def sparse_layers(self, num_layers: int) -> tuple[int, ...]:
-        return tuple(i for i in range(num_layers)
-                     if i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0)
-
-
-def _deepseek_fields(text: dict[str, Any]) -> dict[str, Any]:
-    """DeepSeek V2 / V2-Lite / V3: MLA (the cache's one latent head) and DeepSeek's MoE. V3's
-    transformers class always routes by sigmoid + noaux_tc; V2's by softmax and topk_method."""
-    v3 = "DeepseekV3ForCausalLM" in (text.get("architectures") or ())
-    mla = MlaConfig(q_lora_rank=None if text.get("q_lora_rank") is None else int(text["q_lora_rank"]),
-                    kv_lora_rank=int(text["kv_lora_rank"]), qk_nope_head_dim=int(text["qk_nope_head_dim"]),
-                    qk_rope_head_dim=int(text["qk_rope_head_dim"]), v_head_dim=int(text["v_head_dim"]),
-                    rope_interleave=bool(text.get("rope_interleave", True)) if v3 else True)   # V2: always pairs
-    moe = None
-    if text.get("n_routed_experts"):
-        moe = DeepseekMoeConfig(
-            num_experts=int(text["n_routed_experts"]), num_experts_per_tok=int(text["num_experts_per_tok"]),
-            moe_intermediate_size=int(text["moe_intermediate_size"]),
-            norm_topk_prob=bool(text.get("norm_topk_prob", v3)),
-            scoring_func=text.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
-            topk_method=text.get("topk_method") or ("noaux_tc" if v3 else "greedy"),
-            n_group=int(text.get("n_group") or 1), topk_group=int(text.get("topk_group") or 1),
-            routed_scaling_factor=float(text.get("routed_scaling_factor") or 1.0),
-            n_shared_experts=int(text.get("n_shared_experts") or 0),
-            first_k_dense_replace=int(text.get("first_k_dense_replace") or 0),
-            moe_layer_freq=int(text.get("moe_layer_freq") or 1))
-    if text.get("attention_bias"):
-        raise ValueError("attention_bias is not supported for DeepSeek (its checkpoints have none)")
-    return dict(num_kv_heads=1, head_dim=mla.latent_dim, mla=mla, moe=moe)
-
-
-def _optional_float(text: dict[str, Any], name: str) -> float | None:
-    v = text.get(name)
-    return None if v is None else float(v)
-
-
-def _gemma_fields(text: dict[str, Any], pattern: int) -> dict[str, Any]:
-    """Gemma 2 (every other layer slides, from the first) and Gemma 3 (every `pattern`-th layer is
-    global): layer_types as config.json lists them, else transformers' default pattern."""
-    if text.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention is not supported: jaxserve serves causal decoders "
-                         "(this is an embedding model's config)")
-    n = int(text["num_hidden_layers"])
-    pattern = int(text.get("sliding_window_pattern") or text.get("_sliding_window_pattern") or pattern)
-    types = text.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                        for i in range(n)]
-    head_dim = text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"])
-    return dict(attention_bias=bool(text.get("attention_bias", False)),
-                sliding_window=_window(text, True),
-                hidden_act=text.get("hidden_activation") or text.get("hidden_act") or "gelu_pytorch_tanh",
-                layer_types=tuple(types),
-                query_pre_attn_scalar=float(text.get("query_pre_attn_scalar") or head_dim),
-                attn_logit_softcapping=_optional_float(text, "attn_logit_softcapping"),
-                final_logit_softcapping=_optional_float(text, "final_logit_softcapping"))
-
-
-def _gemma2_fields(text: dict[str, Any]) -> dict[str, Any]:
-    return _gemma_fields(text, 2)
-
-
-def _gemma3_fields(text: dict[str, Any]) -> dict[str, Any]:
-    local = text.get("rope_local_base_freq")
-    params = text.get("rope_parameters")
-    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
-        sliding = params["sliding_attention"]          # transformers 5: rope per layer type
-        if sliding.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_parameters.sliding_attention.rope_type {sliding['rope_type']!r} is not "
-                             "supported; Gemma 3's sliding layers use the default rope")
-        local = sliding.get("rope_theta", local)
-    return dict(_gemma_fields(text, 6), qk_norm=True, rope_local_theta=float(local or 10000.0))
-
-
-# transformers' Gemma3TextConfig defaults: Gemma 3's multimodal checkpoints (4B and up) write
-# only what differs from them in text_config
-_GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-                             rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
-                             sliding_window=4096, max_position_embeddings=131072, query_pre_attn_scalar=256,
-                             hidden_activation="gelu_pytorch_tanh", sliding_window_pattern=6)
-_FAMILY_DEFAULTS = {"Gemma3ForCausalLM": _GEMMA3_TEXT_DEFAULTS,
-                    "Gemma3ForConditionalGeneration": _GEMMA3_TEXT_DEFAULTS}
-
-
-def _phi3_fields(text: dict[str, Any]) -> dict[str, Any]:
-    params = text.get("rope_parameters") if isinstance(text.get("rope_parameters"), dict) else {}
-    factor = text.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
-    return dict(_llama_fields(text), sliding_window=_window(text, True), partial_rotary_factor=float(factor))
-
-
-def _gpt_oss_fields(text: dict[str, Any]) -> dict[str, Any]:
-    """gpt-oss: experts intermediate_size wide, routed top-k then softmax over the k (with the
-    router's bias), clamped SwiGLU; q/k/v/o biases; attention sinks; every other layer sliding
-    from the first, unless layer_types says otherwise."""
-    n = int(text["num_hidden_layers"])
-    types = text.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-    moe = MoeConfig(num_experts=int(text["num_local_experts"]),
-                    num_experts_per_tok=int(text["num_experts_per_tok"]),
-                    moe_intermediate_size=int(text["intermediate_size"]), norm_topk_prob=True,
-                    swiglu_alpha=float(text.get("swiglu_alpha", 1.702)),
-                    swiglu_limit=float(text.get("swiglu_limit", 7.0)))
-    return dict(attention_bias=bool(text.get("attention_bias", True)), sliding_window=_window(text, True),
-                layer_types=tuple(types), moe=moe, attention_sinks=True)
-
-
-_FAMILY_FIELDS = {
-    "GptOssForCausalLM": _gpt_oss_fields,
-    "DeepseekV2ForCausalLM": _deepseek_fields,
-    "DeepseekV3ForCausalLM": _deepseek_fields,
-    "Phi3ForCausalLM": _phi3_fields,
-    "Gemma2ForCausalLM": _gemma2_fields,
-    "Gemma3ForCausalLM": _gemma3_fields,
-    "Gemma3ForConditionalGeneration": _gemma3_fields,
-    "MistralForCausalLM": _mistral_fields,
-    "Qwen2ForCausalLM": _qwen2_fields,
-    "Qwen3ForCausalLM": _qwen3_fields,
-    "Qwen3MoeForCausalLM": _qwen3_moe_fields,
-    "MixtralForCausalLM": _mixtral_fields,
-}
 
 
 def _rope_from_hf(text: dict[str, Any], max_position_embeddings: int = 2048
