@@ -12,10 +12,12 @@ away), then
   (schedule, run, read the tokens, update, detokenise) and async (step N + 1 launched before
   step N is read), alternated A B A B in one sitting on one engine (the scheduler's mode is
   switched between rounds, with nothing in flight);
-- **program alone**: the same decode step's compiled program run back to back on the inputs
-  of a real step of that batch (launched `--steps` times, then waited for): what the device
-  needs per step when the host adds nothing.
-The ratio engine step / program alone is the exposed host time (1.00: none). Prints a markdown
+- **program alone**: the compiled programs of those decode steps run back to back on their
+  recorded inputs (launched one after the other, then waited for): what the device needs per
+  step when the host adds nothing.
+XLA:CPU starts on one core (its thread pools get one thread: with one Eigen thread it still runs a
+program's independent ops on a pool of all the cores), then the host thread is pinned to one core and
+XLA's threads to the other (`pin_host_and_device`; `--no-pin`: neither). The ratio engine step / program alone is the exposed host time (1.00: none). Prints a markdown
 table; `--append` adds it to benchmarks/RESULTS.md.
 """
 
@@ -26,9 +28,16 @@ import datetime
 import os
 import platform
 import sys
+import threading
 import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+# One Eigen thread is not one XLA thread: XLA:CPU runs a program's independent ops on a pool as
+# large as the cores it sees when it starts (1.7-1.9 cores busy while one step runs, measured).
+# Started on one core, its pools get one thread; `pin_host_and_device` then spreads the threads.
+_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+if "--no-pin" not in sys.argv and len(_CORES) >= 2:
+    os.sched_setaffinity(0, {_CORES[0]})
 
 import jax  # noqa: E402
 
@@ -43,6 +52,22 @@ def build(max_seqs: int):
                dtype="float32", program_cache_dir="")
 
 
+def pin_host_and_device() -> str:
+    """The host on one core, XLA on the other (Linux): this thread (the engine's) gets the first
+    core, every other thread of the process (XLA:CPU's, one-thread pools since it started on one
+    core) the second, so the "device" never takes the host's core. Returns what was done."""
+    if len(_CORES) < 2:
+        return "not pinned"
+    host, device = _CORES[:2]
+    main = threading.get_native_id()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {host} if int(tid) == main else {device})
+        except OSError:
+            pass
+    return f"host thread on core {host}, XLA's threads on core {device}"
+
+
 def set_mode(engine, asynchronous: bool) -> None:
     import dataclasses
     assert engine._in_flight is None and not engine.has_unfinished_requests()
@@ -50,18 +75,18 @@ def set_mode(engine, asynchronous: bool) -> None:
 
 
 def decode_round(engine, num_seqs: int, prompt_len: int, steps: int, tag: str):
-    """(seconds per engine step over `steps` decode steps, StepInputs of one decode step)."""
+    """(seconds per engine step over `steps` decode steps, the StepInputs of those steps)."""
     from jaxserve import SamplingParams
     params = SamplingParams(max_tokens=steps + 16, ignore_eos=True, temperature=0)
     for i in range(num_seqs):
         engine.add_request(f"{tag}-{i}", [3 + (i * 7 + j) % 1000 for j in range(prompt_len)], params)
     runner = engine.runner
-    recorded = {}
+    recorded = []
     prepare = runner.prepare
 
     def recording(scheduled, with_prompt_logprobs):
         out = prepare(scheduled, with_prompt_logprobs)
-        recorded["inputs"] = out[0]
+        recorded.append(out[0])
         return out
     runner.prepare = recording
     try:
@@ -69,6 +94,7 @@ def decode_round(engine, num_seqs: int, prompt_len: int, steps: int, tag: str):
             engine.step()               # prefill, first tokens: every sequence decoding after
         for _ in range(3):
             engine.step()
+        recorded.clear()
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
@@ -78,17 +104,19 @@ def decode_round(engine, num_seqs: int, prompt_len: int, steps: int, tag: str):
     engine.abort_request([f"{tag}-{i}" for i in range(num_seqs)])
     while engine.has_unfinished_requests():
         engine.step()
-    return elapsed, recorded["inputs"]
+    return elapsed, recorded[:steps]
 
 
-def program_alone(runner, inputs, steps: int) -> float:
-    """Seconds per step of the compiled decode program launched back to back on `inputs`."""
-    jax.block_until_ready(runner.run_model(inputs))
+def program_alone(runner, steps) -> float:
+    """Seconds per step of the compiled decode programs launched back to back on the recorded
+    inputs of the engine's steps (the same shapes and context lengths; each rewrites the K/V its
+    step wrote, placeholders read the last sampled tokens: the same work)."""
+    jax.block_until_ready(runner.run_model(steps[0]))
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for inputs in steps:
         out = runner.run_model(inputs)
     jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / len(steps)
 
 
 def main() -> int:
@@ -98,18 +126,20 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--append", action="store_true")
+    ap.add_argument("--no-pin", action="store_true", help="leave threads where the OS puts them")
     args = ap.parse_args()
     rows = []
     for n in args.seqs:
         llm = build(n)
         engine = llm.llm_engine
+        pinned = "not pinned" if args.no_pin else pin_host_and_device()
         times = {False: [], True: [], "alone": []}
         for r in range(args.rounds):
             for mode in (False, True):          # A B A B
                 set_mode(engine, mode)
-                t, inputs = decode_round(engine, n, args.prompt_len, args.steps, f"{n}-{r}-{mode}")
+                t, steps = decode_round(engine, n, args.prompt_len, args.steps, f"{n}-{r}-{mode}")
                 times[mode].append(t)
-                times["alone"].append(program_alone(engine.runner, inputs, args.steps))
+                times["alone"].append(program_alone(engine.runner, steps))
         llm.shutdown()
         alone = min(times["alone"])
         sync, asyn = min(times[False]), min(times[True])
@@ -120,7 +150,7 @@ def main() -> int:
     lines = [f"### Exposed host time per engine step, async scheduling off / on ({date})", "",
              f"`python benchmarks/bench_async.py --seqs {' '.join(map(str, args.seqs))} --steps {args.steps} "
              f"--rounds {args.rounds}` on {platform.machine()} ({os.cpu_count()} cores), jax {jax.__version__}; "
-             "dummy tiny Llama, XLA:CPU one thread; best of the rounds, A B A B.", "",
+             f"dummy tiny Llama, XLA:CPU one thread, {pinned}; best of the rounds, A B A B.", "",
              "| decoding sequences | program alone | engine step, sync | engine step, async | sync / alone "
              "| async / alone |", "|---|---|---|---|---|---|"]
     for n, alone, sync, asyn in rows:
