@@ -11,7 +11,7 @@ off through the same requests: tokens, logprobs, finish reasons and texts are id
 import random
 
 import pytest
-from test_scheduler import VOCAB, add, check_pool_invariants, make, next_token, reference_output
+from test_scheduler import VOCAB, add, add_random, check_pool_invariants, make, next_token, reference_output
 
 from jaxserve.core.request import RequestStatus
 from jaxserve.core.scheduler_output import PLACEHOLDER_TOKEN_ID
@@ -83,8 +83,7 @@ def run_lagging(sched, runner, in_flight):
 def test_async_steps_give_every_request_its_tokens_and_leak_nothing(policy, caching, chunked, seed):
     rng = random.Random(f"async{policy}{caching}{chunked}{seed}")
     sched, _ = make(num_blocks=24, block_size=4, budget=48 if chunked else 64, max_model_len=64,
-                    max_num_seqs=6, policy=policy, caching=caching, chunked=chunked)
-    sched.config = sched.config.__class__(**{**sched.config.__dict__, "async_scheduling": True})
+                    max_num_seqs=6, policy=policy, caching=caching, chunked=chunked, async_scheduling=True)
     runner = LaggingRunner(sched)
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(4, 20))] for _ in range(4)]
     live, expected, finished, next_id, preemptions = {}, {}, {}, 0, 0
@@ -92,15 +91,8 @@ def test_async_steps_give_every_request_its_tokens_and_leak_nothing(policy, cach
     for _ in range(2000):
         op = rng.random()
         if op < 0.25 and len(live) < 20:
-            source = rng.choice(prefixes) if rng.random() < 0.5 or not live else \
-                rng.choice(list(live.values())).all_token_ids
-            prompt = (source[:rng.randrange(1, 40)] + [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 24))])
-            prompt = prompt[:40] or [1]
-            max_tokens = rng.randrange(1, 24)
-            rid = f"r{next_id}"
+            add_random(sched, rng, prefixes, live, expected, f"r{next_id}")
             next_id += 1
-            live[rid] = add(sched, rid, prompt, priority=rng.randrange(3), max_tokens=max_tokens)
-            expected[rid] = reference_output(prompt, max_tokens, 64)
         elif op < 0.30 and live:        # an abort, possibly of a request with a step in flight
             rid = rng.choice(sorted(live))
             sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
@@ -133,8 +125,7 @@ def test_async_steps_give_every_request_its_tokens_and_leak_nothing(policy, cach
 def test_a_request_at_max_tokens_is_not_scheduled_past_it():
     """Its in-flight token is its last: the next schedule leaves it out (no wasted row), and
     update finishes it."""
-    sched, _ = make()
-    sched.config = sched.config.__class__(**{**sched.config.__dict__, "async_scheduling": True})
+    sched, _ = make(async_scheduling=True)
     runner = LaggingRunner(sched)
     add(sched, "a", [1, 2, 3], max_tokens=2)
     first = runner.dispatch(sched.schedule())           # prefill, samples token 1
@@ -148,8 +139,7 @@ def test_a_request_at_max_tokens_is_not_scheduled_past_it():
 
 
 def test_stop_found_a_step_late_drops_the_extra_token_and_frees_after_it():
-    sched, _ = make()
-    sched.config = sched.config.__class__(**{**sched.config.__dict__, "async_scheduling": True})
+    sched, _ = make(async_scheduling=True)
     runner = LaggingRunner(sched)
     prompt = [5, 6, 7]
     stop = reference_output(prompt, 1, 64)[0]

@@ -58,11 +58,11 @@ class FakeRunner:
 
 
 def make(num_blocks=64, block_size=4, budget=64, max_model_len=128, max_num_seqs=16,
-         policy="fcfs", chunked=True, caching=True, spec=0):
+         policy="fcfs", chunked=True, caching=True, spec=0, async_scheduling=False):
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                       max_model_len=max_model_len, policy=policy,
                                       enable_chunked_prefill=chunked,
-                                      num_speculative_tokens=spec),
+                                      num_speculative_tokens=spec, async_scheduling=async_scheduling),
                       CacheConfig(block_size=block_size, enable_prefix_caching=caching),
                       num_blocks=num_blocks)
     return sched, FakeRunner(sched)
@@ -106,6 +106,19 @@ def check_pool_invariants(sched):
     assert set(sched.kv_cache_manager.req_to_blocks) <= {r.request_id for r in sched.running}
 
 
+def add_random(sched, rng, prefixes, live, expected, rid):
+    """Add a random request; its prompt shares a prefix with a fixed prompt or with the live
+    tokens (outputs included) of another request, so prefix hits land on blocks filled by
+    decodes too. `expected[rid]`: its deterministic output (max_model_len 64)."""
+    source = rng.choice(prefixes) if rng.random() < 0.5 or not live else \
+        rng.choice(list(live.values())).all_token_ids
+    prompt = source[:rng.randrange(1, 40)] + [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 24))]
+    prompt = prompt[:40] or [1]
+    max_tokens = rng.randrange(1, 24)
+    live[rid] = add(sched, rid, prompt, priority=rng.randrange(3), max_tokens=max_tokens)
+    expected[rid] = reference_output(prompt, max_tokens, 64)
+
+
 @pytest.mark.parametrize("policy,caching,spec,chunked", [
     ("fcfs", True, 0, True), ("fcfs", False, 0, True), ("priority", True, 0, True),
     ("fcfs", True, 2, True), ("priority", True, 1, False), ("priority", True, 0, True), ("priority", True, 2, True)])
@@ -120,18 +133,8 @@ def test_random_add_step_abort_never_leaks_blocks(policy, caching, spec, chunked
     for _ in range(3000):
         op = rng.random()
         if op < 0.25 and len(live) < 20:
-            # Share prefixes with fixed prompts and with the live tokens (outputs included) of
-            # other requests, so prefix hits land on blocks filled by decodes too.
-            source = rng.choice(prefixes) if rng.random() < 0.5 or not live else \
-                rng.choice(list(live.values())).all_token_ids
-            prompt = source[:rng.randrange(1, 40)] + \
-                [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 24))]
-            prompt = prompt[:40] or [1]
-            max_tokens = rng.randrange(1, 24)
-            rid = f"r{next_id}"
+            add_random(sched, rng, prefixes, live, expected, f"r{next_id}")
             next_id += 1
-            live[rid] = add(sched, rid, prompt, priority=rng.randrange(3), max_tokens=max_tokens)
-            expected[rid] = reference_output(prompt, max_tokens, 64)
         elif op < 0.30 and live:
             rid = rng.choice(sorted(live))
             sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
