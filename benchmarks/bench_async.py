@@ -17,8 +17,9 @@ away), then
   step when the host adds nothing.
 XLA:CPU starts on one core (its thread pools get one thread: with one Eigen thread it still runs a
 program's independent ops on a pool of all the cores), then the host thread is pinned to one core and
-XLA's threads to the other (`pin_host_and_device`; `--no-pin`: neither). The ratio engine step / program alone is the exposed host time (1.00: none). Prints a markdown
-table; `--append` adds it to benchmarks/RESULTS.md.
+XLA's threads to the other (`pin_host_and_device`; `--no-pin`: neither). The ratio engine step /
+program alone is the exposed host time (1.00: none). Prints a markdown table; `--append` adds it
+to benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def main() -> int:
             wait_ready(url, proc)
         llm = LLM(**ENGINE_FLAGS, program_cache_dir="")
         offline_round(llm, requests[:4])            # warm
-        for proc, url in servers.values():
+        for _, url in servers.values():
             asyncio.run(serve_round(url, requests[:4], args.concurrency))
         got = {"async": [], "sync": [], "offline": []}
         for r in range(args.rounds):

@@ -36,8 +36,14 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from jaxserve.core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.core.request_queue import WaitingQueue
-from jaxserve.core.scheduler_output import (PLACEHOLDER_TOKEN_ID, GrammarBitmask, NewRequestData, ScheduledRequest,
-                                            SchedulerOutput, SpecDecodingStats)
+from jaxserve.core.scheduler_output import (
+    PLACEHOLDER_TOKEN_ID,
+    GrammarBitmask,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    SpecDecodingStats,
+)
 
 __all__ = ["GrammarBitmask", "NewRequestData", "ScheduledRequest", "Scheduler", "SchedulerOutput",
            "SpecDecodingStats"]
