@@ -255,12 +255,11 @@ class LLMEngine:
         sched.grammar_bitmask = self._grammar_bitmask(sched)
         if self.runner.drafter is not None:
             sched.draft_lengths = self._draft_lengths(sched) if self.proposer else {}
-        launched = self._launch(sched)
+        launched, failed = self._launch(sched)
         if previous is not None:
             outputs += self._finish(*previous)
-        if isinstance(launched, list):              # the step failed to launch
-            outputs += launched
-        elif launched is not None:
+        outputs += failed
+        if launched is not None:
             if self.scheduler.config.async_scheduling:
                 self._in_flight = (sched, launched)
             else:
@@ -269,22 +268,22 @@ class LLMEngine:
             outputs, self._pending = self._pending + outputs, []
         return outputs
 
-    def _launch(self, sched: SchedulerOutput):
-        """Dispatch a step: its StepInFlight, None (nothing scheduled) or, when it raised, the
-        outputs of its failed requests. Even an empty schedule goes to the runner: it carries
-        the finished / preempted ids the worker must drop from its input batch."""
+    def _launch(self, sched: SchedulerOutput) -> tuple:
+        """Dispatch a step: (its StepInFlight, or None when nothing is scheduled or it raised; the
+        outputs of its failed requests when it raised). Even an empty schedule goes to the runner:
+        it carries the finished / preempted ids the worker must drop from its input batch."""
         try:
             if self.fault_hook is not None and not sched.is_empty:
                 self.fault_hook(sched)
             if self.group is not None:
                 self.group.send(sched)      # the followers run the same step
-            return self.runner.dispatch(sched)
+            return self.runner.dispatch(sched), []
         except multihost.PeerLostError:
             raise                           # no step can run again: the engine is dead
         except Exception as e:
             if sched.is_empty or not self._runner_usable():
                 raise
-            return self._fail_step(sched, e)
+            return None, self._fail_step(sched, e)
 
     def _finish(self, sched: SchedulerOutput, step) -> list:
         """Read a launched step's results and apply them: prompt logprobs, the scheduler's update

@@ -278,7 +278,7 @@ class ModelRunner(StepPrograms):
         for a in jax.tree_util.tree_leaves(results):
             a.copy_to_host_async()
         return StepInFlight(scheduler_output, inputs, layout, drafts, want_lp, results,
-                            self._prompt_scoring(scheduled), timed, t0)
+                            self._prompt_scoring(scheduled) if want_prompt_lp else {}, timed, t0)
 
     def collect(self, step: StepInFlight | None) -> RunnerOutput:
         """Wait for a dispatched step and read its results: the tokens each sampling row keeps
