@@ -109,8 +109,10 @@ if cfg["profile"]:
     smp = jax.jit(lambda l, t, p, b: sample(l, t, p, k=runner.max_logprobs, bitmask=b))
     bitmask = x.bitmask if x.bitmask is not None else runner._all_allowed_mask(len(x.logit_rows))
     exe = runner._executable(len(x.tokens), False)
+    packed = runner.device_inputs(x)
     def whole():
-        out, scores, runner.cache, runner.penalties = exe(runner.weights, runner.cache, runner.penalties, x)
+        out, scores, runner.cache, runner.penalties = exe(runner.weights, runner.cache, runner.penalties,
+                                                          *packed)
         return out
     res["profile"] = {
         "token bucket T": len(x.tokens), "sampler rows": len(x.logit_rows),

@@ -35,15 +35,19 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import SpeculativeConfig
 from jaxserve.spec_decode import make_proposer
 
-COPY = [
+COPY = [    # answers the default model gives by copying its prompt (checked: greedy, 128 tokens)
     "Repeat this list exactly, one item per line: apple, banana, cherry, date, elderberry, fig, "
     "grape, honeydew, kiwi, lemon, mango, nectarine, orange, papaya, quince, raspberry.",
-    "Rewrite this code with one change: rename the function total to sum_all.\n\n"
-    "def total(values):\n    result = 0\n    for v in values:\n        result = result + v\n"
-    "    return result\n\n\nprint(total([1, 2, 3]))\n",
-    "Repeat this sentence three times: The quick brown fox jumps over the lazy dog.",
-    "Rewrite this list in reverse order: one, two, three, four, five, six, seven, eight, nine, "
-    "ten.",
+    "Copy this text exactly: The mitochondria is the powerhouse of the cell. It produces energy "
+    "in the form of ATP through cellular respiration.",
+    "Fix the typo in this sentence and repeat it: The cat sat on the mat and lookd out of the "
+    "window at the birds in the garden.",
+    "Rewrite this code with one change: rename the variable x to count.\n\nx = 0\nfor item in "
+    "items:\n    if item > 10:\n        x = x + 1\nprint(x)\n",
+    "Repeat these numbers exactly: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, "
+    "18, 19, 20.",
+    "Translate this JSON to YAML: {\"name\": \"Alice\", \"age\": 30, \"city\": \"Paris\", "
+    "\"languages\": [\"English\", \"French\"]}",
 ]
 OPEN = [
     "Write a short story about a lighthouse keeper.",
@@ -131,8 +135,9 @@ def early_exit_agreement(llm, prompts, layers: list[int], max_tokens: int) -> di
     return {n: round(float(np.mean(h)), 3) for n, h in hits.items()}
 
 
-def run(llm, prompts, params, method, k, extra):
+def run(llm, prompts, params, method, k, extra, batch=None):
     engine = llm.llm_engine
+    batch = batch or len(prompts)
     engine.runner.drafter = DRAFTERS.get(method)
     if method in DRAFTERS:
         method, extra = "draft_model", dict(extra, model=method)
@@ -140,24 +145,32 @@ def run(llm, prompts, params, method, k, extra):
                                                       **extra)) if method else None
     # where the time goes: host seconds drafting (the engine's _propose) and steps run
     host = {"propose_s": 0.0, "steps": 0}
-    propose, execute = engine._propose, engine.runner.execute
+    propose, dispatch = engine._propose, engine.runner.dispatch
 
     def timed_propose(updated):
         t = time.perf_counter()
         propose(updated)
         host["propose_s"] += time.perf_counter() - t
 
-    def counted_execute(sched):
+    def counted_dispatch(sched):
         host["steps"] += bool(sched.scheduled)
-        return execute(sched)
+        return dispatch(sched)
 
-    engine._propose, engine.runner.execute = timed_propose, counted_execute
+    engine._propose, engine.runner.dispatch = timed_propose, counted_dispatch
     before = engine.stats()
-    t0 = time.perf_counter()
-    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    # batch B: the prompts in groups of B, one `LLM.chat` each (batch 1: each prompt alone)
+    outs, wall, decode_s = [], 0.0, 0.0
+    for i in range(0, len(prompts), batch):
+        t0 = time.perf_counter()
+        group = llm.chat([[{"role": "user", "content": p}] for p in prompts[i:i + batch]], params,
+                         use_tqdm=False)
+        wall += time.perf_counter() - t0
+        # decode: from the group's first first token to its last finish (prefill excluded)
+        decode_s += (max(o.metrics.finished_time for o in group)
+                     - min(o.metrics.first_token_time for o in group))
+        outs += group
     after = engine.stats()
-    del engine._propose, engine.runner.execute
+    del engine._propose, engine.runner.dispatch
     engine.proposer = None
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     drafts = after.spec_num_drafts - before.spec_num_drafts
@@ -165,6 +178,7 @@ def run(llm, prompts, params, method, k, extra):
                     if i < len(before.spec_num_accepted_tokens_per_pos) else 0)
                for i, a in enumerate(after.spec_num_accepted_tokens_per_pos)]
     return dict(tokens=toks, wall_s=wall, tok_s=toks / wall, drafts=drafts, **host,
+                decode_tok_s=(toks - len(outs)) / max(1e-9, decode_s),
                 draft_tokens=after.spec_num_draft_tokens - before.spec_num_draft_tokens,
                 accepted=after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
                 accept_per_pos=[round(n / drafts, 3) if drafts else 0.0 for n in per_pos],
@@ -182,6 +196,10 @@ def main():
     ap.add_argument("--draft-layers", default="",
                     help="comma-separated N: also run a draft model of the first N layers")
     ap.add_argument("--workloads", default="copy,open")
+    ap.add_argument("--baseline", choices=["engine", "proposer"], default="engine",
+                    help="engine: an engine built without speculative_config (async scheduling, "
+                         "the 1-token program: what a user without speculation runs); proposer: "
+                         "the speculative engine with its proposer switched off")
     ap.add_argument("--early-exit-layers", default="",
                     help="comma-separated N: print the early-exit agreement table and exit")
     a = ap.parse_args()
@@ -203,6 +221,9 @@ def main():
     llm = LLM(max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=max(batches),
               num_gpu_blocks_override=512, enable_prefix_caching=False, speculative_config=spec)
     DRAFTERS.update({f"draft-{n}": d for n, d in draft_runners(llm, paths, a.k).items()})
+    off = llm if a.baseline == "proposer" else LLM(
+        max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=max(batches),
+        num_gpu_blocks_override=512, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
     known = {"ngram": dict(prompt_lookup_min=2, prompt_lookup_max=4), "suffix": dict()}
     methods = {m: known[m] for m in a.methods.split(",") if m}
@@ -212,37 +233,45 @@ def main():
     for method in methods:      # warm-up: every program these runs need
         run(llm, COPY[:2] + OPEN[:2], SamplingParams(temperature=0, max_tokens=8), method, a.k,
             methods[method])
+    for batch in batches:
+        run(off, (COPY + OPEN) * (batch // 8 + 1), SamplingParams(temperature=0, max_tokens=8),
+            None, a.k, {})
     rows, results = [], []
     workloads = {"copy": COPY, "open": OPEN}
     for workload, base_prompts in ((w, workloads[w]) for w in a.workloads.split(",")):
         for batch in batches:
-            prompts = (base_prompts * (batch // len(base_prompts) + 1))[:batch]
+            prompts = (base_prompts * (batch // len(base_prompts) + 1))[:max(batch, len(base_prompts))]
             for method, extra in methods.items():
                 # Best of `--repeats` alternating runs: the shared machine's load drifts.
                 base = r = None
                 for _ in range(a.repeats):
-                    b = run(llm, prompts, params, None, a.k, {})
-                    s = run(llm, prompts, params, method, a.k, extra)
+                    b = run(off, prompts, params, None, a.k, {}, batch)
+                    s = run(llm, prompts, params, method, a.k, extra, batch)
                     base = b if base is None or b["tok_s"] > base["tok_s"] else base
                     r = s if r is None or s["tok_s"] > r["tok_s"] else r
                 same = r["ids"] == base["ids"]
                 speedup = r["tok_s"] / base["tok_s"]
+                decode = r["decode_tok_s"] / base["decode_tok_s"]
                 rows.append(f"| {workload} | {batch} | {method} | {base['tok_s']:.1f} | "
-                            f"{r['tok_s']:.1f} | **{speedup:.2f}x** | "
+                            f"{r['tok_s']:.1f} | **{speedup:.2f}x** | {base['decode_tok_s']:.1f} | "
+                            f"{r['decode_tok_s']:.1f} | **{decode:.2f}x** | "
                             f"{r['accepted'] / max(1, r['draft_tokens']):.2f} | "
                             f"{r['accept_per_pos']} | {same} |")
                 results.append(dict(workload=workload, batch=batch, method=method,
                                     base_tok_s=base["tok_s"], spec_tok_s=r["tok_s"],
                                     speedup=speedup, drafts=r["drafts"],
+                                    base_decode_tok_s=base["decode_tok_s"],
+                                    spec_decode_tok_s=r["decode_tok_s"], decode_speedup=decode,
                                     draft_tokens=r["draft_tokens"], accepted=r["accepted"],
                                     accept_per_pos=r["accept_per_pos"], identical=same,
                                     steps_off=base["steps"], steps_on=r["steps"],
                                     propose_ms_per_step=1e3 * r["propose_s"] / max(1, r["steps"])))
                 print(rows[-1], f"steps off/on {base['steps']}/{r['steps']}, drafting "
                       f"{1e3 * r['propose_s'] / max(1, r['steps']):.2f} ms/step", flush=True)
-    print("\n| workload | batch | method | tok/s off | tok/s on | speedup | acceptance | "
-          "accepted / drafts per position | greedy identical |")
-    print("|---|---:|---|---:|---:|---:|---:|---|---|")
+    print("\n| workload | batch | method | tok/s off | tok/s on | speedup | decode tok/s off | "
+          "decode tok/s on | decode speedup | acceptance | accepted / drafts per position | "
+          "greedy identical |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
     print("\n".join(rows))
     steps = {b: round(t * 1e3, 1) for b, t in sorted(llm.llm_engine.runner.step_seconds.items())}
     print("measured step ms per token bucket:", steps)
@@ -250,6 +279,8 @@ def main():
                           step_ms=steps, results=results)))
     llm.llm_engine.runner.drafter = DRAFTERS.get(f"draft-{layers[0]}") if layers else None
     llm.shutdown()
+    if off is not llm:
+        off.shutdown()
     tmp.cleanup()
 
 

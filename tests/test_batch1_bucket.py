@@ -6,6 +6,7 @@ writes the KV cache in place (XLA:CPU copies the whole pool for a one-element sc
 from __future__ import annotations
 
 from jaxserve import SamplingParams
+from jaxserve.layers.int4 import fused_kernel_rows
 from jaxserve.worker.buckets import token_buckets
 
 PROMPT = "The history of the printing press begins in the fifteenth century, when"
@@ -16,7 +17,9 @@ def test_buckets_start_with_one_and_two_tokens():
     assert token_buckets(2048) == [1, 2, 16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
     assert token_buckets(8) == [1, 2, 8] and token_buckets(2) == [1, 2] and token_buckets(1) == [1]
     # speculative decoding: a lone request's step keeps a free draft slot in the 2-token bucket
-    assert token_buckets(2048, one_token=False)[:2] == [2, 16] and token_buckets(2, one_token=False) == [2]
+    # steps whose matmuls cost in proportion to their rows (the fused CPU kernel) get 4 and 8
+    assert token_buckets(2048, few_rows=True)[:6] == [1, 2, 4, 8, 16, 32]
+    assert token_buckets(6, few_rows=True) == [1, 2, 4, 6]
 
 
 def test_buckets_past_512_tokens_step_by_512_not_by_doubling():
@@ -58,7 +61,10 @@ def test_lone_decode_uses_the_one_token_program_and_keeps_greedy_tokens(llm):
     finally:
         del runner.run_model
     assert alone_steps.count(1) == 23            # every decode step after the prefill
-    assert 1 not in batched_steps and 2 not in batched_steps   # three rows: the 16-token program
+    # three rows: the 4-token program where the fused CPU kernel multiplies them, else 16 tokens
+    few = 4 in runner.buckets
+    assert few == (fused_kernel_rows(runner.weights) >= 8)
+    assert set(batched_steps[1:]) == {4 if few else 16}
     assert 2 in pair_steps and 1 not in pair_steps
     assert alone == batched == pair
     # Prompt logprobs never run in the 1- or 2-token programs: a 1-token prompt scores in bucket 16.

@@ -114,6 +114,22 @@ def test_int8_x_is_the_product_of_its_int8_parts(builds, kind, k, n, g):
             assert np.all(np.abs(np.asarray(parts) - np.asarray(x)) <= block_max / (127 * 508) * 1.02)   # f32 rounding
 
 
+def test_int8_x_sums_extreme_blocks_exactly(builds):
+    """The largest sums a block can make: every code 15 and every x code +-127 (x constant over
+    each block of 32: high parts 127, or alternating sign), where AVX2 keeps a block's sums in
+    int16 lanes (16 products of 15 x 127 = 30480 a lane)."""
+    if not builds:
+        pytest.skip("no integer dot product in this CPU's kernel build")
+    k, n, g = 256, 64, 32
+    w = _weight(np.random.default_rng(0), k, n, g, "symmetric")
+    w = dataclasses.replace(w, q=jnp.full_like(w.q, -1), scale=jnp.full_like(w.scale, 0.01))   # codes 15
+    sign = np.where(np.arange(k) % 64 < 32, 1.0, -1.0)          # whole blocks of +1 / -1
+    x = jnp.asarray(np.stack([sign, -sign, sign * np.linspace(1, 2, k)]), jnp.float32)
+    for target in builds:
+        y = int4_cpu.matmul(x, w.q, w.scale, w.zero, w.offset, None, g, 4, int8_x=True, target=target)
+        _close(y, ref_int4_matmul(_int8_parts(x, g), w))
+
+
 def test_int8_x_takes_int4_codes_only_and_the_engine_asks_for_it_where_built(builds):
     rng = np.random.default_rng(6)
     w8 = _weight(rng, 64, 32, 32, "int8")
@@ -264,5 +280,19 @@ def test_the_default_model_on_the_kernel_generates_what_the_float32_tiles_do(llm
             la = [next(iter(d.values())).logprob for d in a.logprobs]
             lb = [next(iter(d.values())).logprob for d in b.logprobs]
             np.testing.assert_allclose(la, lb, atol=0.1)
+        # Steps of 3-8 rows run at 4 or 8 tokens on the kernel (not 16 through the tiles): three
+        # prompts decode together in the 4-token program, with the same greedy tokens.
+        runner, seen = fast.llm_engine.runner, []
+        assert runner.buckets[:5] == [1, 2, 4, 8, 16]
+        dispatch = runner.dispatch
+        runner.dispatch = lambda sched: seen.append(sched.num_scheduled_tokens) or dispatch(sched)
+        prompts = ["The capital of France is", "def fibonacci(n):", "Bees make"]
+        try:
+            a = fast.generate(prompts, params, use_tqdm=False)
+        finally:
+            del runner.dispatch
+        b = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+        assert seen.count(3) >= 20 and runner.bucket_for(3) == 4 and runner.bucket_for(5) == 8
     finally:
         fast.shutdown()

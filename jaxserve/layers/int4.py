@@ -146,6 +146,12 @@ def with_fused_kernel(weights, max_rows: int = int4_cpu.FUSED_MAX_ROWS, int8_x: 
                         if isinstance(w, Int4Weight) else w, weights, is_leaf=_is_int4)
 
 
+def fused_kernel_rows(weights) -> int:
+    """The most rows any `Int4Weight` in `weights` sends through the fused CPU kernel (0: none)."""
+    leaves = jax.tree.leaves(weights, is_leaf=_is_int4)
+    return max((w.fused_max_rows or 0 for w in leaves if isinstance(w, Int4Weight)), default=0)
+
+
 def _to_blocks(a: jax.Array | None, cb: int) -> jax.Array | None:
     """[..., rows, out] -> [..., out / cb, rows, cb]."""
     if a is None:

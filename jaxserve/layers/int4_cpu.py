@@ -50,7 +50,9 @@ logger = logging.getLogger(__name__)
 
 TARGET = "jaxserve_int4_matvec"
 MAX_ROWS = 8              # rows per pass over the weight (its accumulators are templated on the rows)
-FUSED_MAX_ROWS = 4        # the engine's: above 4 rows the tiled dot was as fast (RESULTS.md)
+# The engine's: up to 16 rows the kernel beat the tiles on both CPUs measured (AVX-512 with bf16
+# tiles: 1.25x at 16 rows, crossover near 24-32; AVX2 with f32 tiles: 1.7x at 16, 3x at 8).
+FUSED_MAX_ROWS = 16
 SOURCE = Path(__file__).with_name("csrc") / "int4_matvec.cc"
 # built into the same library: the decode attention kernel (attention/cpu_kernel.py wraps it)
 ATTENTION_TARGET = "jaxserve_paged_attention"

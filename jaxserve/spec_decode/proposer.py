@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -14,12 +13,25 @@ from jaxserve.spec_decode.suffix import SuffixProposer
 @dataclass
 class _Track:
     """A request's recent acceptance, learnt from its own tokens: the drafts proposed last time
-    are compared with the tokens that came after them."""
+    are compared with the tokens that came after them. Kept per draft, not per verification: a
+    draft is judged when every draft before it was accepted, so a request verifying one draft a
+    step (a lone request's free room) that gets it accepted each time shows a rate near 1, and
+    earns longer drafts, where a count of accepted drafts per verification would stay at 1."""
     drafts: list[int]
     at: int                      # len(tokens) when the drafts were proposed
-    expected: float              # moving average of accepted drafts per verification
+    accepted: float              # decayed count of drafts accepted ...
+    judged: float                # ... of drafts judged (the accepted ones and the first rejected)
     paused: int = 0              # calls left without drafts
     pause_len: int = 4
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.judged
+
+    def expected(self, k: int) -> float:
+        """Expected accepted drafts per verification of k drafts: a + a^2 + ... + a^k."""
+        a = self.rate
+        return float(k) if a >= 1 else a * (1 - a ** k) / (1 - a)
 
 
 class Proposer:
@@ -56,16 +68,17 @@ class Proposer:
             # A new request starts cautious: short drafts, and its drafts are worth too little
             # to grow a full step's bucket until it has shown that they get accepted (its record
             # is kept from the drafts proposed, whether or not `fit` let them run).
-            tr = self._tracks[request_id] = _Track([], len(tokens), min(float(k),
-                                                                        self.PRIOR_EXPECTED))
+            tr = self._tracks[request_id] = _Track([], len(tokens), *self.PRIOR)
         elif tr.drafts:
             new = tokens[tr.at:]
+            judged = min(len(new), len(tr.drafts))
             n = 0
-            while n < min(len(new), len(tr.drafts)) and new[n] == tr.drafts[n]:
+            while n < judged and new[n] == tr.drafts[n]:
                 n += 1
-            tr.expected = 0.5 * tr.expected + 0.5 * n
+            tr.accepted = self.DECAY * tr.accepted + n
+            tr.judged = self.DECAY * tr.judged + n + (n < judged)
             tr.drafts = []
-            if tr.expected < c.min_expected_accepted:
+            if tr.expected(k) < c.min_expected_accepted:
                 tr.paused, tr.pause_len = tr.pause_len, min(64, tr.pause_len * 2)
         if self._suffix is not None:       # the trie must see every token, paused or not
             drafts = self._suffix.propose(request_id, tokens)
@@ -78,10 +91,11 @@ class Proposer:
         if tr.paused:
             tr.paused -= 1
             if not tr.paused:               # try again, with the benefit of the doubt
-                tr.expected = max(tr.expected, 2 * c.min_expected_accepted)
+                tr.accepted, tr.judged = self.PRIOR
             return []
-        if tr.expected >= c.min_expected_accepted and c.min_expected_accepted > 0:
-            drafts = drafts[:max(1, min(k, math.ceil(tr.expected) + 1))]
+        expected = tr.expected(k)
+        if expected >= c.min_expected_accepted and c.min_expected_accepted > 0:
+            drafts = drafts[:max(1, min(k, math.ceil(expected) + 1))]
         tr.drafts, tr.at = list(drafts), len(tokens)
         return drafts
 
@@ -95,10 +109,12 @@ class Proposer:
             return k
         if tr.paused:
             return 0
-        return max(1, min(k, math.ceil(tr.expected) + 2))
+        return max(1, min(k, math.ceil(tr.expected(k)) + 2))
 
-    # A new request's expected accepted drafts per verification before it has any record.
-    PRIOR_EXPECTED = 1.0
+    # A new request's record before it has one: (accepted, judged) drafts, a rate of 1/2, as if
+    # it had had two verifications; and how much of the record each verification keeps.
+    PRIOR = (1.0, 2.0)
+    DECAY = 0.7
     # Drafts may push a step into a larger token bucket only when the expected tokens per second
     # of that step beat the step without them by this factor (measurement noise, optimism).
     GROWTH_MARGIN = 1.1
@@ -110,12 +126,10 @@ class Proposer:
         a draft token is kept only when the step's expected tokens per second say so:
         `cost(n)` is the measured (or interpolated) seconds of the step with n draft tokens
         (None: unknown, nothing beyond the free room), `tokens` what it emits without drafts.
-        The j-th draft (from 0) of a request expecting e accepted drafts per verification is
-        worth a ** (j + 1) tokens, a the per-draft acceptance with a + a^2 + ... + a^k = e (k
-        drafts); the kept drafts maximise (tokens + worth) / cost, and must beat the free-room
+        The j-th draft (from 0) of a request is worth a ** (j + 1) tokens, a its per-draft
+        acceptance (`rate`); the kept drafts maximise (tokens + worth) / cost, and must beat the free-room
         step by GROWTH_MARGIN."""
-        k = self.config.num_speculative_tokens
-        rate = {rid: _acceptance_rate(self.expected(rid), k) for rid in proposals}
+        rate = {rid: self.rate(rid) for rid in proposals}
         worth = sorted(((rate[rid] ** (j + 1), j, rid)
                         for rid, d in proposals.items() for j in range(len(d))),
                        key=lambda c: (-c[0], c[1]))
@@ -136,10 +150,10 @@ class Proposer:
             counts[rid] += 1
         return {rid: d[:counts[rid]] for rid, d in proposals.items()}
 
-    def expected(self, request_id: str) -> float:
+    def rate(self, request_id: str) -> float:
+        """The request's per-draft acceptance (the prior's before it has a record)."""
         tr = self._tracks.get(request_id)
-        return tr.expected if tr is not None else min(float(self.config.num_speculative_tokens),
-                                                      self.PRIOR_EXPECTED)
+        return tr.rate if tr is not None else self.PRIOR[0] / self.PRIOR[1]
 
     def retain(self, live_ids) -> None:
         """Forget requests that are not in `live_ids` (a container of request ids)."""
@@ -150,23 +164,6 @@ class Proposer:
         self._tracks.pop(request_id, None)
         if self._suffix is not None:
             self._suffix.finish(request_id, output_tokens)
-
-
-@functools.lru_cache(maxsize=4096)     # moving averages of small integers repeat
-def _acceptance_rate(expected: float, k: int) -> float:
-    """The per-draft acceptance a in [0, 1] with a + a^2 + ... + a^k = expected (clipped)."""
-    if expected <= 0:
-        return 0.0
-    if expected >= k:
-        return 1.0
-    lo, hi = 0.0, 1.0
-    for _ in range(30):
-        a = (lo + hi) / 2
-        if sum(a ** i for i in range(1, k + 1)) < expected:
-            lo = a
-        else:
-            hi = a
-    return (lo + hi) / 2
 
 
 def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:

@@ -6,18 +6,23 @@ from __future__ import annotations
 LINEAR_ABOVE = 512      # past this many tokens, buckets step by this many (not by doubling)
 
 
-def token_buckets(max_tokens: int, smallest: int = 16, one_token: bool = True) -> list[int]:
+def token_buckets(max_tokens: int, smallest: int = 16, few_rows: bool = False) -> list[int]:
     """1 and 2 (batch-1 and batch-2 decode: no work for padding tokens through the layers, the
-    attention rows and the sampler), then powers of two from `smallest` up to `LINEAR_ABOVE`
-    tokens, then steps of `LINEAR_ABOVE` up to max_tokens: a step of 4,100 tokens runs at 4,608,
+    attention rows and the sampler; with `few_rows` also 4 and 8), then powers of two from
+    `smallest` up to `LINEAR_ABOVE` tokens, then steps of `LINEAR_ABOVE` up to max_tokens: a step of 4,100 tokens runs at 4,608,
     not 8,192 (padding at most 1/2 of a step up to 512 tokens, 11% past 4,096; doubling padded up
     to 2x at every size). (The 1-token step writes the KV cache with a second, dropped index:
     XLA:CPU copies the whole pool for a one-element scatter, 3 s a step: attention/kv_cache.py's
     `write`.)
-    one_token=False (speculative decoding) leaves out 1: a lone request's decode step then has
-    room for one draft at no extra cost (`Proposer.fit`'s free room), as before the 1-token
-    bucket existed."""
-    buckets, b = [t for t in ((1, 2) if one_token else (2,)) if t < max_tokens], smallest
+    Speculative decoding keeps them all: a lone request's draft then costs the 2-token step over
+    the 1-token one, which `Proposer.fit` weighs (measured step times) like any larger bucket.
+    few_rows: the steps' matmuls cost in proportion to their rows, as the fused CPU kernel's do
+    (`Int4Weight.fused_max_rows`: it multiplies every row, where XLA's tiles or a GPU read the
+    weights once for any few rows): steps of 3-8 tokens (decode at batch 3-8, a lone request
+    verifying 2-7 drafts) run at 4 or 8 tokens, not 16 (at 8 rows 2.5-3.5x faster on an AVX2
+    CPU, benchmarks/RESULTS.md)."""
+    few = (1, 2, 4, 8) if few_rows else (1, 2)
+    buckets, b = [t for t in few if t < max_tokens], smallest
     while b < max_tokens:
         buckets.append(b)
         b = b * 2 if b < LINEAR_ABOVE else b + LINEAR_ABOVE

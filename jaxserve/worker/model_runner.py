@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxserve.attention import kv_cache as kvc
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from jaxserve.layers.int4 import fused_kernel_rows
 from jaxserve.models import get_model
 from jaxserve.sample import penalties
 from jaxserve.sample.rejection import accept
@@ -104,7 +105,7 @@ class ModelRunner(StepPrograms):
         self.max_seqs = scheduler_config.max_num_seqs
         self.max_blocks_per_seq = -(-scheduler_config.max_model_len // self.block_size)
         self.buckets = token_buckets(scheduler_config.max_num_batched_tokens,
-                                     one_token=not num_speculative_tokens)
+                                     few_rows=fused_kernel_rows(weights) >= 8)
         self.max_logprobs = max_logprobs
         # Speculative decoding: each sampling request may verify this many drafts in a step.
         self.num_spec = num_speculative_tokens
