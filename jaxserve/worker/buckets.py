@@ -10,10 +10,10 @@ def token_buckets(max_tokens: int, smallest: int = 16, few_rows: bool = False) -
     """1 and 2 (batch-1 and batch-2 decode: no work for padding tokens through the layers, the
     attention rows and the sampler; with `few_rows` also 4 and 8), then powers of two from
     `smallest` up to `LINEAR_ABOVE` tokens, then steps of `LINEAR_ABOVE` up to max_tokens: a step
-    of 4,100 tokens runs at 4,608, not 8,192 (padding at most 1/2 of a step up to 512 tokens, 11% past 4,096; doubling padded up
-    to 2x at every size). (The 1-token step writes the KV cache with a second, dropped index:
-    XLA:CPU copies the whole pool for a one-element scatter, 3 s a step: attention/kv_cache.py's
-    `write`.)
+    of 4,100 tokens runs at 4,608, not 8,192 (padding at most 1/2 of a step up to 512 tokens, 11%
+    past 4,096; doubling padded up to 2x at every size). (The 1-token step writes the KV cache
+    with a second, dropped index: XLA:CPU copies the whole pool for a one-element scatter, 3 s a
+    step: attention/kv_cache.py's `write`.)
     Speculative decoding keeps them all: a lone request's draft then costs the 2-token step over
     the 1-token one, which `Proposer.fit` weighs (measured step times) like any larger bucket.
     few_rows: the steps' matmuls cost in proportion to their rows, as the fused CPU kernel's do
