@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -144,6 +145,35 @@ def test_load_and_unload_at_run_time_while_requests_run(lora_server):
     status, body = _post(url, "/v1/unload_lora_adapter", {"lora_name": "a1"})
     assert status == 404 and json.loads(body)["error"]["type"] == "NotFoundError"
     assert _complete(url, "a0")[0] == 200
+
+
+def test_metrics_name_the_adapters_of_running_requests(lora_server):
+    """`lora_requests_info` (vLLM's, what llm-d routes LoRA requests by): max_lora and, while a
+    request under adapter a0 runs, a0 among the running adapters; none once it is done."""
+    import re
+    server, _, _ = lora_server
+    url = server.base_url
+
+    def info():
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        m = re.search(r'^jaxserve:lora_requests_info\{(.*)\} (\S+)$', text, re.M)
+        assert m, text[-2000:]
+        return dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))), float(m.group(2))
+
+    seen = set()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        job = pool.submit(_complete, url, "a0", max_tokens=200, ignore_eos=True)
+        while not job.done():
+            labels, value = info()
+            seen.add(labels["running_lora_adapters"])
+        assert job.result()[0] == 200
+    assert labels["max_lora"] == "2" and value > 0
+    assert "a0" in seen, seen
+    deadline = time.monotonic() + 30
+    while info()[0]["running_lora_adapters"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert info()[0]["running_lora_adapters"] == ""
 
 
 def test_lora_modules_flag_forms():

@@ -93,6 +93,30 @@ def test_a_server_scrapes_with_vllm_names():
     assert samples[("vllm:request_prompt_tokens_sum", label)] == 3
     assert samples[("vllm:e2e_request_latency_seconds_count", label)] == 1
     assert samples[("vllm:request_success_total", (("finished_reason", "length"), ("model_name", TINY)))] == 1
+    # the router contract (Gateway API Inference Extension): the pool's block size and blocks
+    [(info, value)] = [(dict(labels), v) for (n, labels), v in samples.items() if n == "vllm:cache_config_info"]
+    assert value == 1 and info["block_size"] == "16" and int(info["num_gpu_blocks"]) > 0
+    assert info["enable_prefix_caching"] == "True" and info["cache_dtype"] == "auto"
+    assert not any(n == "vllm:lora_requests_info" for n, _ in samples)       # no --enable-lora
+
+
+def test_info_gauges_carry_the_cache_config_and_the_lora_adapters_in_use():
+    """vLLM's `cache_config_info` (value 1) and `lora_requests_info` (value the scrape's time),
+    labels only, no model_name: what llm-d's endpoint picker reads for block size, max_lora and
+    the adapters each replica is running or has waiting."""
+    import dataclasses
+    import time
+    stats = dataclasses.replace(STATS, running_lora_adapters=("a0", "b"), waiting_lora_adapters=("c",))
+    info = {"cache": {"block_size": "16", "num_gpu_blocks": "512"}, "lora": {"max_lora": "2"}}
+    t0 = time.time()
+    samples = _samples(ServerMetrics("m", lambda: stats, ("vllm",), config_info=info).render().decode())
+    assert samples[("vllm:cache_config_info", (("block_size", "16"), ("num_gpu_blocks", "512")))] == 1
+    lora = (("max_lora", "2"), ("running_lora_adapters", "a0,b"), ("waiting_lora_adapters", "c"))
+    assert t0 <= samples[("vllm:lora_requests_info", lora)] <= time.time()
+    # before the engine's first snapshot: no adapters
+    samples = _samples(ServerMetrics("m", lambda: None, config_info=info).render().decode())
+    empty = (("max_lora", "2"), ("running_lora_adapters", ""), ("waiting_lora_adapters", ""))
+    assert ("jaxserve:lora_requests_info", empty) in samples
 
 
 def test_throughput_gauges_are_token_rates_over_the_last_window_of_scrapes():

@@ -51,6 +51,13 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # LoRA adapters (names) of the running and the waiting requests, each once, sorted.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+
+
+def _adapters(requests) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
 
 
 class LLMEngine:
@@ -408,7 +415,23 @@ class LLMEngine:
                            self.scheduler.kv_cache_usage, self.scheduler.num_preemptions_total,
                            pc.queries, pc.hits, self.prompt_tokens_total,
                            self.generation_tokens_total, sd.num_drafts, sd.num_draft_tokens,
-                           sd.num_accepted_tokens, tuple(sd.num_accepted_tokens_per_pos))
+                           sd.num_accepted_tokens, tuple(sd.num_accepted_tokens_per_pos),
+                           _adapters(self.scheduler.running), _adapters(self.scheduler.waiting))
+
+    def config_info(self) -> dict[str, dict[str, str]]:
+        """What /metrics reports of the configuration, vLLM's `*_config_info` info gauges: the
+        KV cache's (`cache_config_info`: block size and the pool's blocks, what a router such as
+        the Gateway API Inference Extension reads) and, with LoRA, `max_lora`. Values are
+        strings, as vLLM gives them ("True", "None")."""
+        c, a = self.cache_config, self.args
+        cache = {"block_size": c.block_size, "cache_dtype": c.kv_cache_dtype,
+                 "enable_prefix_caching": c.enable_prefix_caching,
+                 "gpu_memory_utilization": c.gpu_memory_utilization, "num_gpu_blocks": c.num_blocks,
+                 "num_gpu_blocks_override": a.num_gpu_blocks_override, "num_cpu_blocks": None}
+        info = {"cache": {k: str(v) for k, v in cache.items()}}
+        if a.enable_lora:
+            info["lora"] = {"max_lora": str(a.max_loras)}
+        return info
 
     def follow(self) -> int:
         """A process with node_rank > 0: run the steps process 0 sends until it stops (exit code

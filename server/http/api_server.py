@@ -363,7 +363,8 @@ class Server:
         await self.llm.start()
         engine = self.llm.engine
         names = self.args.served_model_name or [engine.model_name]
-        self.metrics = ServerMetrics(names[0], lambda: self.llm.stats, self.args.metrics_prefix)
+        self.metrics = ServerMetrics(names[0], lambda: self.llm.stats, self.args.metrics_prefix,
+                                     config_info=engine.config_info())
         self.serving = OpenAIServing(self.llm, names, self.args.response_role,
                                      model_root=engine.model_path,
                                      enable_auto_tools=self.args.enable_auto_tool_choice,

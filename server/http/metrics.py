@@ -57,10 +57,12 @@ class _Throughput:
 class _EngineCollector:
     """Gauges and counters from the latest EngineStats (None before the engine exists)."""
 
-    def __init__(self, model_name: str, get_stats: Callable, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, model_name: str, get_stats: Callable, clock: Callable[[], float] = time.monotonic,
+                 config_info: dict | None = None):
         self.model_name = model_name
         self.get_stats = get_stats
         self.throughput = _Throughput(clock)
+        self.config_info = config_info or {}
 
     def describe(self):
         return []
@@ -117,6 +119,28 @@ class _EngineCollector:
         for pos, n in enumerate(get("spec_num_accepted_tokens_per_pos") or ()):
             per_pos.add_metric(label + [str(pos)], n)
         yield per_pos
+        yield from self._info(get)
+
+    def _info(self, get):
+        """vLLM's info gauges, without `model_name` (as vLLM has them): `cache_config_info` (the
+        configuration in labels, value 1) and, with LoRA, `lora_requests_info` (max_lora and the
+        adapters of the running and waiting requests, comma-separated; value the time of the
+        scrape, which routers read as the newest series)."""
+        cache = self.config_info.get("cache")
+        if cache:
+            g = GaugeMetricFamily("jaxserve:cache_config_info", "Information of the LLMEngine "
+                                  "CacheConfig", labels=list(cache))
+            g.add_metric(list(cache.values()), 1)
+            yield g
+        lora = self.config_info.get("lora")
+        if lora:
+            labels = {"max_lora": lora["max_lora"],
+                      "running_lora_adapters": ",".join(get("running_lora_adapters") or ()),
+                      "waiting_lora_adapters": ",".join(get("waiting_lora_adapters") or ())}
+            g = GaugeMetricFamily("jaxserve:lora_requests_info", "Running stats on lora requests.",
+                                  labels=list(labels))
+            g.add_metric(list(labels.values()), time.time())
+            yield g
 
 
 def check_prefixes(prefixes: Iterable[str]) -> tuple[str, ...]:
@@ -153,11 +177,12 @@ def _rename(name: str, prefix: str) -> str:
 
 class ServerMetrics:
     def __init__(self, model_name: str, get_stats: Callable, prefixes: Iterable[str] = ("jaxserve",),
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, config_info: dict | None = None):
+        """config_info: `LLMEngine.config_info()`, for the info gauges."""
         self.registry = CollectorRegistry()
         self.view = _Prefixed(self.registry, check_prefixes(prefixes))
         self.model_name = model_name
-        self.registry.register(_EngineCollector(model_name, get_stats, clock))
+        self.registry.register(_EngineCollector(model_name, get_stats, clock, config_info))
         r, labels = self.registry, ["model_name"]
         self.request_success = Counter(
             "jaxserve:request_success", "Count of successfully processed requests.",
