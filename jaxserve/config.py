@@ -226,6 +226,70 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's `kv_events_config` (`--kv-events-config`): KV-cache events (`core/kv_events.py`)
+    published over ZeroMQ for an external indexer (llm-d's KV-cache manager, a prefix-aware
+    router). `publisher`: "zmq" or "null" (default "zmq" when enabled). `endpoint`: the PUB
+    socket (bound when it holds "*", "::", "ipc://" or "inproc://", else connected);
+    `replay_endpoint`: a ROUTER socket that resends buffered batches from a sequence number;
+    `buffer_steps`: batches kept for replay; `hwm`: the PUB socket's high-water mark;
+    `max_queue_size`: batches waiting for the sending thread (beyond it the newest are dropped,
+    with a warning); `topic`: the first frame of each message. jaxserve's own key `wire`: "map"
+    (events as msgpack maps tagged with their type, what newer vLLM sends) or "array" (the
+    positional form older vLLM sends)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+    wire: str = "map"
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> KVEventsConfig:
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"kv_events_config must be a dict, got {type(d).__name__}")
+        names = sorted(f.name for f in dataclasses.fields(cls))
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ValueError(f"kv_events_config has unknown key(s) {unknown}; allowed: {names}")
+        return cls(**d)
+
+    def __post_init__(self):
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError("kv_events_config.enable_kv_cache_events must be a bool, got "
+                             f"{self.enable_kv_cache_events!r}")
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        for name in ("endpoint", "topic"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"kv_events_config.{name} must be a string, got {getattr(self, name)!r}")
+        if self.publisher == "zmq" and not self.endpoint:
+            raise ValueError("kv_events_config.endpoint must name a ZeroMQ endpoint, e.g. 'tcp://*:5557'")
+        if self.replay_endpoint is not None and (not isinstance(self.replay_endpoint, str)
+                                                 or not self.replay_endpoint):
+            raise ValueError("kv_events_config.replay_endpoint must be None or a ZeroMQ endpoint, "
+                             f"got {self.replay_endpoint!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"kv_events_config.{name} must be an int >= 1, got {v!r}")
+        if self.wire not in ("map", "array"):
+            raise ValueError(f"kv_events_config.wire must be 'map' or 'array', got {self.wire!r}")
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -317,6 +381,8 @@ class EngineArgs:
     override_generation_config: dict | None = None
     # vLLM's --structured-outputs-config (StructuredOutputsConfig keys): the JSON whitespace rule.
     structured_outputs_config: dict | None = None
+    # vLLM's kv_events_config (--kv-events-config): KV-cache events over ZeroMQ (KVEventsConfig).
+    kv_events_config: dict | None = None
     # vLLM's --hf-overrides and --rope-scaling: JSON merged into config.json (loader/hf_overrides.py).
     hf_overrides: dict | None = None
     rope_scaling: dict | None = None
@@ -381,6 +447,7 @@ class EngineArgs:
         self.cache_config()
         self.spec_config()
         self.structured_config()
+        self.kv_events()
         ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel)
 
     @classmethod
@@ -464,6 +531,9 @@ class EngineArgs:
 
     def structured_config(self) -> StructuredOutputsConfig:
         return StructuredOutputsConfig.from_dict(self.structured_outputs_config)
+
+    def kv_events(self) -> KVEventsConfig:
+        return KVEventsConfig.from_dict(self.kv_events_config)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel)

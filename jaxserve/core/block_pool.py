@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from jaxserve.core.kv_events import KVEventLog
+
 
 class KVCacheBlock:
     """One KV block: its id, how many requests use it, and its prefix-cache hash (None when not
@@ -98,6 +100,14 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
         # Called with a hash when it leaves the map: what is cached beside the KV goes with it.
         self.on_evict = on_evict
+        # KV-cache events (`core/kv_events.py`), recorded only when asked for (`record_events`).
+        self.event_log: KVEventLog | None = None
+
+    def record_events(self) -> KVEventLog:
+        """Record KV-cache events from now on (the cache is empty when an engine asks)."""
+        if self.event_log is None:
+            self.event_log = KVEventLog()
+        return self.event_log
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -110,14 +120,16 @@ class BlockPool:
     def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: int) -> None:
-        """Register a block whose tokens are all known as the holder of `block_hash`."""
+    def cache_full_block(self, block: KVCacheBlock, block_hash: int) -> bool:
+        """Register a block whose tokens are all known as the holder of `block_hash`; False when
+        it was not (caching off, the block already hashed, or another block holds the hash)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached_block_hash_to_block:
-            return
+            return False
         block.block_hash = block_hash
         self.cached_block_hash_to_block[block_hash] = block
+        return True
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take blocks from the head of the free queue (evicting their cache entries), ref 1."""
@@ -142,6 +154,8 @@ class BlockPool:
                 del self.cached_block_hash_to_block[block.block_hash]
                 if self.on_evict is not None:
                     self.on_evict(block.block_hash)
+                if self.event_log is not None:
+                    self.event_log.removed(block.block_hash)
             block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -175,4 +189,6 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self.event_log is not None:
+            self.event_log.cleared()
         return True

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from jaxserve.core.block_pool import BlockPool, KVCacheBlock
+from jaxserve.core.kv_events import BlockStored
 from jaxserve.core.prompt_logprob_cache import Entry, PromptLogprobCache
 from jaxserve.core.request import Request
 
@@ -221,10 +222,28 @@ class KVCacheManager:
             num_cached = max(self.num_cached_blocks.get(request.request_id, 0), len(hits))
             num_full = min(num_computed + num_new_tokens, request.num_tokens) // bs
             hashes = self._update_block_hashes(request, num_full)
-            for i in range(num_cached, num_full):
-                self.block_pool.cache_full_block(req_blocks[i], hashes[i])
+            stored = [i for i in range(num_cached, num_full)
+                      if self.block_pool.cache_full_block(req_blocks[i], hashes[i])]
+            if stored and self.block_pool.event_log is not None:
+                self._log_stored(request, hashes, stored)
             self.num_cached_blocks[request.request_id] = max(num_cached, num_full)
         return KVCacheBlocks(new_blocks)
+
+    def _log_stored(self, request: Request, hashes: list[int], stored: list[int]) -> None:
+        """One BlockStored event per contiguous run of the request's newly registered blocks."""
+        bs, tokens, lora = self.block_size, request.all_token_ids, request.lora_request
+        runs, start = [], 0
+        for j in range(1, len(stored) + 1):
+            if j == len(stored) or stored[j] != stored[j - 1] + 1:
+                runs.append(stored[start:j])
+                start = j
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.block_pool.event_log.stored(BlockStored(
+                [hashes[i] for i in run], hashes[first - 1] if first > 0 else None,
+                list(tokens[first * bs:(last + 1) * bs]), bs,
+                lora_id=None if lora is None else lora.lora_int_id,
+                lora_name=None if lora is None else lora.lora_name))
 
     def uncache_uncomputed_blocks(self, request: Request, start_token: int | None = None) -> None:
         """Unregister the blocks this step's allocation hashed for the request, i.e. those at or

@@ -21,6 +21,7 @@ from jaxserve.core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.core.scheduler import GrammarBitmask, Scheduler, SchedulerOutput
 from jaxserve.engine import multihost
 from jaxserve.engine.builder import build_engine, enable_compilation_cache
+from jaxserve.engine.kv_event_publisher import make_publisher
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.pooling import PoolingRequests
 from jaxserve.loader.fp8 import kernels_in
@@ -81,6 +82,10 @@ class LLMEngine:
                                                   whitespace_pattern=so_config.whitespace_pattern,
                                                   disable_any_whitespace=so_config.disable_any_whitespace)
         self.proposer = make_proposer(spec)
+        # KV-cache events (--kv-events-config): the block pool records, each step publishes.
+        self.kv_events = make_publisher(args.kv_events())
+        if self.kv_events is not None:
+            self.scheduler.kv_cache_manager.block_pool.record_events()
         self.pooling = None if self.pooler is None else PoolingRequests(
             self, self.pooler, matryoshka_of(self.model_path))
         self._rng = random.Random(args.seed)
@@ -273,7 +278,20 @@ class LLMEngine:
                 outputs += self._finish(sched, launched)
         if self._pending:
             outputs, self._pending = self._pending + outputs, []
+        self._publish_kv_events()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        log = self.scheduler.kv_cache_manager.block_pool.event_log
+        if self.kv_events is not None and log is not None:
+            self.kv_events.publish(log.take())
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (False, nothing done, while requests hold blocks);
+        subscribers of KV-cache events get AllBlocksCleared now."""
+        done = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
 
     def _launch(self, sched: SchedulerOutput) -> tuple:
         """Dispatch a step: (its StepInFlight, or None when nothing is scheduled or it raised; the
@@ -457,6 +475,9 @@ class LLMEngine:
         group = getattr(self, "group", None)
         if group is not None and group.is_leader:
             group.close()
+        publisher, self.kv_events = getattr(self, "kv_events", None), None
+        if publisher is not None:
+            publisher.shutdown()
         runner = getattr(self, "runner", None)
         if runner is not None:
             in_flight, self._in_flight = getattr(self, "_in_flight", None), None

@@ -161,6 +161,11 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
           "JSON outputs) or '{\"whitespace_pattern\": REGEX}' (whitespace allowed between JSON "
           "tokens; vLLM's unbounded rule is \"[\\\\x20\\\\x0A\\\\x0D\\\\x09]+\").",
           shown_default="one space, or a line break and up to 32 spaces of indentation")),
+    ("kv_events_config", "KVEventsConfig",
+     dict(type=_json_dict, help="KV-cache events for an external indexer (llm-d), vLLM's wire "
+          "format over ZeroMQ. JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": "
+          "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
+          "\"topic\": \"kv-events\"}'.", shown_default="off")),
     ("enable_lora", "LoRAConfig", dict(action="store_true", help="Serve LoRA adapters (PEFT "
                                        "checkpoints) beside the base model.")),
     ("max_loras", "LoRAConfig", dict(type=int, help="Distinct adapters one step may hold (device "

@@ -1,0 +1,213 @@
+"""KV-cache events (`--kv-events-config`): the block pool's stores, removals and clears published
+over ZeroMQ in vLLM's wire format, decoded here with msgspec structs written from vLLM's schema
+(`vllm/distributed/kv_events.py`), as llm-d's indexer decodes them. A subscriber that replays the
+events rebuilds exactly the engine's set of cached block hashes, through evictions, preemption and
+`reset_prefix_cache`; one that joined late catches up through the replay socket; every stored
+block's hash can be recomputed from the event's token ids and parent."""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from jaxserve.config import EngineArgs, KVEventsConfig
+from jaxserve.core.kv_cache_manager import _ROOT_HASH, hash_block_tokens
+from jaxserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from jaxserve.engine.kv_event_publisher import END_OF_REPLAY, encode_batch
+
+TINY = str(Path(__file__).resolve().parent / "data" / "tiny-llama")
+Hash = bytes | int
+
+
+# -- vLLM's schema (newer vLLM: events as maps tagged "type"; older: tagged arrays) -----------
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class VBlockStored(KVCacheEvent, tag="BlockStored"):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list | None = None
+    group_idx: int | None = None
+
+
+class VBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[Hash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class VAllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class ABlockStored(ArrayEvent, tag="BlockStored"):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    lora_name: str | None = None
+
+
+class ABlockRemoved(ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[Hash]
+    medium: str | None = None
+
+
+class AAllBlocksCleared(ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class ArrayBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[ABlockStored | ABlockRemoved | AAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _apply(cached: set, batch) -> None:
+    for e in batch.events:
+        if isinstance(e, VBlockStored | ABlockStored):
+            cached.update(e.block_hashes)
+        elif isinstance(e, VBlockRemoved | ABlockRemoved):
+            cached.difference_update(e.block_hashes)
+        else:
+            cached.clear()
+
+
+# -- the wire ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("form, decoder", [("map", KVEventBatch), ("array", ArrayBatch)])
+def test_both_wire_forms_decode_with_vllms_structs(form, decoder):
+    events = [BlockStored([5, 6], None, list(range(8)), 4, lora_id=3, lora_name="a"),
+              BlockRemoved([5]), AllBlocksCleared()]
+    batch = msgspec.msgpack.decode(encode_batch(events, 12.5, 1, form), type=decoder)
+    assert batch.ts == 12.5 and batch.data_parallel_rank == 1
+    stored, removed, cleared = batch.events
+    assert stored.block_hashes == [(5).to_bytes(16, "big"), (6).to_bytes(16, "big")]
+    assert stored.parent_block_hash is None and stored.token_ids == list(range(8))
+    assert (stored.block_size, stored.lora_id, stored.lora_name, stored.medium) == (4, 3, "a", "GPU")
+    assert removed.block_hashes == [(5).to_bytes(16, "big")] and removed.medium == "GPU"
+    assert type(cleared).__name__.endswith("AllBlocksCleared")
+    # without a data-parallel rank the batch is [ts, events]
+    assert len(msgspec.msgpack.decode(encode_batch(events, 1.0))) == 2
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"publisher": "kafka"}, "publisher"), ({"buffer_steps": 0}, "buffer_steps"),
+    ({"wire": "json"}, "wire"), ({"bogus": 1}, "bogus"), ({"enable_kv_cache_events": "yes"}, "enable"),
+])
+def test_bad_kv_events_config_names_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        EngineArgs(kv_events_config=bad)
+
+
+def test_defaults_follow_vllm():
+    assert KVEventsConfig().publisher == "null" and not KVEventsConfig().publishes
+    on = KVEventsConfig(enable_kv_cache_events=True)
+    assert on.publisher == "zmq" and on.publishes and on.endpoint == "tcp://*:5557"
+
+
+# -- end to end -------------------------------------------------------------------------------
+def test_a_subscriber_rebuilds_the_engines_cached_blocks_and_catches_up_by_replay():
+    from jaxserve import LLM, SamplingParams
+    pub, replay = _port(), _port()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{pub}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    llm = LLM(model=TINY, load_format="dummy", max_model_len=128, block_size=4,
+              num_gpu_blocks_override=40, max_num_seqs=4, max_num_batched_tokens=64, warmup=False,
+              kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}",
+                                "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": "kv"})
+    engine = llm.llm_engine
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    live: dict[int, bytes] = {}
+    req = ctx.socket(zmq.DEALER)
+
+    def drain(wait: float = 0.3) -> None:
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if sub.poll(50):
+                topic, seq, payload = sub.recv_multipart()
+                assert topic == b"kv"
+                live[int.from_bytes(seq, "big")] = payload
+
+    def engine_hashes() -> set:
+        return {h.to_bytes(16, "big") for h in pool.cached_block_hash_to_block}
+
+    try:
+        rng = random.Random(0)
+        shared = [rng.randrange(3, 1000) for _ in range(24)]     # a 6-block common prefix
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for round_ in range(3):
+            prompts = [{"prompt_token_ids": shared[:rng.randrange(8, 24)]
+                        + [rng.randrange(3, 1000) for _ in range(rng.randrange(4, 40))]}
+                       for _ in range(8)]
+            llm.generate(prompts, params, use_tqdm=False)
+            drain()
+            if round_ == 1:
+                assert engine.reset_prefix_cache()
+                drain()
+        assert engine.stats().num_preemptions_total > 0, "the pool was meant to force preemption"
+        # the live subscriber missed the first batches (it joined as the engine started): it
+        # asks the replay socket for everything from 0, then applies all in order
+        req.connect(f"tcp://127.0.0.1:{replay}")
+        req.send_multipart((b"", (0).to_bytes(8, "big")))
+        replayed = {}
+        while True:
+            assert req.poll(5000), "no answer from the replay socket"
+            _, seq, payload = req.recv_multipart()
+            if seq == END_OF_REPLAY:
+                break
+            replayed[int.from_bytes(seq, "big")] = payload
+        assert sorted(replayed) == list(range(len(replayed))) and live
+        assert all(replayed[s] == p for s, p in live.items())
+        cached, stored, cleared, removed = set(), 0, 0, 0
+        for seq in sorted(replayed):
+            batch = msgspec.msgpack.decode(replayed[seq], type=KVEventBatch)
+            for e in batch.events:
+                stored += isinstance(e, VBlockStored)
+                removed += isinstance(e, VBlockRemoved)
+                cleared += isinstance(e, VAllBlocksCleared)
+                if isinstance(e, VBlockStored):
+                    # an indexer recomputes each block's key from the token ids and the parent
+                    parent = _ROOT_HASH if e.parent_block_hash is None else int.from_bytes(e.parent_block_hash, "big")
+                    for j, h in enumerate(e.block_hashes):
+                        parent = hash_block_tokens(parent, e.token_ids[j * e.block_size:(j + 1) * e.block_size])
+                        assert parent.to_bytes(16, "big") == h
+            _apply(cached, batch)
+        assert stored and removed and cleared == 1
+        assert cached == engine_hashes() and cached
+    finally:
+        llm.shutdown()
+        sub.close(0)
+        req.close(0)
+        ctx.term()
