@@ -129,6 +129,20 @@ def test_bad_kv_events_config_names_the_field(bad, field):
         EngineArgs(kv_events_config=bad)
 
 
+def test_an_endpoint_in_use_is_a_clear_error():
+    from jaxserve.engine.kv_event_publisher import ZmqEventPublisher
+    port = _port()
+    first = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}"))
+    try:
+        with pytest.raises(ValueError, match="kv_events_config.endpoint"):
+            ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}"))
+        with pytest.raises(ValueError, match="kv_events_config.replay_endpoint"):
+            ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{_port()}",
+                                             replay_endpoint=f"tcp://*:{port}"))
+    finally:
+        first.shutdown()
+
+
 def test_defaults_follow_vllm():
     assert KVEventsConfig().publisher == "null" and not KVEventsConfig().publishes
     on = KVEventsConfig(enable_kv_cache_events=True)

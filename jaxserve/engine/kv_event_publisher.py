@@ -83,12 +83,18 @@ class ZmqEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        (self._pub.bind if _binds(config.endpoint) else self._pub.connect)(config.endpoint)
         self._replay = None
-        if config.replay_endpoint is not None:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(config.replay_endpoint)
+        try:
+            (self._pub.bind if _binds(config.endpoint) else self._pub.connect)(config.endpoint)
+            if config.replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(config.replay_endpoint)
+        except zmq.ZMQError as e:
+            self._close()
+            field = "replay_endpoint" if self._replay is not None else "endpoint"
+            raise ValueError(f"kv_events_config.{field}: cannot open "
+                             f"{getattr(config, field)!r}: {e}") from None
         self._topic = config.topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
@@ -146,6 +152,9 @@ class ZmqEventPublisher:
         """Send what is queued, then close the sockets."""
         self._stop.set()
         self._thread.join(timeout)
+        self._close()
+
+    def _close(self) -> None:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)

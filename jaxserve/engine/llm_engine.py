@@ -256,7 +256,9 @@ class LLMEngine:
         (its KV cache gone), or any error in the host bookkeeping, is raised: the engine is dead.
         """
         if self.pooling is not None:
-            return self.pooling.step()
+            outputs = self.pooling.step()
+            self._publish_kv_events()
+            return outputs
         previous, self._in_flight = self._in_flight, None
         if previous is not None and any(r.structured is not None for r in self.scheduler.running):
             outputs = self._finish(*previous)       # the grammars need its tokens first
