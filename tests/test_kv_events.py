@@ -108,7 +108,7 @@ def _apply(cached: set, batch) -> None:
 def test_both_wire_forms_decode_with_vllms_structs(form, decoder):
     events = [BlockStored([5, 6], None, list(range(8)), 4, lora_id=3, lora_name="a"),
               BlockRemoved([5]), AllBlocksCleared()]
-    batch = msgspec.msgpack.decode(encode_batch(events, 12.5, 1, form), type=decoder)
+    batch = msgspec.msgpack.decode(encode_batch(events, 12.5, 1, form, as_int=False), type=decoder)
     assert batch.ts == 12.5 and batch.data_parallel_rank == 1
     stored, removed, cleared = batch.events
     assert stored.block_hashes == [(5).to_bytes(16, "big"), (6).to_bytes(16, "big")]
@@ -118,6 +118,10 @@ def test_both_wire_forms_decode_with_vllms_structs(form, decoder):
     assert type(cleared).__name__.endswith("AllBlocksCleared")
     # without a data-parallel rank the batch is [ts, events]
     assert len(msgspec.msgpack.decode(encode_batch(events, 1.0))) == 2
+    # vLLM's default: the low 64 bits of the hash as an unsigned int
+    big = (7 << 100) | (2 ** 64 - 1)
+    ints = msgspec.msgpack.decode(encode_batch([BlockRemoved([big])], 1.0, form=form), type=decoder)
+    assert ints.events[0].block_hashes == [2 ** 64 - 1]
 
 
 @pytest.mark.parametrize("bad, field", [
@@ -175,7 +179,7 @@ def test_a_subscriber_rebuilds_the_engines_cached_blocks_and_catches_up_by_repla
                 live[int.from_bytes(seq, "big")] = payload
 
     def engine_hashes() -> set:
-        return {h.to_bytes(16, "big") for h in pool.cached_block_hash_to_block}
+        return {h & (2 ** 64 - 1) for h in pool.cached_block_hash_to_block}
 
     try:
         rng = random.Random(0)
@@ -205,6 +209,7 @@ def test_a_subscriber_rebuilds_the_engines_cached_blocks_and_catches_up_by_repla
         assert sorted(replayed) == list(range(len(replayed))) and live
         assert all(replayed[s] == p for s, p in live.items())
         cached, stored, cleared, removed = set(), 0, 0, 0
+        full = {}       # the 64-bit hash on the wire -> the chain's full hash, as recomputed
         for seq in sorted(replayed):
             batch = msgspec.msgpack.decode(replayed[seq], type=KVEventBatch)
             for e in batch.events:
@@ -213,10 +218,11 @@ def test_a_subscriber_rebuilds_the_engines_cached_blocks_and_catches_up_by_repla
                 cleared += isinstance(e, VAllBlocksCleared)
                 if isinstance(e, VBlockStored):
                     # an indexer recomputes each block's key from the token ids and the parent
-                    parent = _ROOT_HASH if e.parent_block_hash is None else int.from_bytes(e.parent_block_hash, "big")
+                    parent = _ROOT_HASH if e.parent_block_hash is None else full[e.parent_block_hash]
                     for j, h in enumerate(e.block_hashes):
                         parent = hash_block_tokens(parent, e.token_ids[j * e.block_size:(j + 1) * e.block_size])
-                        assert parent.to_bytes(16, "big") == h
+                        assert parent & (2 ** 64 - 1) == h
+                        full[h] = parent
             _apply(cached, batch)
         assert stored and removed and cleared == 1
         assert cached == engine_hashes() and cached

@@ -5,9 +5,10 @@ Each step's events (`core/kv_events.py`, taken from the block pool after the ste
 batch: a msgpack `[ts, events, data_parallel_rank]` (the rank left out when None), sent as three
 frames: the topic, an 8-byte big-endian sequence number (from 0), the payload. Events are msgpack
 maps tagged with their type (`{"type": "BlockStored", "block_hashes": ..., ...}`, newer vLLM) or,
-with `wire: "array"`, arrays whose first element is the type (older vLLM). Block hashes are the
-pool's 128-bit chained hashes as 16 big-endian bytes (vLLM's `ExternalBlockHash` is bytes or an
-int; msgpack ints stop at 64 bits).
+with `wire: "array"`, arrays whose first element is the type (older vLLM). Block hashes go out as
+vLLM sends them by default (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, what llm-d's indexer decodes):
+the low 64 bits of the pool's 128-bit chained hash as an unsigned int; with that variable set to
+0, the whole hash as 16 big-endian bytes.
 
 Replay: a ROUTER socket at `replay_endpoint` answers a request frame holding an 8-byte start
 sequence number with every buffered batch from there (`[identity, b"", seq, payload]` each),
@@ -20,6 +21,7 @@ Sending runs on its own thread: the engine's step only queues a batch.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -35,20 +37,28 @@ logger = logging.getLogger(__name__)
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
-def _hash(h: int | None) -> bytes | None:
-    return None if h is None else h.to_bytes(16, "big")
+def int_block_hashes() -> bool:
+    return os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").strip().lower() not in ("0", "false")
 
 
-def wire_event(event: KVEvent, form: str = "map"):
+def external_hash(h: int | None, as_int: bool = True) -> int | bytes | None:
+    """A pool hash as the events carry it (vLLM's `maybe_convert_block_hash`)."""
+    if h is None:
+        return None
+    return h & ((1 << 64) - 1) if as_int else h.to_bytes(16, "big")
+
+
+def wire_event(event: KVEvent, form: str = "map", as_int: bool = True):
     """One event as vLLM encodes it: a tagged map (newer vLLM) or a tagged array (older)."""
     if isinstance(event, BlockStored):
-        fields = {"block_hashes": [_hash(h) for h in event.block_hashes],
-                  "parent_block_hash": _hash(event.parent_block_hash),
+        fields = {"block_hashes": [external_hash(h, as_int) for h in event.block_hashes],
+                  "parent_block_hash": external_hash(event.parent_block_hash, as_int),
                   "token_ids": list(event.token_ids), "block_size": event.block_size,
                   "lora_id": event.lora_id, "medium": event.medium, "lora_name": event.lora_name}
         tag = "BlockStored"
     elif isinstance(event, BlockRemoved):
-        fields = {"block_hashes": [_hash(h) for h in event.block_hashes], "medium": event.medium}
+        fields = {"block_hashes": [external_hash(h, as_int) for h in event.block_hashes],
+                  "medium": event.medium}
         tag = "BlockRemoved"
     elif isinstance(event, AllBlocksCleared):
         fields, tag = {}, "AllBlocksCleared"
@@ -60,8 +70,8 @@ def wire_event(event: KVEvent, form: str = "map"):
 
 
 def encode_batch(events: list[KVEvent], ts: float, data_parallel_rank: int | None = None,
-                 form: str = "map") -> bytes:
-    batch = [ts, [wire_event(e, form) for e in events]]
+                 form: str = "map", as_int: bool = True) -> bytes:
+    batch = [ts, [wire_event(e, form, as_int) for e in events]]
     if data_parallel_rank is not None:
         batch.append(data_parallel_rank)
     return msgspec.msgpack.encode(batch)
@@ -100,6 +110,7 @@ class ZmqEventPublisher:
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
         self._seq = 0
         self._dropped = 0
+        self._as_int = int_block_hashes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxserve-kv-events", daemon=True)
         self._thread.start()
@@ -128,7 +139,7 @@ class ZmqEventPublisher:
             except queue.Empty:
                 pass
             else:
-                payload = encode_batch(events, ts, self.rank, self.config.wire)
+                payload = encode_batch(events, ts, self.rank, self.config.wire, self._as_int)
                 seq = self._seq.to_bytes(8, "big")
                 self._pub.send_multipart((self._topic, seq, payload))
                 self._buffer.append((self._seq, payload))
