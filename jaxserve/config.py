@@ -40,6 +40,10 @@ FP8_ACTIVATIONS = ("auto", "w8a8", "w8a16")     # an FP8 checkpoint's (loader.fp
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
+# --prefix-caching-hash-algo: jaxserve's own, then vLLM's (core/block_hash.py)
+PREFIX_CACHING_HASH_ALGOS = ("builtin", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """What the KV cache manager and the device cache need."""
@@ -50,8 +54,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
+    prefix_caching_hash_algo: str = "builtin"
 
     def __post_init__(self):
+        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
+            raise ValueError("prefix_caching_hash_algo must be one of "
+                             f"{', '.join(PREFIX_CACHING_HASH_ALGOS)}, got "
+                             f"{self.prefix_caching_hash_algo!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two in [1, 256], got "
                              f"{self.block_size}")
@@ -331,6 +340,9 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # vLLM's --prefix-caching-hash-algo (core/block_hash.py): "builtin" (xxh3-128, jaxserve's) or
+    # vLLM's sha256 / sha256_cbor / xxhash / xxhash_cbor with vLLM's definitions.
+    prefix_caching_hash_algo: str = "builtin"
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
@@ -459,7 +471,8 @@ class EngineArgs:
                            kv_cache_dtype=self.kv_cache_dtype,
                            enable_prefix_caching=self.enable_prefix_caching,
                            gpu_memory_utilization=self.gpu_memory_utilization,
-                           kv_cache_memory_bytes=self.kv_cache_memory_bytes)
+                           kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                           prefix_caching_hash_algo=self.prefix_caching_hash_algo)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         budget = self.max_num_batched_tokens or max(2048, 0 if self.enable_chunked_prefill

@@ -2,8 +2,9 @@
 
 import pytest
 
+from jaxserve.core.block_hash import builtin_hash as hash_block_tokens
 from jaxserve.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from jaxserve.core.kv_cache_manager import KVCacheManager, hash_block_tokens
+from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request
 from jaxserve.sampling_params import SamplingParams
 

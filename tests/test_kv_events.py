@@ -17,7 +17,6 @@ import pytest
 import zmq
 
 from jaxserve.config import EngineArgs, KVEventsConfig
-from jaxserve.core.kv_cache_manager import _ROOT_HASH, hash_block_tokens
 from jaxserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from jaxserve.engine.kv_event_publisher import END_OF_REPLAY, encode_batch
 
@@ -154,8 +153,34 @@ def test_defaults_follow_vllm():
 
 
 # -- end to end -------------------------------------------------------------------------------
-def test_a_subscriber_rebuilds_the_engines_cached_blocks_and_catches_up_by_replay():
+def _reference_hasher(algo: str):
+    """(parent digest or None, token ids) -> digest, written from each algorithm's definition
+    here, not through jaxserve's code: "builtin" (xxh3-128 over the parent's 16 little-endian
+    bytes and 8 bytes a token, the root a constant) and vLLM's sha256_cbor under
+    PYTHONHASHSEED=0 (sha256 of the canonical CBOR of (parent, tokens, None), the root
+    sha256(cbor("0")))."""
+    import hashlib
+    import struct
+
+    import cbor2
+    import xxhash
+    if algo == "builtin":
+        root = (0x6A6178736572766500000000000000).to_bytes(16, "big")
+
+        def h(parent, tokens):
+            p = int.from_bytes(parent or root, "big").to_bytes(16, "little")
+            return xxhash.xxh3_128_digest(p + struct.pack(f"<{len(tokens)}q", *tokens))
+        return h
+    none = hashlib.sha256(cbor2.dumps("0", canonical=True)).digest()
+    return lambda parent, tokens: hashlib.sha256(
+        cbor2.dumps((parent or none, tuple(tokens), None), canonical=True)).digest()
+
+
+@pytest.mark.parametrize("algo", ["builtin", "sha256_cbor"])
+def test_a_subscriber_rebuilds_the_engines_cached_blocks_and_catches_up_by_replay(algo, monkeypatch):
     from jaxserve import LLM, SamplingParams
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    reference = _reference_hasher(algo)
     pub, replay = _port(), _port()
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -163,6 +188,7 @@ def test_a_subscriber_rebuilds_the_engines_cached_blocks_and_catches_up_by_repla
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     llm = LLM(model=TINY, load_format="dummy", max_model_len=128, block_size=4,
               num_gpu_blocks_override=40, max_num_seqs=4, max_num_batched_tokens=64, warmup=False,
+              prefix_caching_hash_algo=algo,
               kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}",
                                 "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": "kv"})
     engine = llm.llm_engine
@@ -209,7 +235,7 @@ def test_a_subscriber_rebuilds_the_engines_cached_blocks_and_catches_up_by_repla
         assert sorted(replayed) == list(range(len(replayed))) and live
         assert all(replayed[s] == p for s, p in live.items())
         cached, stored, cleared, removed = set(), 0, 0, 0
-        full = {}       # the 64-bit hash on the wire -> the chain's full hash, as recomputed
+        full = {}       # the 64-bit hash on the wire -> the chain's full digest, as recomputed
         for seq in sorted(replayed):
             batch = msgspec.msgpack.decode(replayed[seq], type=KVEventBatch)
             for e in batch.events:
@@ -218,10 +244,10 @@ def test_a_subscriber_rebuilds_the_engines_cached_blocks_and_catches_up_by_repla
                 cleared += isinstance(e, VAllBlocksCleared)
                 if isinstance(e, VBlockStored):
                     # an indexer recomputes each block's key from the token ids and the parent
-                    parent = _ROOT_HASH if e.parent_block_hash is None else full[e.parent_block_hash]
+                    parent = None if e.parent_block_hash is None else full[e.parent_block_hash]
                     for j, h in enumerate(e.block_hashes):
-                        parent = hash_block_tokens(parent, e.token_ids[j * e.block_size:(j + 1) * e.block_size])
-                        assert parent & (2 ** 64 - 1) == h
+                        parent = reference(parent, e.token_ids[j * e.block_size:(j + 1) * e.block_size])
+                        assert int.from_bytes(parent, "big") & (2 ** 64 - 1) == h
                         full[h] = parent
             _apply(cached, batch)
         assert stored and removed and cleared == 1
@@ -231,3 +257,48 @@ def test_a_subscriber_rebuilds_the_engines_cached_blocks_and_catches_up_by_repla
         sub.close(0)
         req.close(0)
         ctx.term()
+
+
+# -- --prefix-caching-hash-algo ---------------------------------------------------------------
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+def test_vllm_hash_algorithms_follow_vllms_definitions(algo, monkeypatch):
+    """vLLM's `hash_block_tokens(hash_fn, parent, tokens, extra_keys)` = hash_fn((parent or
+    NONE_HASH, tuple(tokens), extra_keys)), NONE_HASH = hash_fn(PYTHONHASHSEED), hash_fn sha256 /
+    xxh3-128 over pickle (protocol HIGHEST) or canonical CBOR; LoRA adds (lora_name,)."""
+    import hashlib
+    import pickle
+
+    import cbor2
+    import xxhash
+
+    from jaxserve.core.block_hash import BlockHasher
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    serialise = ((lambda v: cbor2.dumps(v, canonical=True)) if algo.endswith("cbor")
+                 else (lambda v: pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)))
+    digest = (lambda b: hashlib.sha256(b).digest()) if algo.startswith("sha") else xxhash.xxh3_128_digest
+    fn = lambda v: digest(serialise(v))       # noqa: E731
+    none = fn("0")
+    first = fn((none, (1, 2, 3, 4), None))
+    second = fn((first, (5, 6, 7, 8), ("adapter",)))
+    hasher = BlockHasher(algo)
+    h1 = hasher(None, [1, 2, 3, 4])
+    assert h1 == int.from_bytes(first, "big")
+    assert hasher(h1, [5, 6, 7, 8], "adapter") == int.from_bytes(second, "big")
+    if algo == "sha256_cbor":         # fixed vectors
+        assert none.hex() == "4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e"
+        assert first.hex() == "c9d58ba695280d69b243e1e0df813136ca9196b286fb1a021e0b2e028ef071cb"
+
+
+def test_without_pythonhashseed_vllms_chains_start_from_a_random_root(monkeypatch):
+    from jaxserve.core.block_hash import BlockHasher
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert BlockHasher("sha256")(None, [1, 2]) != BlockHasher("sha256")(None, [1, 2])
+    assert BlockHasher("builtin")(None, [1, 2]) == BlockHasher("builtin")(None, [1, 2])
+
+
+def test_the_hash_algo_flag_parses_and_bad_names_are_refused():
+    from jaxserve.server.cli import main as cli
+    ns = cli.build_parser().parse_args(["serve", "--prefix-caching-hash-algo", "sha256_cbor"])
+    assert ns.prefix_caching_hash_algo == "sha256_cbor"
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo"):
+        EngineArgs(prefix_caching_hash_algo="md5")

@@ -6,8 +6,8 @@ Host side, no jax (vLLM v1's `kv_cache_manager.py`). The scheduler talks to it t
 and `free` (drop a finished or preempted request's blocks).
 
 Prefix caching hashes FULL blocks only, as a chain: hash_i = H(hash_{i-1}, tokens of block i), so a
-hash names the whole prefix up to and including its block. Hashes use xxh3-128 over fixed-width
-bytes: deterministic across processes (Python's hash() is salted per process).
+hash names the whole prefix up to and including its block (`core/block_hash.py`: xxh3-128 over
+fixed-width bytes by default, or vLLM's algorithms, `--prefix-caching-hash-algo`).
 
 Requests asking for prompt logprobs hit a block only where its prompt-logprob entries are cached
 too (`prompt_logprob_cache.py`): the entries of the blocks they compute are recorded after each
@@ -16,33 +16,13 @@ step, and evicting a block's hash drops them.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 
-import xxhash
-
+from jaxserve.core.block_hash import BlockHasher
 from jaxserve.core.block_pool import BlockPool, KVCacheBlock
 from jaxserve.core.kv_events import BlockStored
 from jaxserve.core.prompt_logprob_cache import Entry, PromptLogprobCache
 from jaxserve.core.request import Request
-
-_ROOT_HASH = 0x6A6178736572766500000000000000   # the parent of the first block ("jaxserve")
-
-
-def hash_block_tokens(parent_hash: int, block_token_ids: list[int]) -> int:
-    """Chained hash of one full block: H(parent_hash, tuple(block_token_ids))."""
-    data = parent_hash.to_bytes(16, "little") + struct.pack(f"<{len(block_token_ids)}q",
-                                                            *block_token_ids)
-    return xxhash.xxh3_128_intdigest(data)
-
-
-def _root_hash(request: Request) -> int:
-    """The chain's parent of a request's first block: keyed on its LoRA adapter's name, so
-    requests under different adapters (or none) never share cached blocks."""
-    lora = getattr(request, "lora_request", None)
-    if lora is None:
-        return _ROOT_HASH
-    return xxhash.xxh3_128_intdigest(_ROOT_HASH.to_bytes(16, "little") + b"lora:" + lora.lora_name.encode())
 
 
 @dataclass
@@ -73,8 +53,10 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 hash_algo: str = "builtin") -> None:
         self.block_size = block_size
+        self.hasher = BlockHasher(hash_algo)
         self.enable_caching = enable_caching
         self.prompt_logprobs = PromptLogprobCache(block_size)
         self.block_pool = BlockPool(num_blocks, enable_caching, on_evict=self.prompt_logprobs.drop)
@@ -102,10 +84,11 @@ class KVCacheManager:
     def _update_block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
         """Extend request.block_hashes to cover its first num_full_blocks full blocks."""
         hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
+        lora = getattr(request, "lora_request", None)
+        lora_name = None if lora is None else lora.lora_name
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else _root_hash(request)
-            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(self.hasher(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs], lora_name))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:

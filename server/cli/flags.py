@@ -27,6 +27,7 @@ from jaxserve.config import (
     FP8_KERNELS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    PREFIX_CACHING_HASH_ALGOS,
     QUANTIZATIONS,
     REASONING_PARSERS,
     EngineArgs,
@@ -161,6 +162,11 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
           "JSON outputs) or '{\"whitespace_pattern\": REGEX}' (whitespace allowed between JSON "
           "tokens; vLLM's unbounded rule is \"[\\\\x20\\\\x0A\\\\x0D\\\\x09]+\").",
           shown_default="one space, or a line break and up to 32 spaces of indentation")),
+    ("prefix_caching_hash_algo", "CacheConfig",
+     dict(choices=PREFIX_CACHING_HASH_ALGOS, help="The prefix cache's block hash: builtin "
+          "(jaxserve's xxh3-128, fastest) or vLLM's, with vLLM's definitions (an indexer that "
+          "computes block keys from token ids as vLLM does, with the same PYTHONHASHSEED, finds "
+          "jaxserve's).", shown_default="builtin")),
     ("kv_events_config", "KVEventsConfig",
      dict(type=_json_dict, help="KV-cache events for an external indexer (llm-d), vLLM's wire "
           "format over ZeroMQ. JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": "
