@@ -121,6 +121,11 @@ def test_both_wire_forms_decode_with_vllms_structs(form, decoder):
     big = (7 << 100) | (2 ** 64 - 1)
     ints = msgspec.msgpack.decode(encode_batch([BlockRemoved([big])], 1.0, form=form), type=decoder)
     assert ints.events[0].block_hashes == [2 ** 64 - 1]
+    # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: the digest's bytes (sha256: 32)
+    sha = (1 << 255) | 3
+    raw = msgspec.msgpack.decode(encode_batch([BlockRemoved([sha])], 1.0, form=form, as_int=False,
+                                              hash_bytes=32), type=decoder)
+    assert raw.events[0].block_hashes == [sha.to_bytes(32, "big")]
 
 
 @pytest.mark.parametrize("bad, field", [

@@ -76,16 +76,17 @@ class BlockHasher:
         if algo not in HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}, got {algo!r}")
         self.algo = algo
+        self.digest_bytes = 16          # of a block's hash (the int's width in bytes)
         if algo == "builtin":
             return
         self._fn = vllm_hash_fn(algo)
-        self._digest_bytes = _VLLM[algo][2]
+        self.digest_bytes = _VLLM[algo][2]
         seed = os.environ.get("PYTHONHASHSEED")
         self.none_hash = os.urandom(32) if seed is None else self._fn(seed)
 
     def __call__(self, parent: int | None, token_ids, lora_name: str | None = None) -> int:
         if self.algo == "builtin":
             return builtin_hash(builtin_root(lora_name) if parent is None else parent, token_ids)
-        parent_bytes = self.none_hash if parent is None else parent.to_bytes(self._digest_bytes, "big")
+        parent_bytes = self.none_hash if parent is None else parent.to_bytes(self.digest_bytes, "big")
         extra = None if lora_name is None else (lora_name,)
         return int.from_bytes(self._fn((parent_bytes, tuple(token_ids), extra)), "big")

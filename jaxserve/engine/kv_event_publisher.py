@@ -7,8 +7,8 @@ frames: the topic, an 8-byte big-endian sequence number (from 0), the payload. E
 maps tagged with their type (`{"type": "BlockStored", "block_hashes": ..., ...}`, newer vLLM) or,
 with `wire: "array"`, arrays whose first element is the type (older vLLM). Block hashes go out as
 vLLM sends them by default (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, what llm-d's indexer decodes):
-the low 64 bits of the pool's 128-bit chained hash as an unsigned int; with that variable set to
-0, the whole hash as 16 big-endian bytes.
+the low 64 bits of the pool's chained hash as an unsigned int; with that variable set to 0, the
+whole digest as bytes (16 for xxh3-128, 32 for sha256).
 
 Replay: a ROUTER socket at `replay_endpoint` answers a request frame holding an 8-byte start
 sequence number with every buffered batch from there (`[identity, b"", seq, payload]` each),
@@ -41,24 +41,26 @@ def int_block_hashes() -> bool:
     return os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").strip().lower() not in ("0", "false")
 
 
-def external_hash(h: int | None, as_int: bool = True) -> int | bytes | None:
-    """A pool hash as the events carry it (vLLM's `maybe_convert_block_hash`)."""
+def external_hash(h: int | None, as_int: bool = True, hash_bytes: int = 16) -> int | bytes | None:
+    """A pool hash as the events carry it (vLLM's `maybe_convert_block_hash`): the low 64 bits,
+    or the digest's `hash_bytes` bytes (16 for xxh3-128, 32 for sha256)."""
     if h is None:
         return None
-    return h & ((1 << 64) - 1) if as_int else h.to_bytes(16, "big")
+    return h & ((1 << 64) - 1) if as_int else h.to_bytes(hash_bytes, "big")
 
 
-def wire_event(event: KVEvent, form: str = "map", as_int: bool = True):
+def wire_event(event: KVEvent, form: str = "map", as_int: bool = True, hash_bytes: int = 16):
     """One event as vLLM encodes it: a tagged map (newer vLLM) or a tagged array (older)."""
+    def ext(h):
+        return external_hash(h, as_int, hash_bytes)
     if isinstance(event, BlockStored):
-        fields = {"block_hashes": [external_hash(h, as_int) for h in event.block_hashes],
-                  "parent_block_hash": external_hash(event.parent_block_hash, as_int),
+        fields = {"block_hashes": [ext(h) for h in event.block_hashes],
+                  "parent_block_hash": ext(event.parent_block_hash),
                   "token_ids": list(event.token_ids), "block_size": event.block_size,
                   "lora_id": event.lora_id, "medium": event.medium, "lora_name": event.lora_name}
         tag = "BlockStored"
     elif isinstance(event, BlockRemoved):
-        fields = {"block_hashes": [external_hash(h, as_int) for h in event.block_hashes],
-                  "medium": event.medium}
+        fields = {"block_hashes": [ext(h) for h in event.block_hashes], "medium": event.medium}
         tag = "BlockRemoved"
     elif isinstance(event, AllBlocksCleared):
         fields, tag = {}, "AllBlocksCleared"
@@ -70,8 +72,8 @@ def wire_event(event: KVEvent, form: str = "map", as_int: bool = True):
 
 
 def encode_batch(events: list[KVEvent], ts: float, data_parallel_rank: int | None = None,
-                 form: str = "map", as_int: bool = True) -> bytes:
-    batch = [ts, [wire_event(e, form, as_int) for e in events]]
+                 form: str = "map", as_int: bool = True, hash_bytes: int = 16) -> bytes:
+    batch = [ts, [wire_event(e, form, as_int, hash_bytes) for e in events]]
     if data_parallel_rank is not None:
         batch.append(data_parallel_rank)
     return msgspec.msgpack.encode(batch)
@@ -86,9 +88,11 @@ class ZmqEventPublisher:
 
     POLL_S = 0.05
 
-    def __init__(self, config: KVEventsConfig, data_parallel_rank: int | None = None):
+    def __init__(self, config: KVEventsConfig, data_parallel_rank: int | None = None,
+                 hash_bytes: int = 16):
+        """hash_bytes: the block hashes' digest size (`BlockHasher.digest_bytes`)."""
         import zmq
-        self.config, self.rank = config, data_parallel_rank
+        self.config, self.rank, self.hash_bytes = config, data_parallel_rank, hash_bytes
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
@@ -139,7 +143,8 @@ class ZmqEventPublisher:
             except queue.Empty:
                 pass
             else:
-                payload = encode_batch(events, ts, self.rank, self.config.wire, self._as_int)
+                payload = encode_batch(events, ts, self.rank, self.config.wire, self._as_int,
+                                       self.hash_bytes)
                 seq = self._seq.to_bytes(8, "big")
                 self._pub.send_multipart((self._topic, seq, payload))
                 self._buffer.append((self._seq, payload))
@@ -172,6 +177,7 @@ class ZmqEventPublisher:
         self._ctx.term()
 
 
-def make_publisher(config: KVEventsConfig, data_parallel_rank: int | None = None):
+def make_publisher(config: KVEventsConfig, data_parallel_rank: int | None = None,
+                   hash_bytes: int = 16):
     """The publisher `config` asks for, or None (events off, or publisher "null")."""
-    return ZmqEventPublisher(config, data_parallel_rank) if config.publishes else None
+    return ZmqEventPublisher(config, data_parallel_rank, hash_bytes) if config.publishes else None

@@ -83,7 +83,8 @@ class LLMEngine:
                                                   disable_any_whitespace=so_config.disable_any_whitespace)
         self.proposer = make_proposer(spec)
         # KV-cache events (--kv-events-config): the block pool records, each step publishes.
-        self.kv_events = make_publisher(args.kv_events())
+        self.kv_events = make_publisher(args.kv_events(),
+                                        hash_bytes=self.scheduler.kv_cache_manager.hasher.digest_bytes)
         if self.kv_events is not None:
             self.scheduler.kv_cache_manager.block_pool.record_events()
         self.pooling = None if self.pooler is None else PoolingRequests(
