@@ -82,9 +82,10 @@ class LLMEngine:
                                                   whitespace_pattern=so_config.whitespace_pattern,
                                                   disable_any_whitespace=so_config.disable_any_whitespace)
         self.proposer = make_proposer(spec)
-        # KV-cache events (--kv-events-config): the block pool records, each step publishes.
-        self.kv_events = make_publisher(args.kv_events(),
-                                        hash_bytes=self.scheduler.kv_cache_manager.hasher.digest_bytes)
+        # KV-cache events (--kv-events-config): the block pool records, each step publishes
+        # (process 0 only: the others schedule nothing).
+        self.kv_events = None if self.group is not None and not self.group.is_leader else make_publisher(
+            args.kv_events(), hash_bytes=self.scheduler.kv_cache_manager.hasher.digest_bytes)
         if self.kv_events is not None:
             self.scheduler.kv_cache_manager.block_pool.record_events()
         self.pooling = None if self.pooler is None else PoolingRequests(
@@ -448,7 +449,8 @@ class LLMEngine:
         cache = {"block_size": c.block_size, "cache_dtype": c.kv_cache_dtype,
                  "enable_prefix_caching": c.enable_prefix_caching,
                  "gpu_memory_utilization": c.gpu_memory_utilization, "num_gpu_blocks": c.num_blocks,
-                 "num_gpu_blocks_override": a.num_gpu_blocks_override, "num_cpu_blocks": None}
+                 "num_gpu_blocks_override": a.num_gpu_blocks_override, "num_cpu_blocks": None,
+                 "prefix_caching_hash_algo": c.prefix_caching_hash_algo}
         info = {"cache": {k: str(v) for k, v in cache.items()}}
         if a.enable_lora:
             info["lora"] = {"max_lora": str(a.max_loras)}
