@@ -195,6 +195,20 @@ class SpeculativeConfig:
                                  f"got {v!r}")
 
 
+def _from_dict(cls, d: dict | None, key: str):
+    """A JSON sub-config (`--structured-outputs-config`, `--kv-events-config`) as `cls`, its keys
+    checked (ValueError naming `key`); None gives the defaults."""
+    if d is None:
+        return cls()
+    if not isinstance(d, dict):
+        raise ValueError(f"{key} must be a dict, got {type(d).__name__}")
+    names = sorted(f.name for f in dataclasses.fields(cls))
+    unknown = sorted(set(d) - set(names))
+    if unknown:
+        raise ValueError(f"{key} has unknown key(s) {unknown}; allowed: {names}")
+    return cls(**d)
+
+
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
     """vLLM's `structured_outputs_config` keys that apply here: the JSON whitespace rule for
@@ -210,16 +224,7 @@ class StructuredOutputsConfig:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> StructuredOutputsConfig:
-        if d is None:
-            return cls()
-        if not isinstance(d, dict):
-            raise ValueError(f"structured_outputs_config must be a dict, got {type(d).__name__}")
-        names = sorted(f.name for f in dataclasses.fields(cls))
-        unknown = sorted(set(d) - set(names))
-        if unknown:
-            raise ValueError(f"structured_outputs_config has unknown key(s) {unknown}; allowed: "
-                             f"{names}")
-        return cls(**d)
+        return _from_dict(cls, d, "structured_outputs_config")
 
     def __post_init__(self):
         if self.backend not in ("auto", "guidance"):
@@ -259,15 +264,7 @@ class KVEventsConfig:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> KVEventsConfig:
-        if d is None:
-            return cls()
-        if not isinstance(d, dict):
-            raise ValueError(f"kv_events_config must be a dict, got {type(d).__name__}")
-        names = sorted(f.name for f in dataclasses.fields(cls))
-        unknown = sorted(set(d) - set(names))
-        if unknown:
-            raise ValueError(f"kv_events_config has unknown key(s) {unknown}; allowed: {names}")
-        return cls(**d)
+        return _from_dict(cls, d, "kv_events_config")
 
     def __post_init__(self):
         if not isinstance(self.enable_kv_cache_events, bool):
