@@ -10,7 +10,7 @@ import pytest
 from test_scheduler import FakeRunner, add, check_pool_invariants, make
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.request import Request
+from jaxserve.core.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
 
 MAX_K = 5
@@ -103,6 +103,50 @@ def test_choices_admitted_in_the_same_step_share_the_blocks_in_flight():
     got = {rid: dict(e) for rid, e in sched.prompt_logprobs_of_step(out, scored).items()}
     sched.update_from_output(out, sampled)
     check(got, prompts, dict.fromkeys(prompts, 1))
+
+
+def test_async_a_choice_admitted_while_the_context_step_runs_takes_its_promise():
+    """Async scheduling schedules step N + 1 before step N's results are applied: a choice
+    admitted then hits the blocks step N is scoring (their promise holds until N's results are
+    recorded), and gets exactly the cold entries with its own step's results."""
+    sched, _ = make(block_size=4, budget=64, async_scheduling=True)
+    runner = ScoringRunner(sched)
+    prompts = {"a": CONTEXT + [1, 2], "b": CONTEXT + [1, 3]}
+    add(sched, "a", prompts["a"], max_tokens=1, prompt_logprobs=2)
+    first = sched.schedule()
+    first_results = runner.execute_scoring(first)          # step N, still "in flight"
+    add(sched, "b", prompts["b"], max_tokens=1, prompt_logprobs=2)
+    second = sched.schedule()
+    assert [len(r.token_ids) for r in second.scheduled] == [2]      # 10 blocks of 4 hit
+    assert second.prompt_logprob_hits == {"b": 10}
+    got = {}
+    for out, (sampled, scored) in ((first, first_results), (second, runner.execute_scoring(second))):
+        for rid, entries in sched.prompt_logprobs_of_step(out, scored).items():
+            got.setdefault(rid, {}).update(entries)
+        sched.update_from_output(out, sampled)
+        check_pool_invariants(sched)
+    check(got, prompts, {"a": 2, "b": 2})
+    assert not sched.take_errored() and not sched.has_unfinished_requests()
+
+
+def test_a_choice_admitted_on_a_failed_steps_promise_finishes_with_an_error():
+    sched, _ = make(block_size=4, budget=64, async_scheduling=True)
+    runner = ScoringRunner(sched)
+    add(sched, "a", CONTEXT + [1, 2], max_tokens=1, prompt_logprobs=2)
+    first = sched.schedule()
+    runner.execute_scoring(first)       # it ran, then failed when its results were read
+    add(sched, "b", CONTEXT + [1, 3], max_tokens=1, prompt_logprobs=2)
+    add(sched, "c", [7, 8, 9], max_tokens=2)
+    second = sched.schedule()
+    assert second.prompt_logprob_hits == {"b": 10}
+    assert [r.request_id for r in sched.fail_step(first)] == ["a"]
+    sampled, scored = runner.execute_scoring(second)
+    assert "b" not in sched.prompt_logprobs_of_step(second, scored)
+    (errored,) = sched.take_errored()
+    assert errored.request_id == "b" and errored.status == RequestStatus.FINISHED_ERROR
+    sched.update_from_output(second, sampled)
+    check_pool_invariants(sched)
+    assert list(sched.requests) == ["c"]
 
 
 def test_fewer_top_logprobs_hit_more_miss():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from conftest import engine_variant
 from test_server_faults import _Borrowed
 
 from jaxserve import SamplingParams
@@ -109,3 +110,26 @@ def test_lm_eval_requests_through_the_server_hit_the_cache(llm, variant, prompts
         assert got[0] is None
         assert got[1:] == pytest.approx([want[p][ids[p]].logprob for p in range(1, len(ids))],
                                         abs=2e-3)
+
+
+def test_async_choices_arriving_while_another_request_decodes(llm, prompts, cold):
+    """Async scheduling: the choices are scheduled while earlier steps still run (the server
+    case: lm-eval's requests arrive beside others). The first choice's context blocks are
+    promised to the later ones across steps in flight: all hit, and the entries equal a cold
+    run (once an engine crash: "prompt logprobs ... vanished from the cache")."""
+    engine = llm.llm_engine
+    with engine_variant(llm, async_scheduling=True):
+        decode = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        engine.add_request("decoding", {"prompt_token_ids": prompts[0][:10]}, decode)
+        for _ in range(3):
+            engine.step()
+        score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"choice{i}", {"prompt_token_ids": p}, score)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        hits = engine.stats().prefix_cache_hits
+    assert hits >= 3 * 64 and all(done[f"choice{i}"].num_cached_tokens >= 64 for i in (1, 2, 3))
+    for i, (want, ids) in enumerate(zip(cold, prompts)):
+        _same(done[f"choice{i}"].prompt_logprobs, want, ids)

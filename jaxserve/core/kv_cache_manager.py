@@ -121,9 +121,12 @@ class KVCacheManager:
         return self.prompt_logprobs.covers(request.block_hashes[j],
                                            request.all_token_ids[(j + 1) * bs], k)
 
-    def cached_prompt_logprobs(self, request: Request, num_blocks: int) -> list[tuple[int, Entry]]:
+    def cached_prompt_logprobs(self, request: Request,
+                               num_blocks: int) -> list[tuple[int, Entry]] | None:
         """[(position, entry)] of the prompt positions 1 .. num_blocks * B (within the prompt)
-        that the request's first num_blocks hit blocks cover, from the cache."""
+        that the request's first num_blocks hit blocks cover, from the cache; None when entries
+        it was admitted on never came (the step computing them failed, or its request was
+        aborted before they were recorded)."""
         k, bs = request.sampling_params.prompt_logprobs, self.block_size
         out = []
         for j in range(num_blocks):
@@ -131,9 +134,8 @@ class KVCacheManager:
                 break
             entries = self.prompt_logprobs.get(request.block_hashes[j],
                                                request.all_token_ids[(j + 1) * bs], k)
-            if entries is None:     # get_computed_blocks admitted it only if covered
-                raise RuntimeError(f"prompt logprobs of block {j} of request "
-                                   f"{request.request_id!r} vanished from the cache")
+            if entries is None:     # promised by a step that failed or a request aborted since
+                return None
             out.extend((j * bs + 1 + i, e) for i, e in enumerate(entries)
                        if j * bs + 1 + i < request.num_prompt_tokens)
         return out

@@ -13,9 +13,10 @@ An entry list holds the top `k` logprobs the request that computed it asked for 
 request asking k' <= k. It lives exactly as long as its block hash is registered in the block
 pool: `drop` is the pool's eviction hook.
 
-Entries that the current step is computing (a scoring row that completes a block's targets) are
-"in flight": a request admitted in the same step may count them as hits, and picks them up once
-the step's results are recorded (`record` runs before `take`).
+Entries that a step is computing (a scoring row that completes a block's targets) are "in
+flight" until that step's results are recorded (`settle`): a request admitted in the same step,
+or, with async scheduling, in the next one (scheduled while the step still runs), may count them
+as hits, and picks them up with its own step's results (`record` runs before `take`).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ class PromptLogprobCache:
         self.block_size = block_size
         # block hash -> next token -> (k, B entries)
         self._entries: dict[int, dict[int, tuple[int, list[Entry]]]] = {}
-        # (block hash, next token) -> largest k a row of the step being scheduled computes
-        self._in_flight: dict[tuple[int, int], int] = {}
+        # step -> (block hash, next token) -> largest k a row of that step computes
+        self._in_flight: dict[int, dict[tuple[int, int], int]] = {}
+        self._step = 0
         # request id -> (position of its first entry, entries of its blocks not stored yet)
         self._pending: dict[str, tuple[int, list[Entry]]] = {}
 
@@ -47,7 +49,8 @@ class PromptLogprobCache:
         stored = self._entries.get(block_hash, {}).get(next_token)
         if stored is not None and stored[0] >= k:
             return True
-        return self._in_flight.get((block_hash, next_token), -1) >= k
+        key = (block_hash, next_token)
+        return any(step.get(key, -1) >= k for step in self._in_flight.values())
 
     def get(self, block_hash: int, next_token: int, k: int) -> list[Entry] | None:
         stored = self._entries.get(block_hash, {}).get(next_token)
@@ -59,12 +62,17 @@ class PromptLogprobCache:
 
     def promise(self, block_hash: int, next_token: int, k: int) -> None:
         """The step being scheduled computes this block's entries with k top logprobs."""
-        key = (block_hash, next_token)
-        self._in_flight[key] = max(k, self._in_flight.get(key, -1))
+        key, step = (block_hash, next_token), self._in_flight.setdefault(self._step, {})
+        step[key] = max(k, step.get(key, -1))
 
-    def new_step(self) -> None:
-        """Promises hold for one step: the next schedule starts without any."""
-        self._in_flight.clear()
+    def new_step(self) -> int:
+        """A step is being scheduled: returns its id, for `settle`."""
+        self._step += 1
+        return self._step
+
+    def settle(self, step: int) -> None:
+        """The step's results are recorded (or it failed): its promises end."""
+        self._in_flight.pop(step, None)
 
     def record(self, request_id: str, entries: list[tuple[int, Entry]], block_hashes: list[int],
                token_ids: list[int], num_prompt_tokens: int, k: int,
@@ -103,8 +111,9 @@ class PromptLogprobCache:
     def drop(self, block_hash: int) -> None:
         """The pool evicted (or unregistered) this hash: its entries and promises go."""
         self._entries.pop(block_hash, None)
-        for key in [key for key in self._in_flight if key[0] == block_hash]:
-            del self._in_flight[key]
+        for step in self._in_flight.values():
+            for key in [key for key in step if key[0] == block_hash]:
+                del step[key]
 
     def clear(self) -> None:
         self._entries.clear()

@@ -68,9 +68,9 @@ class Scheduler:
         self.finished_req_ids: list[str] = []
         self.num_preemptions_total = 0
         self.spec_stats = SpecDecodingStats()
-        # request id -> prefix-cache hit blocks whose prompt logprobs it takes from the cache,
-        # for requests admitted in the step being run (see `prompt_logprobs_of_step`).
-        self._prompt_logprob_hits: dict[str, int] = {}
+        # Requests finished with FINISHED_ERROR while a step's results were applied (prompt
+        # logprobs they were admitted on never came): the engine reports them (`take_errored`).
+        self._errored: list[Request] = []
 
     # --- requests in and out -----------------------------------------------------------------
 
@@ -138,6 +138,7 @@ class Scheduler:
         garbage). Requests outside the step are untouched. The worker never acknowledged the
         step, so its finished and preempted ids are handed to it again with the next one.
         Returns the failed requests (finished, blocks freed)."""
+        self.kv_cache_manager.prompt_logprobs.settle(scheduler_output.step_id)
         failed = []
         for row in scheduler_output.scheduled:
             request = self.requests.get(row.request_id)
@@ -155,7 +156,6 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         request.finished_time = time.time()
-        self._prompt_logprob_hits.pop(request.request_id, None)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.append(request.request_id)
@@ -245,7 +245,8 @@ class Scheduler:
         rows: dict[str, ScheduledRequest] = {}   # insertion order = batch order
         cost: dict[str, int] = {}
         preempted: list[str] = []
-        self.kv_cache_manager.prompt_logprobs.new_step()
+        step_id = self.kv_cache_manager.prompt_logprobs.new_step()
+        prompt_logprob_hits: dict[str, int] = {}
 
         # 1. Running requests: decodes and unfinished prefill chunks, in order.
         for request in list(self.running):
@@ -310,7 +311,7 @@ class Scheduler:
             request.spec_token_ids = []
             rows[request.request_id] = self._row(request, num_new, new=True)
             if rows[request.request_id].prompt_logprobs and hits:
-                self._prompt_logprob_hits[request.request_id] = len(hits)
+                prompt_logprob_hits[request.request_id] = len(hits)
             budget -= num_new
 
         scheduled = list(rows.values())
@@ -322,7 +323,8 @@ class Scheduler:
         output = SchedulerOutput(scheduled=scheduled,
                                  num_scheduled_tokens=sum(len(r.token_ids) for r in scheduled),
                                  preempted_request_ids=preempted,
-                                 finished_request_ids=self.finished_req_ids)
+                                 finished_request_ids=self.finished_req_ids,
+                                 step_id=step_id, prompt_logprob_hits=prompt_logprob_hits)
         self.finished_req_ids = []
         return output
 
@@ -338,21 +340,37 @@ class Scheduler:
         """Call with the runner's prompt-logprob entries of a step ({request id: [(position,
         entry)]}, each in position order) before `update_from_output`: records the full blocks
         in the prefix cache and returns the entries to deliver, the positions that admitted
-        requests took from the cache prepended (all of them in position order)."""
-        if not computed and not self._prompt_logprob_hits:     # the common step: no scoring
+        requests took from the cache prepended (all of them in position order). A request whose
+        cached entries never came (the step promising them failed, or its request was aborted
+        first) is finished with FINISHED_ERROR (`take_errored`)."""
+        cache = self.kv_cache_manager
+        hits = scheduler_output.prompt_logprob_hits
+        if not computed and not hits:              # the common step: no scoring
+            cache.prompt_logprobs.settle(scheduler_output.step_id)
             return computed
         for rid, entries in computed.items():
             request = self.requests.get(rid)
             if request is not None:
-                self.kv_cache_manager.record_prompt_logprobs(request, entries)
+                cache.record_prompt_logprobs(request, entries)
+        cache.prompt_logprobs.settle(scheduler_output.step_id)
         out = dict(computed)
-        for rid, num_blocks in self._prompt_logprob_hits.items():
+        for rid, num_blocks in hits.items():
             request = self.requests.get(rid)
-            if request is not None:
-                cached = self.kv_cache_manager.cached_prompt_logprobs(request, num_blocks)
+            if request is None:
+                continue
+            cached = cache.cached_prompt_logprobs(request, num_blocks)
+            if cached is None:
+                out.pop(rid, None)
+                self.finish_requests(rid, RequestStatus.FINISHED_ERROR)
+                self._errored.append(request)
+            else:
                 out[rid] = cached + list(computed.get(rid, ()))
-        self._prompt_logprob_hits.clear()
         return out
+
+    def take_errored(self) -> list[Request]:
+        """The requests `prompt_logprobs_of_step` finished with an error since the last call."""
+        errored, self._errored = self._errored, []
+        return errored
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled: dict[str, list[int]]) -> list[Request]:

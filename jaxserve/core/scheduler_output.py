@@ -91,6 +91,11 @@ class SchedulerOutput:
     # Draft model only: request_id -> drafts the worker should propose after this step (filled
     # by the engine from the proposer's opt-out; None: k for every sampling row).
     draft_lengths: dict[str, int] | None = None
+    # Which schedule this is (prompt-logprob promises end when its results are applied), and
+    # request_id -> prefix-cache hit blocks whose prompt logprobs it takes from the cache, for
+    # the requests it admitted (`Scheduler.prompt_logprobs_of_step`).
+    step_id: int = 0
+    prompt_logprob_hits: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -329,6 +329,7 @@ class LLMEngine:
                       for rid, entries in result.prompt_logprobs.items()}
         # Cache the full blocks' entries; add the positions prefix-cache hits cover.
         prompt_lps = self.scheduler.prompt_logprobs_of_step(sched, prompt_lps)
+        errored = self.scheduler.take_errored()
         prompt_rows = [self.scheduler.get_request(r) for r in prompt_lps]
         updated = self.scheduler.update_from_output(sched, result.sampled)
         if self.proposer is not None:
@@ -344,6 +345,10 @@ class LLMEngine:
         outputs, stopped = self.processor.process(updated + extra, result.logprobs, prompt_lps)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if errored:
+            logger.error("%d request(s) admitted on cached prompt logprobs that never came "
+                         "finish with finish_reason 'error'", len(errored))
+            outputs += self.processor.process(errored, {}, {})[0]
         return outputs
 
     def _grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask | None:
