@@ -81,9 +81,11 @@ def _prompt(llm, n, offset):
 def test_serves_while_compiling_then_compiles_nothing(background_llm):
     llm, events = background_llm
     engine, runner = llm.llm_engine, llm.llm_engine.runner
-    up_front = [(1, False), (2, False), (16, False)]
+    # the plain programs up to 16 tokens: 1, 2, 16, and on the default model's fused int4
+    # kernel 4 and 8 too (`token_buckets(few_rows=True)`)
+    up_front = [(T, False) for T in (1, 2, 4, 8, 16)]
     later = [k for k in runner.warmup_keys() if k not in up_front]
-    assert len(later) == 7 and set(up_front) <= set(runner.compiled_programs)
+    assert len(later) == 9 and set(up_front) <= set(runner.compiled_programs)
     before = {k: v for k, v in events.items() if k[0] != "jaxserve-compile"}
     steps = []      # (tokens, the step's token cap) of each step
     engine.fault_hook = lambda s: steps.append((sum(len(x.token_ids) for x in s.scheduled),
@@ -128,7 +130,9 @@ def test_flags_that_change_no_shape_hit_the_persistent_cache(tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
         return [line for line in out.stdout.splitlines() if line.startswith("PROGRAMS")][0]
 
-    assert start() == "PROGRAMS 0 loaded from the compilation cache, 4 compiled"
+    # the step programs of buckets 1, 2, 4, 8, 16 (4 and 8: the fused int4 kernel) and their
+    # prompt-logprobs variants that differ (from 4 tokens on), and the penalty-row write
+    assert start() == "PROGRAMS 0 loaded from the compilation cache, 8 compiled"
     assert start(seed=7, enable_prefix_caching=False, served_model_name="other",
                  generation_config="vllm", gpu_memory_utilization=0.5) == \
-        "PROGRAMS 4 loaded from the compilation cache, 0 compiled"
+        "PROGRAMS 8 loaded from the compilation cache, 0 compiled"
