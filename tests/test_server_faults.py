@@ -131,6 +131,9 @@ class _ServableFake(FakeEngine):
         self.cache_config = SimpleNamespace(num_blocks=1, block_size=16)
         self.warmup_seconds = 0.0
 
+    def config_info(self) -> dict:
+        return {"cache": {"block_size": "16", "num_gpu_blocks": "1"}}
+
 
 async def _sigterm_while_streaming(tokens: int, shutdown_timeout: float):
     """serve() a fake engine; SIGTERM once a stream has started. Returns (exit code, the

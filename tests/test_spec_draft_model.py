@@ -137,7 +137,11 @@ def test_greedy_identical_with_a_truncated_draft_alone_and_mixed(draft_llm):
     alone = _run(draft_llm, COPY[:1], GREEDY, drafts=True)
     assert [o.token_ids for o in mixed] == base
     assert alone[0].token_ids == base[0]
-    assert engine.stats().spec_num_accepted_tokens > before.spec_num_accepted_tokens
+    # drafts were verified; how many a 2-layer draft gets accepted is the proposer's business
+    # (a request whose first drafts are rejected pauses them, and beyond the free room of the
+    # step's token bucket a draft must pay for itself), so none may be: acceptance is the
+    # self-draft test's
+    assert engine.stats().spec_num_draft_tokens > before.spec_num_draft_tokens
     assert not engine.scheduler.kv_cache_manager.req_to_blocks
 
 
