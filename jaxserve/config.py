@@ -297,14 +297,43 @@ class KVEventsConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Data parallelism (vLLM's): `data_parallel_size` engine replicas, each on its own
+    `tensor_parallel_size` devices. Internal load balancing (rank None): one server runs every
+    replica (`engine/data_parallel.py`). External (`data_parallel_rank` r): this process is
+    replica r alone, on the devices of local rank r mod `data_parallel_size_local` (default: all
+    ranks on this host), behind a balancer of the user's."""
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     data_parallel_size: int = 1
+    data_parallel_rank: int | None = None
+    data_parallel_size_local: int | None = None
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "data_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        rank, local = self.data_parallel_rank, self.data_parallel_size_local
+        if rank is not None and (not isinstance(rank, int) or not 0 <= rank < self.data_parallel_size):
+            raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size="
+                             f"{self.data_parallel_size}), got {rank!r}")
+        if local is not None and (not isinstance(local, int) or not 1 <= local <= self.data_parallel_size):
+            raise ValueError(f"data_parallel_size_local must be in [1, data_parallel_size="
+                             f"{self.data_parallel_size}], got {local!r}")
+
+    def replica_devices(self, devices: list, rank: int | None = None) -> list:
+        """The devices of replica `rank` (default: this process's) among this host's
+        `devices`: slice (local rank) of tensor_parallel_size devices. A host that shows only
+        one replica's devices (CUDA_VISIBLE_DEVICES per rank) gives them all."""
+        rank = self.data_parallel_rank if rank is None else rank
+        tp = self.tensor_parallel_size
+        if rank is None or self.data_parallel_size == 1 or len(devices) == tp:
+            return list(devices)
+        local = rank % (self.data_parallel_size_local or self.data_parallel_size)
+        if (local + 1) * tp > len(devices):
+            raise ValueError(f"data_parallel_rank {rank} (local rank {local}) needs devices "
+                             f"{local * tp}..{(local + 1) * tp - 1} (tensor_parallel_size {tp} "
+                             f"each), but this host has {len(devices)}")
+        return list(devices[local * tp:(local + 1) * tp])
 
 
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/jaxserve/xla"   # the CLI's; see EngineArgs
@@ -322,6 +351,11 @@ class EngineArgs:
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # vLLM's data parallelism (ParallelConfig): replicas behind one server, or with a rank, one
+    # replica per process behind an external balancer.
+    data_parallel_size: int = 1
+    data_parallel_rank: int | None = None
+    data_parallel_size_local: int | None = None
     # Several processes (one per node) as one engine (jaxserve/engine/multihost.py): process 0
     # serves; every process runs with the same flags but its own --node-rank.
     nnodes: int = 1
@@ -457,7 +491,11 @@ class EngineArgs:
         self.spec_config()
         self.structured_config()
         self.kv_events()
-        ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel)
+        parallel = self.parallel_config()
+        if parallel.data_parallel_size > 1 and self.nnodes > 1:
+            raise ValueError("data_parallel_size > 1 with nnodes > 1: a multi-node replica with data "
+                             "parallelism is not supported; run one replica per node group, each "
+                             "with --data-parallel-rank, behind a balancer")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -546,7 +584,9 @@ class EngineArgs:
         return KVEventsConfig.from_dict(self.kv_events_config)
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel)
+        return ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel,
+                              self.data_parallel_size, self.data_parallel_rank,
+                              self.data_parallel_size_local)
 
     def replace(self, **changes) -> EngineArgs:
         return dataclasses.replace(self, **changes)

@@ -91,6 +91,20 @@ class KVCacheManager:
             hashes.append(self.hasher(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs], lora_name))
         return hashes
 
+    def cached_prefix_blocks(self, token_ids: list[int], lora_name: str | None = None) -> int:
+        """How many full blocks of a prompt's prefix the cache holds now (a data-parallel
+        balancer's question, asked from another thread: lookups only). As a request would hit:
+        never the block holding the last token."""
+        if not self.enable_caching:
+            return 0
+        bs, parent, n = self.block_size, None, 0
+        for i in range((len(token_ids) - 1) // bs):
+            parent = self.hasher(parent, token_ids[i * bs:(i + 1) * bs], lora_name)
+            if self.block_pool.get_cached_block(parent) is None:
+                break
+            n += 1
+        return n
+
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest cached prefix of the request's tokens: (blocks, num_computed_tokens).
 

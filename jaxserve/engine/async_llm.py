@@ -215,6 +215,13 @@ class AsyncLLM:
     def num_waiting(self) -> int:
         return (self.stats.num_waiting if self.stats else 0) + self._num_queued_adds
 
+    def num_requests(self) -> int:
+        """Requests this engine holds (queued, waiting or running; event-loop side)."""
+        return len(self._streams)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._streams
+
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
                           priority: int = 0, lora_request=None) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it. Raises

@@ -82,6 +82,10 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
     the draft model, the attention backend and kernels chosen, the KV pool sized from the memory
     budget, and the runner built and warmed up — falling back to the next kernel choice when one
     fails to compile or run (`engine.fallback`)."""
+    if args.data_parallel_size > 1 and args.data_parallel_rank is None:
+        raise ValueError(f"data_parallel_size {args.data_parallel_size}: an engine is one replica; "
+                         "serve several with `jaxserve serve --data-parallel-size N` (its load "
+                         "balancer), or give each process its --data-parallel-rank")
     model_path = resolve_model(args.model_location(), revision=args.revision, download_dir=args.download_dir,
                                weights=args.load_format != "dummy") \
         if args.model else str(default_model_path())
@@ -108,7 +112,9 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
                     "--generation-config vllm ignores the model's)", origin,
                     default_sampling_params)
     dtype = resolve_dtype(args.dtype)
-    mesh = make_mesh(args.tensor_parallel_size)
+    # a data-parallel replica: its own slice of this host's devices
+    mesh = make_mesh(args.tensor_parallel_size,
+                     devices=args.parallel_config().replica_devices(jax.devices()))
     model_config, weights = load_model(model_path, dtype, gguf_reader=reader,
                                             mesh=mesh, load_format=args.load_format,
                                             seed=args.seed,

@@ -20,6 +20,7 @@ Sending runs on its own thread: the engine's step only queues a batch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -177,7 +178,26 @@ class ZmqEventPublisher:
         self._ctx.term()
 
 
+def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
+    """vLLM's rule for data-parallel replicas: rank r publishes on a TCP endpoint's port + r
+    ("tcp://*:5557" -> "tcp://*:5558" for rank 1), an ipc/inproc endpoint gets "_dp{r}"."""
+    if endpoint is None or data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        return f"{host}:{int(port) + data_parallel_rank}"
+    return f"{endpoint}_dp{data_parallel_rank}"
+
+
 def make_publisher(config: KVEventsConfig, data_parallel_rank: int | None = None,
                    hash_bytes: int = 16):
-    """The publisher `config` asks for, or None (events off, or publisher "null")."""
-    return ZmqEventPublisher(config, data_parallel_rank, hash_bytes) if config.publishes else None
+    """The publisher `config` asks for, or None (events off, or publisher "null"). A
+    data-parallel replica (rank not None) publishes on its rank's endpoints and tags its batches
+    with the rank."""
+    if not config.publishes:
+        return None
+    if data_parallel_rank is not None:
+        config = dataclasses.replace(
+            config, endpoint=offset_endpoint_port(config.endpoint, data_parallel_rank),
+            replay_endpoint=offset_endpoint_port(config.replay_endpoint, data_parallel_rank))
+    return ZmqEventPublisher(config, data_parallel_rank, hash_bytes)

@@ -85,7 +85,8 @@ class LLMEngine:
         # KV-cache events (--kv-events-config): the block pool records, each step publishes
         # (process 0 only: the others schedule nothing).
         self.kv_events = None if self.group is not None and not self.group.is_leader else make_publisher(
-            args.kv_events(), hash_bytes=self.scheduler.kv_cache_manager.hasher.digest_bytes)
+            args.kv_events(), args.data_parallel_rank if args.data_parallel_size > 1 else None,
+            hash_bytes=self.scheduler.kv_cache_manager.hasher.digest_bytes)
         if self.kv_events is not None:
             self.scheduler.kv_cache_manager.block_pool.record_events()
         self.pooling = None if self.pooler is None else PoolingRequests(

@@ -140,6 +140,17 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("tensor_parallel_size", "ParallelConfig", dict(type=int, help="Tensor-parallel devices.")),
     ("enable_expert_parallel", "ParallelConfig", dict(action=argparse.BooleanOptionalAction,
                                                       help="Expert parallelism for MoE layers.")),
+    ("data_parallel_size", "ParallelConfig", dict(type=int, help="Engine replicas, each on its "
+                                                  "own --tensor-parallel-size devices, behind "
+                                                  "this server's load balancer (or, with "
+                                                  "--data-parallel-rank, behind yours).")),
+    ("data_parallel_rank", "ParallelConfig", dict(type=int, help="External load balancing: this "
+                                                  "process is replica RANK alone, on its rank's "
+                                                  "devices, with its own endpoint.",
+                                                  shown_default="none: every replica here")),
+    ("data_parallel_size_local", "ParallelConfig", dict(type=int, help="Replicas on this host "
+                                                        "(a rank takes the devices of rank mod "
+                                                        "this).", shown_default="--data-parallel-size")),
     ("nnodes", "ParallelConfig", dict(type=int, help="Processes (one per node) running this "
                                       "engine together; every one gets the same flags and its "
                                       "own --node-rank.")),
@@ -204,7 +215,8 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                                "compiling them; a mismatch is logged and compiles.",
                                                shown_default="none")),
 ]
-_SHORT = {"tensor_parallel_size": ["-tp"]}
+_SHORT = {"tensor_parallel_size": ["-tp"], "data_parallel_size": ["-dp"],
+          "data_parallel_rank": ["-dpr"], "data_parallel_size_local": ["-dpl"]}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 import jaxserve
 from jaxserve.config import EngineArgs
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.engine.data_parallel import DataParallelLLM
 from jaxserve.outputs import PoolingRequestOutput
 from jaxserve.server.http.docs import add_docs_routes
 from jaxserve.server.http.metrics import CONTENT_TYPE, ServerMetrics
@@ -100,9 +101,16 @@ class Server:
         self.engine_args = engine_args
         self.args = server_args
         self.chat_template = load_chat_template(server_args.chat_template)
-        self.llm = AsyncLLM(None if engine is not None else engine_args, engine=engine,
-                            warmup=warmup, max_waiting_requests=server_args.max_waiting_requests,
-                            on_output=self._on_output)
+        if engine is None and engine_args.data_parallel_size > 1 and \
+                engine_args.data_parallel_rank is None:
+            # replicas behind this server's balancer (engine/data_parallel.py)
+            self.llm = DataParallelLLM(engine_args, warmup=warmup,
+                                       max_waiting_requests=server_args.max_waiting_requests,
+                                       on_output=self._on_output)
+        else:
+            self.llm = AsyncLLM(None if engine is not None else engine_args, engine=engine,
+                                warmup=warmup, max_waiting_requests=server_args.max_waiting_requests,
+                                on_output=self._on_output)
         self.serving: OpenAIServing | None = None
         self.responses: ResponsesServing | None = None
         self.metrics: ServerMetrics | None = None
@@ -235,6 +243,10 @@ class Server:
     # -- handlers -----------------------------------------------------------------------------
     async def health(self, request):
         # ready once the endpoints are too (--lora-modules adapters are read after the engine)
+        dead = getattr(self.llm, "dead_ranks", None)
+        if dead:        # data parallelism: the live replicas still serve; the pod needs a restart
+            return web.json_response({"status": "unhealthy", "dead_data_parallel_ranks": dead,
+                                      "error": repr(self.llm.error)}, status=503)
         if self.llm.is_ready and not self.stopping and self.serving is not None:
             return web.Response(status=200)
         return web.Response(status=503)
@@ -363,7 +375,10 @@ class Server:
         await self.llm.start()
         engine = self.llm.engine
         names = self.args.served_model_name or [engine.model_name]
-        self.metrics = ServerMetrics(names[0], lambda: self.llm.stats, self.args.metrics_prefix,
+        # data parallelism: one series per replica, labelled engine="<rank>" (vLLM's)
+        get_stats = (lambda: self.llm.replica_stats) if isinstance(self.llm, DataParallelLLM) \
+            else (lambda: self.llm.stats)
+        self.metrics = ServerMetrics(names[0], get_stats, self.args.metrics_prefix,
                                      config_info=engine.config_info())
         self.serving = OpenAIServing(self.llm, names, self.args.response_role,
                                      model_root=engine.model_path,

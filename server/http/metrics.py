@@ -55,73 +55,91 @@ class _Throughput:
 
 
 class _EngineCollector:
-    """Gauges and counters from the latest EngineStats (None before the engine exists)."""
+    """Gauges and counters from the latest EngineStats (None before the engine exists). With
+    data-parallel replicas `get_stats` returns a list, one EngineStats per replica: every series
+    then carries vLLM's `engine` label (the replica's rank)."""
 
     def __init__(self, model_name: str, get_stats: Callable, clock: Callable[[], float] = time.monotonic,
                  config_info: dict | None = None):
         self.model_name = model_name
         self.get_stats = get_stats
-        self.throughput = _Throughput(clock)
+        self.clock = clock
+        self.throughput: dict[tuple, _Throughput] = {}
         self.config_info = config_info or {}
 
     def describe(self):
         return []
 
     def collect(self):
-        s = self.get_stats()
-        label = [self.model_name]
+        got = self.get_stats()
+        if isinstance(got, list):
+            names, series = ["model_name", "engine"], [([self.model_name, str(rank)], s)
+                                                       for rank, s in enumerate(got)]
+        else:
+            names, series = ["model_name"], [([self.model_name], got)]
 
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(f"jaxserve:{name}", doc, labels=["model_name"])
-            g.add_metric(label, value)
-            return g
+        def getter(s):
+            return (lambda f: getattr(s, f)) if s is not None else (lambda f: 0)
 
-        def counter(name, doc, value):
-            c = CounterMetricFamily(f"jaxserve:{name}", doc, labels=["model_name"])
-            c.add_metric(label, value)
-            return c
+        def family(kind, name, doc, value):
+            """value(get) of each series; kind GaugeMetricFamily or CounterMetricFamily."""
+            m = kind(f"jaxserve:{name}", doc, labels=names)
+            for label, s in series:
+                m.add_metric(label, value(getter(s)))
+            return m
 
-        get = (lambda f: getattr(s, f)) if s is not None else (lambda f: 0)
+        def gauge(name, doc, field):
+            return family(GaugeMetricFamily, name, doc, lambda get: get(field))
+
+        def counter(name, doc, field):
+            return family(CounterMetricFamily, name, doc, lambda get: get(field))
+
         yield gauge("num_requests_running", "Number of requests in model execution batches.",
-                    get("num_running"))
+                    "num_running")
         yield gauge("num_requests_waiting", "Number of requests waiting to be processed.",
-                    get("num_waiting"))
+                    "num_waiting")
         yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    get("kv_cache_usage"))
+                    "kv_cache_usage")
         # vLLM's name before 0.10 (older dashboards and KEDA rules still query it)
         yield gauge("gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage "
-                    "(vLLM's older name of kv_cache_usage_perc).", get("kv_cache_usage"))
-        prompt_rate, generation_rate = self.throughput.rates(get("prompt_tokens_total"),
-                                                             get("generation_tokens_total"))
-        yield gauge("avg_prompt_throughput_toks_per_s", "Average prefill throughput in tokens/s.",
-                    prompt_rate)
-        yield gauge("avg_generation_throughput_toks_per_s", "Average generation throughput in "
-                    "tokens/s.", generation_rate)
+                    "(vLLM's older name of kv_cache_usage_perc).", "kv_cache_usage")
+        rates = {}
+        for label, s in series:
+            get = getter(s)
+            meter = self.throughput.setdefault(tuple(label), _Throughput(self.clock))
+            rates[tuple(label)] = meter.rates(get("prompt_tokens_total"), get("generation_tokens_total"))
+        for name, doc, i in (("avg_prompt_throughput_toks_per_s", "Average prefill throughput in "
+                              "tokens/s.", 0),
+                             ("avg_generation_throughput_toks_per_s", "Average generation "
+                              "throughput in tokens/s.", 1)):
+            g = GaugeMetricFamily(f"jaxserve:{name}", doc, labels=names)
+            for label, _ in series:
+                g.add_metric(label, rates[tuple(label)][i])
+            yield g
         yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
-                      get("num_preemptions_total"))
-        yield counter("prompt_tokens", "Number of prefill tokens processed.",
-                      get("prompt_tokens_total"))
+                      "num_preemptions_total")
+        yield counter("prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens_total")
         yield counter("generation_tokens", "Number of generation tokens processed.",
-                      get("generation_tokens_total"))
+                      "generation_tokens_total")
         yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of "
-                      "queried tokens.", get("prefix_cache_queries"))
+                      "queried tokens.", "prefix_cache_queries")
         yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
-                      "tokens.", get("prefix_cache_hits"))
-        yield counter("spec_decode_num_drafts", "Number of spec decoding drafts.",
-                      get("spec_num_drafts"))
+                      "tokens.", "prefix_cache_hits")
+        yield counter("spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts")
         yield counter("spec_decode_num_draft_tokens", "Number of draft tokens.",
-                      get("spec_num_draft_tokens"))
+                      "spec_num_draft_tokens")
         yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-                      get("spec_num_accepted_tokens"))
+                      "spec_num_accepted_tokens")
         per_pos = CounterMetricFamily("jaxserve:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted tokens per draft position.",
-                                      labels=["model_name", "position"])
-        for pos, n in enumerate(get("spec_num_accepted_tokens_per_pos") or ()):
-            per_pos.add_metric(label + [str(pos)], n)
+                                      labels=names + ["position"])
+        for label, s in series:
+            for pos, n in enumerate(getter(s)("spec_num_accepted_tokens_per_pos") or ()):
+                per_pos.add_metric(label + [str(pos)], n)
         yield per_pos
-        yield from self._info(get)
+        yield from self._info(series)
 
-    def _info(self, get):
+    def _info(self, series):
         """vLLM's info gauges, without `model_name` (as vLLM has them): `cache_config_info` (the
         configuration in labels, value 1) and, with LoRA, `lora_requests_info` (max_lora and the
         adapters of the running and waiting requests, comma-separated; value the time of the
@@ -134,9 +152,12 @@ class _EngineCollector:
             yield g
         lora = self.config_info.get("lora")
         if lora:
+            def adapters(field):
+                return ",".join(dict.fromkeys(a for _, st in series if st is not None
+                                              for a in getattr(st, field) or ()))
             labels = {"max_lora": lora["max_lora"],
-                      "running_lora_adapters": ",".join(get("running_lora_adapters") or ()),
-                      "waiting_lora_adapters": ",".join(get("waiting_lora_adapters") or ())}
+                      "running_lora_adapters": adapters("running_lora_adapters"),
+                      "waiting_lora_adapters": adapters("waiting_lora_adapters")}
             g = GaugeMetricFamily("jaxserve:lora_requests_info", "Running stats on lora requests.",
                                   labels=list(labels))
             g.add_metric(list(labels.values()), time.time())
