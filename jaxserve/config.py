@@ -55,6 +55,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     prefix_caching_hash_algo: str = "builtin"
+    # The host KV tier (`--kv-offloading-size`, GiB across all tensor-parallel ranks, as vLLM's);
+    # its size in blocks is resolved at start-up from the pool's bytes per block.
+    kv_offloading_size: float | None = None
+    num_host_blocks: int = 0
 
     def __post_init__(self):
         if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
@@ -74,6 +78,12 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.kv_offloading_size is not None:
+            if not self.kv_offloading_size > 0:
+                raise ValueError(f"kv_offloading_size must be > 0 (GiB), got {self.kv_offloading_size}")
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offloading_size: the host KV tier holds prefix-cache blocks; it "
+                                 "needs prefix caching (drop --no-enable-prefix-caching)")
 
 
 @dataclass(frozen=True)
@@ -374,6 +384,10 @@ class EngineArgs:
     # vLLM's --prefix-caching-hash-algo (core/block_hash.py): "builtin" (xxh3-128, jaxserve's) or
     # vLLM's sha256 / sha256_cbor / xxhash / xxhash_cbor with vLLM's definitions.
     prefix_caching_hash_algo: str = "builtin"
+    # vLLM's native KV offloading: GiB of host memory for prefix-cache blocks the device pool
+    # evicts (`core/host_tier.py`); backend "native" is the only one.
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
@@ -491,11 +505,28 @@ class EngineArgs:
         self.spec_config()
         self.structured_config()
         self.kv_events()
+        self._check_kv_offloading()
         parallel = self.parallel_config()
         if parallel.data_parallel_size > 1 and self.nnodes > 1:
             raise ValueError("data_parallel_size > 1 with nnodes > 1: a multi-node replica with data "
                              "parallelism is not supported; run one replica per node group, each "
                              "with --data-parallel-rank, behind a balancer")
+
+    def _check_kv_offloading(self) -> None:
+        if self.kv_offloading_backend not in (None, "native"):
+            raise ValueError(f"kv_offloading_backend must be 'native' (jaxserve's host KV tier; "
+                             f"LMCache is not supported), got {self.kv_offloading_backend!r}")
+        if self.kv_offloading_size is None:
+            if self.kv_offloading_backend is not None:
+                raise ValueError("kv_offloading_backend needs kv_offloading_size (GiB of host memory)")
+            return
+        if self.nnodes > 1:
+            raise ValueError("kv_offloading_size with nnodes > 1: the host KV tier is for one "
+                             "process's devices")
+        spec = self.spec_config()
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError("kv_offloading_size with a draft model: the host KV tier does not keep "
+                             "the draft's KV; use an n-gram speculative method or no offloading")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -507,7 +538,8 @@ class EngineArgs:
                            enable_prefix_caching=self.enable_prefix_caching,
                            gpu_memory_utilization=self.gpu_memory_utilization,
                            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                           prefix_caching_hash_algo=self.prefix_caching_hash_algo)
+                           prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+                           kv_offloading_size=self.kv_offloading_size)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         budget = self.max_num_batched_tokens or max(2048, 0 if self.enable_chunked_prefill

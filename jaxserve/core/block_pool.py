@@ -102,6 +102,10 @@ class BlockPool:
         self.on_evict = on_evict
         # KV-cache events (`core/kv_events.py`), recorded only when asked for (`record_events`).
         self.event_log: KVEventLog | None = None
+        # Called with (block_id, hash) when a cached block is handed to a new owner (its K/V is
+        # about to be overwritten; not when a hash is dropped because its K/V never came): the
+        # host KV tier copies it out (`core/host_tier.py`).
+        self.on_reuse: Callable[[int, int], None] | None = None
 
     def record_events(self) -> KVEventLog:
         """Record KV-cache events from now on (the cache is empty when an engine asks)."""
@@ -139,6 +143,9 @@ class BlockPool:
         out = []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
+            if self.on_reuse is not None and block.block_hash is not None \
+                    and self.cached_block_hash_to_block.get(block.block_hash) is block:
+                self.on_reuse(block.block_id, block.block_hash)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

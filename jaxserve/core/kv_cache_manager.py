@@ -12,6 +12,11 @@ fixed-width bytes by default, or vLLM's algorithms, `--prefix-caching-hash-algo`
 Requests asking for prompt logprobs hit a block only where its prompt-logprob entries are cached
 too (`prompt_logprob_cache.py`): the entries of the blocks they compute are recorded after each
 step, and evicting a block's hash drops them.
+
+With a host tier (`num_host_blocks`, `core/host_tier.py`) a cached block the pool reuses is copied
+to host memory first, and a request's prefix lookup continues there past the pool's hits: those
+blocks get fresh device blocks that the step fills from the host before it runs, and count as
+computed tokens like any hit.
 """
 
 from __future__ import annotations
@@ -20,32 +25,37 @@ from dataclasses import dataclass, field
 
 from jaxserve.core.block_hash import BlockHasher
 from jaxserve.core.block_pool import BlockPool, KVCacheBlock
-from jaxserve.core.kv_events import BlockStored
+from jaxserve.core.host_tier import HostCopies, HostKVTier
+from jaxserve.core.kv_events import BlockStored, KVEventLog
 from jaxserve.core.prompt_logprob_cache import Entry, PromptLogprobCache
 from jaxserve.core.request import Request
 
 
 @dataclass
 class KVCacheBlocks:
-    """A list of blocks crossing the scheduler / cache-manager border."""
+    """A list of blocks crossing the scheduler / cache-manager border; `host_hashes`: the hashes
+    of the blocks after them that the host tier holds (restored into new blocks on allocation)."""
 
     blocks: list[KVCacheBlock] = field(default_factory=list)
+    host_hashes: list[int] = field(default_factory=list)
 
     def get_block_ids(self) -> list[int]:
         return [b.block_id for b in self.blocks]
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        return len(self.blocks) + len(self.host_hashes)
 
 
 @dataclass
 class PrefixCacheStats:
     """Counted once per (re)admission from waiting: queries = prompt tokens looked up,
-    hits = tokens found in the cache."""
+    hits = tokens found in the cache (the device pool; `host_hits`: those the host tier
+    supplied, vLLM's external prefix-cache hits)."""
 
     requests: int = 0
     queries: int = 0
     hits: int = 0
+    host_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -54,16 +64,44 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 hash_algo: str = "builtin") -> None:
+                 hash_algo: str = "builtin", num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.hasher = BlockHasher(hash_algo)
         self.enable_caching = enable_caching
         self.prompt_logprobs = PromptLogprobCache(block_size)
-        self.block_pool = BlockPool(num_blocks, enable_caching, on_evict=self.prompt_logprobs.drop)
+        self.block_pool = BlockPool(num_blocks, enable_caching, on_evict=self._evicted)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already registered in the hash map.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        self.host_tier: HostKVTier | None = None
+        if num_host_blocks:
+            if not enable_caching:
+                raise ValueError("kv_offloading_size: the host KV tier keeps prefix-cache blocks; "
+                                 "it needs enable_prefix_caching")
+            self.host_tier = HostKVTier(num_host_blocks, block_size)
+            self.block_pool.on_reuse = self.host_tier.offload
+            self.host_tier.on_drop = self._left_host
+
+    # A block's prompt-logprob entries live while either tier holds its hash.
+    def _evicted(self, block_hash: int) -> None:
+        if self.host_tier is None or block_hash not in self.host_tier:
+            self.prompt_logprobs.drop(block_hash)
+
+    def _left_host(self, block_hash: int) -> None:
+        if self.block_pool.get_cached_block(block_hash) is None:
+            self.prompt_logprobs.drop(block_hash)
+
+    def record_events(self) -> KVEventLog:
+        """KV-cache events from now on, of the device pool and the host tier."""
+        log = self.block_pool.record_events()
+        if self.host_tier is not None:
+            self.host_tier.event_log = log
+        return log
+
+    def take_host_copies(self) -> HostCopies | None:
+        """The copies the host tier needs before the step being scheduled (None: no tier)."""
+        return None if self.host_tier is None else self.host_tier.take_copies()
 
     # --- queries ------------------------------------------------------------------------------
 
@@ -117,13 +155,18 @@ class KVCacheManager:
         if not self.enable_caching:
             return KVCacheBlocks(), 0
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits = []
+        hits, host, tier = [], [], self.host_tier
         for block_hash in self._update_block_hashes(request, max_blocks)[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None or not self._scores_cached(request, len(hits)):
+            if not self._scores_cached(request, len(hits) + len(host)):
                 break
-            hits.append(block)
-        return KVCacheBlocks(hits), len(hits) * self.block_size
+            block = None if host else self.block_pool.get_cached_block(block_hash)
+            if block is not None:
+                hits.append(block)
+            elif tier is not None and block_hash in tier:
+                host.append(block_hash)
+            else:
+                break
+        return KVCacheBlocks(hits, host), (len(hits) + len(host)) * self.block_size
 
     def _scores_cached(self, request: Request, j: int) -> bool:
         """Whether block j may be a hit for this request's prompt logprobs: it asks for none,
@@ -187,18 +230,20 @@ class KVCacheManager:
         (changing nothing) when the pool cannot supply them.
 
         `new_computed_blocks` are prefix-cache hits from `get_computed_blocks` (only for a request
-        with no blocks yet); they count as computed tokens and get a reference here.
+        with no blocks yet); they count as computed tokens and get a reference here. Its host-tier
+        hits take the first new blocks, which the step fills from host memory.
 
         Hash registration rule: every block that will be full of KNOWN tokens once this step has
         run (min(computed + new, num_tokens)) is registered now. The runner writes all of a step's
         K/V before attention reads any of it, so a later request in the same step may hit it.
         """
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else []
+        host = new_computed_blocks.host_hashes if new_computed_blocks is not None else []
         bs = self.block_size
         req_blocks = self.req_to_blocks.get(request.request_id, [])
-        if hits and req_blocks:
+        if (hits or host) and req_blocks:
             raise ValueError("prefix-cache hits can only be added to a request with no blocks")
-        num_computed = request.num_computed_tokens + len(hits) * bs
+        num_computed = request.num_computed_tokens + (len(hits) + len(host)) * bs
         num_required = -(-(num_computed + num_new_tokens + num_lookahead_tokens) // bs)
         num_new_blocks = max(0, num_required - len(req_blocks) - len(hits))
         # Free hits are in the free queue: touching them uses up free blocks too.
@@ -211,10 +256,14 @@ class KVCacheManager:
             self.prefix_cache_stats.requests += 1
             self.prefix_cache_stats.queries += request.num_tokens
             self.prefix_cache_stats.hits += len(hits) * bs
+            self.prefix_cache_stats.host_hits += len(host) * bs
         self.block_pool.touch(hits)
         req_blocks = self.req_to_blocks.setdefault(request.request_id, req_blocks)
         req_blocks.extend(hits)
+        slots = [self.host_tier.pin(h) for h in host]   # before the allocation may offload
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        for slot, block in zip(slots, new_blocks):
+            self.host_tier.restore(slot, block.block_id)
         req_blocks.extend(new_blocks)
 
         if self.enable_caching:
@@ -276,4 +325,6 @@ class KVCacheManager:
         if not self.block_pool.reset_prefix_cache():
             return False
         self.prompt_logprobs.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
         return True

@@ -9,6 +9,9 @@ the pool changes and published by the engine after each step (`engine/kv_event_p
   be written);
 - `AllBlocksCleared`: `reset_prefix_cache`.
 
+The host tier (`core/host_tier.py`) reports its blocks with medium "CPU", one hash per event and
+no token ids, as vLLM's offloading connector does.
+
 Replaying them in order rebuilds exactly the pool's set of cached hashes. Host side, no jax.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MEDIUM_GPU = "GPU"      # vLLM's name for the device pool, whatever the device
+MEDIUM_CPU = "CPU"      # and for the host tier (`--kv-offloading-size`)
 
 
 @dataclass
@@ -53,11 +57,12 @@ class KVEventLog:
     def stored(self, event: BlockStored) -> None:
         self.events.append(event)
 
-    def removed(self, block_hash: int) -> None:
-        if self.events and isinstance(self.events[-1], BlockRemoved):
-            self.events[-1].block_hashes.append(block_hash)
+    def removed(self, block_hash: int, medium: str = MEDIUM_GPU) -> None:
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockRemoved) and last.medium == medium:
+            last.block_hashes.append(block_hash)
         else:
-            self.events.append(BlockRemoved([block_hash]))
+            self.events.append(BlockRemoved([block_hash], medium))
 
     def cleared(self) -> None:
         self.events.append(AllBlocksCleared())

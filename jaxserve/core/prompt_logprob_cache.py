@@ -11,7 +11,7 @@ h*B on, scoring targets from h*B+1.
 
 An entry list holds the top `k` logprobs the request that computed it asked for and serves any
 request asking k' <= k. It lives exactly as long as its block hash is registered in the block
-pool: `drop` is the pool's eviction hook.
+pool or held by the host KV tier: `drop` is their eviction hook (`KVCacheManager._evicted`).
 
 Entries that a step is computing (a scoring row that completes a block's targets) are "in
 flight" until that step's results are recorded (`settle`): a request admitted in the same step,

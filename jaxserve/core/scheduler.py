@@ -61,7 +61,8 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching,
-                                               cache_config.prefix_caching_hash_algo)
+                                               cache_config.prefix_caching_hash_algo,
+                                               cache_config.num_host_blocks)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -139,6 +140,12 @@ class Scheduler:
         step, so its finished and preempted ids are handed to it again with the next one.
         Returns the failed requests (finished, blocks freed)."""
         self.kv_cache_manager.prompt_logprobs.settle(scheduler_output.step_id)
+        copies = scheduler_output.host_copies
+        if copies:      # copies that may not have run: their data is not what the hashes say
+            pool = self.kv_cache_manager.block_pool
+            for _, block_id in copies.restore:
+                pool.uncache_block(pool.blocks[block_id])
+            self.kv_cache_manager.host_tier.discard([slot for _, slot in copies.offload])
         failed = []
         for row in scheduler_output.scheduled:
             request = self.requests.get(row.request_id)
@@ -324,7 +331,8 @@ class Scheduler:
                                  num_scheduled_tokens=sum(len(r.token_ids) for r in scheduled),
                                  preempted_request_ids=preempted,
                                  finished_request_ids=self.finished_req_ids,
-                                 step_id=step_id, prompt_logprob_hits=prompt_logprob_hits)
+                                 step_id=step_id, prompt_logprob_hits=prompt_logprob_hits,
+                                 host_copies=self.kv_cache_manager.take_host_copies() or None)
         self.finished_req_ids = []
         return output
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve.core.host_tier import HostCopies
 from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
@@ -96,6 +97,8 @@ class SchedulerOutput:
     # the requests it admitted (`Scheduler.prompt_logprobs_of_step`).
     step_id: int = 0
     prompt_logprob_hits: dict[str, int] = field(default_factory=dict)
+    # The host KV tier's copies to run before this step (`core/host_tier.py`); None: none.
+    host_copies: HostCopies | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -135,6 +135,8 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
     # the served length is part of the model for LongRoPE (short or long factors, vLLM's rule)
     cfg = model_config = dataclasses.replace(cfg, max_model_len=max_model_len)
     kv_quantize, kv_dtype = kv_quantization(args.kv_cache_dtype, dtype)
+    if args.kv_offloading_size and pooler is not None:
+        raise ValueError("kv_offloading_size: a pooling model keeps no prefix cache to offload")
     if args.enable_lora and pooler is not None:
         raise ValueError("enable_lora: LoRA adapters are not supported with a pooling model")
     weights, lora = setup_lora(args, cfg, weights, dtype, mesh)
@@ -235,11 +237,16 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
     attention_backend = choice.attention
     logger.info("attention backend: %s (asked: %s)%s", attention_backend, args.attention_backend,
                 "" if choice.fp8 is None else f"; fp8 matmul: {choice.fp8} (asked: {args.fp8_kernel})")
-    cache_config = dataclasses.replace(args.cache_config(), num_blocks=blocks)
+    host_tier = getattr(runner, "host_tier", None)
+    cache_config = dataclasses.replace(args.cache_config(), num_blocks=blocks,
+                                       num_host_blocks=host_tier.num_slots if host_tier else 0)
     tokens = blocks * args.block_size
     logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); maximum concurrency "
                 "for %d tokens per request: %.2fx", blocks, args.block_size, tokens,
                 blocks * per_block / 2**30, max_model_len, tokens / max_model_len)
+    if host_tier is not None:
+        logger.info("host KV tier: %d blocks (%.2f GiB of host memory)", host_tier.num_slots,
+                    host_tier.num_slots * host_tier.block_bytes / 2**30)
     kernels = kernel_table(args, runner.weights, attention_backend, selected)
     logger.info("kernels:\n%s", kernels)
     return EngineParts(

@@ -56,7 +56,7 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
     out = {}
     for f in dataclasses.fields(EngineStats):
         values = [getattr(s, f.name) for s in stats]
-        if f.name == "kv_cache_usage":
+        if f.name in ("kv_cache_usage", "kv_offload_host_usage"):
             out[f.name] = sum(values) / len(values)
         elif f.name == "spec_num_accepted_tokens_per_pos":
             width = max(map(len, values), default=0)

@@ -55,6 +55,13 @@ class EngineStats:
     # LoRA adapters (names) of the running and the waiting requests, each once, sorted.
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # The host KV tier (--kv-offloading-size; zeros without it): prompt tokens looked up and found
+    # there (vLLM's external prefix cache), its usage in [0, 1], bytes copied each way.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_host_usage: float = 0.0
+    kv_offload_bytes_to_host: int = 0
+    kv_offload_bytes_to_device: int = 0
 
 
 def _adapters(requests) -> tuple[str, ...]:
@@ -88,7 +95,7 @@ class LLMEngine:
             args.kv_events(), args.data_parallel_rank if args.data_parallel_size > 1 else None,
             hash_bytes=self.scheduler.kv_cache_manager.hasher.digest_bytes)
         if self.kv_events is not None:
-            self.scheduler.kv_cache_manager.block_pool.record_events()
+            self.scheduler.kv_cache_manager.record_events()
         self.pooling = None if self.pooler is None else PoolingRequests(
             self, self.pooler, matryoshka_of(self.model_path))
         self._rng = random.Random(args.seed)
@@ -439,12 +446,18 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         pc = self.scheduler.prefix_cache_stats
         sd = self.scheduler.spec_stats
+        tier, copies = self.scheduler.kv_cache_manager.host_tier, getattr(self.runner, "host_tier", None)
+        offload = {} if tier is None or copies is None else dict(
+            external_prefix_cache_queries=pc.queries, external_prefix_cache_hits=pc.host_hits,
+            kv_offload_host_usage=tier.usage, kv_offload_bytes_to_host=copies.bytes_offloaded,
+            kv_offload_bytes_to_device=copies.bytes_restored)
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting,
                            self.scheduler.kv_cache_usage, self.scheduler.num_preemptions_total,
                            pc.queries, pc.hits, self.prompt_tokens_total,
                            self.generation_tokens_total, sd.num_drafts, sd.num_draft_tokens,
                            sd.num_accepted_tokens, tuple(sd.num_accepted_tokens_per_pos),
-                           _adapters(self.scheduler.running), _adapters(self.scheduler.waiting))
+                           _adapters(self.scheduler.running), _adapters(self.scheduler.waiting),
+                           **offload)
 
     def config_info(self) -> dict[str, dict[str, str]]:
         """What /metrics reports of the configuration, vLLM's `*_config_info` info gauges: the
@@ -455,7 +468,8 @@ class LLMEngine:
         cache = {"block_size": c.block_size, "cache_dtype": c.kv_cache_dtype,
                  "enable_prefix_caching": c.enable_prefix_caching,
                  "gpu_memory_utilization": c.gpu_memory_utilization, "num_gpu_blocks": c.num_blocks,
-                 "num_gpu_blocks_override": a.num_gpu_blocks_override, "num_cpu_blocks": None,
+                 "num_gpu_blocks_override": a.num_gpu_blocks_override,
+                 "num_cpu_blocks": c.num_host_blocks or None,
                  "prefix_caching_hash_algo": c.prefix_caching_hash_algo}
         info = {"cache": {k: str(v) for k, v in cache.items()}}
         if a.enable_lora:

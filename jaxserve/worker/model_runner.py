@@ -41,6 +41,7 @@ from jaxserve.worker.buckets import pow2_at_least, token_buckets
 from jaxserve.worker.compile_cache import step_compiler_options
 from jaxserve.worker.compile_queue import BackgroundCompiler
 from jaxserve.worker.input_batch import InputBatch
+from jaxserve.worker.kv_host_tier import HostTierCopies
 from jaxserve.worker.kv_sizing import allocate_sharded_kv_cache, is_latent, kv_cache_sharding
 from jaxserve.worker.programs import FIRST_PROGRAM_TOKENS, PENALTY_PROGRAM, StepPrograms
 from jaxserve.worker.step import StepContext, generate_step, jit_step
@@ -116,6 +117,10 @@ class ModelRunner(StepPrograms):
         # its drafts against when they would push a step into a larger bucket.
         self.step_seconds: dict[int, float] = {}
         self.cache = self._allocate_cache(kv_dtype or dtype, kv_quantize is not None)
+        # The host KV tier's memory and copies (--kv-offloading-size), or None.
+        self.host_tier = None if abstract or not cache_config.kv_offloading_size else HostTierCopies(
+            self.cache, self._cache_sharding(self.cache.quantized, self.cache.codes),
+            cache_config.kv_offloading_size)
         self.input_batch = InputBatch(self.max_seqs, model_config.vocab_size)
         # [max_num_seqs, vocab] x 4 on the device: the penalties never change shape.
         if abstract:
@@ -251,6 +256,9 @@ class ModelRunner(StepPrograms):
         device runs it; None when nothing is scheduled). The copy of its sampled ids (and
         logprobs, prompt scores) to the host starts now. Rows may carry placeholder ids for the
         tokens a step dispatched before samples (async scheduling)."""
+        copies = getattr(scheduler_output, "host_copies", None)
+        if copies and self.host_tier is not None:     # before anything of the step touches the pool
+            self.cache = self.host_tier.apply(self.cache, copies, scheduler_output.step_id)
         batch = self.input_batch
         batch.update(scheduler_output)
         self._write_penalty_rows()
@@ -292,6 +300,8 @@ class ModelRunner(StepPrograms):
             return out
         batch = self.input_batch
         res, scores = jax.device_get(step.results)
+        if self.host_tier is not None:      # this step's offloads are on the host by now
+            self.host_tier.land(step.scheduler_output.step_id)
         if step.timed:          # a first run's compile is not its cost
             self._time_step(len(step.inputs.tokens), time.perf_counter() - step.t0)
         for rid, r in step.layout.sample_rows.items():

@@ -125,6 +125,14 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                                     shown_default="from the KV cache size")),
     ("enable_prefix_caching", "CacheConfig", dict(action=argparse.BooleanOptionalAction,
                                                   help="Reuse KV blocks of shared prefixes.")),
+    ("kv_offloading_size", "CacheConfig", dict(type=float, help="GiB of host memory (all "
+                                               "tensor-parallel ranks together) holding prefix-cache "
+                                               "blocks the device pool evicts; a later prefix hit "
+                                               "there is copied back instead of recomputed.",
+                                               shown_default="off")),
+    ("kv_offloading_backend", "CacheConfig", dict(choices=["native"], help="KV offloading "
+                                                  "backend (with --kv-offloading-size).",
+                                                  shown_default="native")),
     ("max_num_seqs", "SchedulerConfig", dict(type=int, help="Most sequences in one step.")),
     ("max_num_batched_tokens", "SchedulerConfig", dict(type=_bytes, help="Token budget of one "
                                                        "step.", shown_default="2048; at least "

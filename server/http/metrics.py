@@ -125,6 +125,21 @@ class _EngineCollector:
                       "queried tokens.", "prefix_cache_queries")
         yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
                       "tokens.", "prefix_cache_hits")
+        yield counter("external_prefix_cache_queries", "External prefix cache queries (the host "
+                      "KV tier), in terms of number of queried tokens.", "external_prefix_cache_queries")
+        yield counter("external_prefix_cache_hits", "External prefix cache hits (blocks restored "
+                      "from the host KV tier), in terms of number of cached tokens.",
+                      "external_prefix_cache_hits")
+        yield gauge("kv_offload_host_usage_perc", "Host KV tier usage (--kv-offloading-size). 1 "
+                    "means 100 percent usage.", "kv_offload_host_usage")
+        offload = CounterMetricFamily("jaxserve:kv_offload_bytes", "Bytes of KV blocks copied "
+                                      "between the device pool and the host KV tier.",
+                                      labels=names + ["transfer_type"])
+        for label, s in series:
+            get = getter(s)
+            offload.add_metric(label + ["GPU_to_CPU"], get("kv_offload_bytes_to_host"))
+            offload.add_metric(label + ["CPU_to_GPU"], get("kv_offload_bytes_to_device"))
+        yield offload
         yield counter("spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts")
         yield counter("spec_decode_num_draft_tokens", "Number of draft tokens.",
                       "spec_num_draft_tokens")
