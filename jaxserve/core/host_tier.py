@@ -97,12 +97,10 @@ class HostKVTier:
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
-        for victim, slot in self._lru.items():
-            if slot not in self._pinned:
-                break
-        else:
+        victim = next((h for h, slot in self._lru.items() if slot not in self._pinned), None)
+        if victim is None:
             return None
-        del self._lru[victim]
+        slot = self._lru.pop(victim)
         self.stats.evicted += 1
         self._dropped(victim)
         return slot
