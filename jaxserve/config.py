@@ -388,6 +388,9 @@ class EngineArgs:
     # evicts (`core/host_tier.py`); backend "native" is the only one.
     kv_offloading_size: float | None = None
     kv_offloading_backend: str | None = None
+    # vLLM's --cpu-offload-gb: GiB per device of the stacked layer weights kept in host memory
+    # and copied in a layer at a time inside the step (`layers/host_weights.py`).
+    cpu_offload_gb: float = 0.0
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
@@ -513,6 +516,8 @@ class EngineArgs:
                              "with --data-parallel-rank, behind a balancer")
 
     def _check_kv_offloading(self) -> None:
+        if not (isinstance(self.cpu_offload_gb, int | float) and self.cpu_offload_gb >= 0):
+            raise ValueError(f"cpu_offload_gb must be >= 0 (GiB per device), got {self.cpu_offload_gb!r}")
         if self.kv_offloading_backend not in (None, "native"):
             raise ValueError(f"kv_offloading_backend must be 'native' (jaxserve's host KV tier; "
                              f"LMCache is not supported), got {self.kv_offloading_backend!r}")

@@ -74,7 +74,7 @@ def test_unknown_flag_fails_and_suggests_the_close_match(capsys, typo, suggestio
 
 @pytest.mark.parametrize("argv,reason", [
     (("--limit-mm-per-prompt", "{}"), "argument --limit-mm-per-prompt: multimodal inputs are not supported"),
-    (("--cpu-offload-gb", "10"), "argument --cpu-offload-gb: weights are not offloaded"),
+    (("--swap-space", "4"), "argument --swap-space: preempted requests are recomputed"),
     (("--pipeline-parallel-size", "2"), "pipeline parallelism is not supported"),
     (("--preemption-mode", "swap"), "never swapped"),
     (("--speculative-model", "x"), "--speculative-config"),
@@ -94,8 +94,8 @@ def test_config_file_takes_vllm_flags_too(tmp_path, caplog, capsys):
     assert args.max_model_len is None and args.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert sum("--trust-remote-code" in r.getMessage() for r in caplog.records) == 1
     bad = tmp_path / "bad.yaml"
-    bad.write_text("cpu-offload-gb: 10\n")
-    assert "argument --cpu-offload-gb: weights are not offloaded" in error_of(capsys, "--config", str(bad))
+    bad.write_text("swap-space: 4\n")
+    assert "argument --swap-space: preempted requests are recomputed" in error_of(capsys, "--config", str(bad))
 
 
 def _help(capsys, query: str) -> str:

@@ -297,3 +297,44 @@ def test_randomized_multi_turn_under_chunking_preemption_and_tp2():
         assert r["tokens"] == runs["none"]["tokens"], name
         assert r["whole"] and r["host_hits"] > 0 and r["restored"] > 0, (name, r)
         assert r["preemptions"] > 0, "the pool was meant to force preemption"
+
+
+# -- the copies (worker side) -------------------------------------------------------------------
+def test_chunks_cover_every_copy_with_a_few_sizes():
+    from jaxserve.worker.kv_host_tier import CHUNKS, chunks
+    for n in range(1, 700):
+        parts = chunks(n)
+        assert sum(c for _, c, _ in parts) == n and all(size in CHUNKS and c <= size for _, c, size in parts)
+        assert [s for s, _, _ in parts] == [sum(c for _, c, _ in parts[:i]) for i in range(len(parts))]
+
+
+@pytest.mark.parametrize("kv_dtype, quantized", [("float32", False), ("float8_e4m3fn", True)])
+def test_blocks_round_trip_through_host_memory_exactly_without_compiling(kv_dtype, quantized):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.attention import kv_cache as kvc
+    from jaxserve.core.host_tier import HostCopies
+    from jaxserve.worker.kv_host_tier import HostTierCopies, host_bytes_per_block
+    cache = kvc.allocate(2, 600, 4, 2, 8, jnp.dtype(kv_dtype), quantized=quantized,
+                         fp8_as_bytes=quantized)
+    rng = np.random.default_rng(0)
+    cache = jax.tree.map(lambda x: jnp.asarray(rng.integers(0, 200, x.shape).astype(x.dtype)), cache)
+    original = jax.device_get(cache)
+    sharding = jax.tree.map(lambda x: x.sharding, cache)
+    copies = HostTierCopies(cache, sharding, 301 * host_bytes_per_block(cache) / 2**30)
+    assert copies.num_slots == 301
+    cache = copies.warmup(cache)
+    programs = (copies._gather._cache_size(), copies._scatter._cache_size())
+    # blocks 0..299 out to slots 300..1 reversed, then back into blocks 300..599
+    n = 300
+    cache = copies.apply(cache, HostCopies(offload=[(b, n - b) for b in range(n)]), step_id=1)
+    copies.land(1)
+    cache = copies.apply(cache, HostCopies(restore=[(n - b, n + b) for b in range(n)]), step_id=2)
+    got = jax.device_get(cache)
+    for a, b in zip(jax.tree_util.tree_leaves(original), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_array_equal(b[:, n:], a[:, :n])        # copied exactly
+        np.testing.assert_array_equal(b[:, :n], a[:, :n])        # the sources untouched
+    assert (copies._gather._cache_size(), copies._scatter._cache_size()) == programs
+    assert copies.bytes_offloaded == copies.bytes_restored == n * copies.block_bytes

@@ -132,13 +132,15 @@ class KVCacheManager:
     def cached_prefix_blocks(self, token_ids: list[int], lora_name: str | None = None) -> int:
         """How many full blocks of a prompt's prefix the cache holds now (a data-parallel
         balancer's question, asked from another thread: lookups only). As a request would hit:
-        never the block holding the last token."""
+        never the block holding the last token; the host tier's blocks after the pool's count."""
         if not self.enable_caching:
             return 0
-        bs, parent, n = self.block_size, None, 0
+        bs, parent, n, tier = self.block_size, None, 0, self.host_tier
+        on_host = False
         for i in range((len(token_ids) - 1) // bs):
             parent = self.hasher(parent, token_ids[i * bs:(i + 1) * bs], lora_name)
-            if self.block_pool.get_cached_block(parent) is None:
+            on_host = on_host or self.block_pool.get_cached_block(parent) is None
+            if on_host and (tier is None or parent not in tier):
                 break
             n += 1
         return n

@@ -31,6 +31,7 @@ from jaxserve.engine.fallback import Choice, build_with_fallback, fallback_plan
 from jaxserve.engine.pooling import engine_args_for_pooling
 from jaxserve.layers.experts import ExpertWeight, default_layout, experts_read_in_place
 from jaxserve.layers.fp8 import Fp8Weight
+from jaxserve.layers.host_weights import offload_layer_weights
 from jaxserve.layers.int4 import Int4Weight
 from jaxserve.layers.linear import DenseWeight
 from jaxserve.loader import generation_config
@@ -141,6 +142,11 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
         raise ValueError("enable_lora: LoRA adapters are not supported with a pooling model")
     weights, lora = setup_lora(args, cfg, weights, dtype, mesh)
     plan = plan_for(cfg, mesh, args.enable_expert_parallel)
+    if args.cpu_offload_gb:
+        weights, moved = offload_layer_weights(weights, args.cpu_offload_gb)
+        logger.info("--cpu-offload-gb %g: %.2f GiB of layer weights per device in host memory%s",
+                    args.cpu_offload_gb, moved / 2**30,
+                    "" if moved else " (none: every stacked layer weight is larger, or quantized)")
     # Speculative decoding with a draft model: its own pool of the same blocks.
     spec = args.spec_config()
     draft = draft_plan = None
@@ -167,7 +173,8 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
     # One device's share, from the sharding (no per-shard array objects: on CPU those would
     # stay alive beside the weights and count twice in jax.live_arrays()).
     weight_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                       for x in jax.tree_util.tree_leaves((weights, draft and draft[1])))
+                       for x in jax.tree_util.tree_leaves((weights, draft and draft[1]))
+                       if x.sharding.memory_kind != "pinned_host")    # --cpu-offload-gb's
     # Simulated CPU devices share the host's memory: there a budget covers all of them.
     host_copies = mesh.size if jax.default_backend() == "cpu" else 1
     scheduler_config = args.scheduler_config(max_model_len)

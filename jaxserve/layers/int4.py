@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ import numpy as np
 
 from jaxserve.layers import int4_cpu
 from jaxserve.layers.experts import ExpertWeight, experts_read_in_place, register_ragged
+from jaxserve.layers.host_weights import on_device, on_host
 from jaxserve.layers.linear import register_linear
 from jaxserve.pallas.common import target_platform
 
@@ -188,8 +190,12 @@ def scan_layers(body, carry, xs):
     """`lax.scan(body, carry, xs)` over stacked layers `xs = (layer weights, layer indices, ...)`,
     except that each stack `_kept_whole` says is not sliced by the scan: the body gets it whole
     with `layer` set to the step's index, and its kernel reads that layer in place (a scan copies
-    each step's slice of its inputs out of the stack first)."""
+    each step's slice of its inputs out of the stack first).
+    Weights in host memory (`--cpu-offload-gb`, `layers.host_weights`) are copied to the device a
+    layer at a time inside the scan."""
     weights, ids, *rest = xs
+    if any(on_host(a) for a in jax.tree.leaves(weights)):
+        body = partial(_layer_on_device, body)
     leaves, tree = jax.tree.flatten(weights, is_leaf=lambda x: _is_int4(x) or isinstance(x, ExpertWeight))
     kept = {i: w for i, w in enumerate(leaves) if _kept_whole(w)}
     if not kept:
@@ -201,6 +207,11 @@ def scan_layers(body, carry, xs):
         whole = [dataclasses.replace(kept[i], layer=layer) if i in kept else w for i, w in enumerate(part)]
         return body(carry, (tree.unflatten(whole), layer, *rest))
     return jax.lax.scan(step, carry, (sliced, ids, *rest))[0]
+
+
+def _layer_on_device(body, carry, xs):
+    w, *rest = xs
+    return body(carry, (on_device(w), *rest))
 
 
 def _at_layer(w: Int4Weight) -> Int4Weight:

@@ -12,9 +12,10 @@ scales alike). A step's copies run before its program, in dispatch order:
   (each tensor-parallel shard receives only its heads), and scattered into their blocks by a
   jitted program that donates the pool (in place).
 
-Copy counts are padded to powers of two (gather: block 0 read and dropped; scatter: rows past the
-pool dropped), so a handful of small programs serve every step; they compile on first use. The
-host arrays are numpy (pageable memory), allocated lazily by the OS as slots are first written.
+Copies run in chunks of `CHUNKS` blocks (the last padded: gather reads block 0 and drops it,
+scatter writes past the pool and is dropped), so ten small programs, compiled in the warm-up,
+serve every step. The host arrays are numpy (pageable memory), allocated lazily by the OS as
+slots are first written.
 """
 
 from __future__ import annotations
@@ -23,7 +24,20 @@ import jax
 import numpy as np
 
 from jaxserve.attention import kv_cache as kvc
-from jaxserve.worker.buckets import pow2_at_least
+
+CHUNKS = (1, 4, 16, 64, 256)
+
+
+def chunks(n: int) -> list[tuple[int, int, int]]:
+    """(start, count, padded size) covering n copies: full chunks of the largest size, then the
+    rest padded to the smallest size that holds it."""
+    out, start, top = [], 0, CHUNKS[-1]
+    while n - start > top:
+        out.append((start, top, top))
+        start += top
+    if n > start:
+        out.append((start, n - start, next(c for c in CHUNKS if c >= n - start)))
+    return out
 
 
 def host_bytes_per_block(cache: kvc.KVCache) -> int:
@@ -56,22 +70,35 @@ class HostTierCopies:
         """Run one step's copies (`core.host_tier.HostCopies`) before its program; the new pool."""
         if copies.offload:
             ids, slots = zip(*copies.offload)
-            n = pow2_at_least(len(ids), 1)
-            gathered = self._gather(cache, np.array(ids + (0,) * (n - len(ids)), np.int32))
-            for x in jax.tree_util.tree_leaves(gathered):
-                x.copy_to_host_async()
-            self._pending.append((step_id, gathered, list(slots)))
+            for start, count, size in chunks(len(ids)):
+                part = ids[start:start + count] + (0,) * (size - count)
+                gathered = self._gather(cache, np.array(part, np.int32))
+                for x in jax.tree_util.tree_leaves(gathered):
+                    x.copy_to_host_async()
+                self._pending.append((step_id, gathered, list(slots[start:start + count])))
             self.bytes_offloaded += len(ids) * self.block_bytes
         if copies.restore:
             self.land()         # a slot restored may be one still on its way (this step's, too)
             slots, ids = zip(*copies.restore)
-            n = pow2_at_least(len(ids), 1)
-            rows = np.array(slots + (slots[0],) * (n - len(slots)))
-            values = jax.device_put(jax.tree.map(lambda h: h[:, rows], self.host), self.shardings)
-            cache = self._scatter(cache, np.array(ids + (self.num_blocks,) * (n - len(ids)), np.int32),
-                                  values)
+            for start, count, size in chunks(len(ids)):
+                rows = np.array(slots[start:start + count] + (slots[0],) * (size - count))
+                values = self._rows(rows)
+                part = ids[start:start + count] + (self.num_blocks,) * (size - count)
+                cache = self._scatter(cache, np.array(part, np.int32), values)
             self.bytes_restored += len(ids) * self.block_bytes
         return cache
+
+    def warmup(self, cache: kvc.KVCache) -> kvc.KVCache:
+        """Build the copy programs of every chunk size (reads block 0, writes nothing)."""
+        for size in CHUNKS:
+            jax.block_until_ready(self._gather(cache, np.zeros(size, np.int32)))
+            values = self._rows(np.zeros(size, np.int64))
+            cache = self._scatter(cache, np.full(size, self.num_blocks, np.int32), values)
+        return cache
+
+    def _rows(self, slots: np.ndarray) -> kvc.KVCache:
+        """Host slots' blocks (a copy) on the devices, split as the pool is."""
+        return jax.device_put(jax.tree.map(lambda h: h[:, slots], self.host), self.shardings)
 
     def land(self, step_id: int | None = None) -> None:
         """Write the offloads of steps up to `step_id` (all: None) into their host slots."""

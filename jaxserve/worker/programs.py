@@ -149,6 +149,8 @@ class StepPrograms:
         jax.block_until_ready(self.penalties)
         if self.lora is not None:       # the adapter slot write
             self.weights = self.lora.warmup(self.weights)
+        if getattr(self, "host_tier", None) is not None:   # the host KV tier's copies
+            self.cache = self.host_tier.warmup(self.cache)
         if self.drafter is not None:
             self.drafter.warmup(lambda T: self._build([], T, False)[0], self.buckets)
         if later:

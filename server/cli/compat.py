@@ -71,8 +71,6 @@ FRONTEND_NOOP_FLAGS: list[tuple[tuple[str, ...], dict[str, Any], str]] = [
 # flag -> (value check or None: any value is refused, reason)
 REFUSED_FLAGS: dict[str, tuple[Any, str]] = {
     "--limit-mm-per-prompt": (None, "multimodal inputs are not supported; jaxserve serves text-only decoders"),
-    "--cpu-offload-gb": (None, "weights are not offloaded to host memory; use --quantization or more devices "
-                               "(--tensor-parallel-size)"),
     "--speculative-model": (None, "vLLM removed it; use --speculative-config "
                                   "'{\"model\": PATH, \"num_speculative_tokens\": N}'"),
     "--num-speculative-tokens": (None, "vLLM removed it; use --speculative-config "

@@ -130,6 +130,10 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                                "blocks the device pool evicts; a later prefix hit "
                                                "there is copied back instead of recomputed.",
                                                shown_default="off")),
+    ("cpu_offload_gb", "CacheConfig", dict(type=float, help="GiB of layer weights per device kept in "
+                                           "host memory and copied in a layer at a time inside each "
+                                           "step (a larger KV pool for a slower step).",
+                                           shown_default="0: none")),
     ("kv_offloading_backend", "CacheConfig", dict(choices=["native"], help="KV offloading "
                                                   "backend (with --kv-offloading-size).",
                                                   shown_default="native")),
