@@ -73,3 +73,14 @@ def test_cpu_offload_gb_must_not_be_negative():
     from jaxserve.config import EngineArgs
     with pytest.raises(ValueError, match="cpu_offload_gb must be >= 0"):
         EngineArgs(cpu_offload_gb=-1)
+
+
+def test_a_program_for_host_weights_is_another_program_in_the_caches():
+    """The offline LLM's program cache and compiled directories key programs by their weights'
+    signature: one compiled for resident weights must not be loaded for offloaded ones."""
+    from jaxserve.aot.store import _spec_signature
+    from jaxserve.layers.host_weights import to_host
+    dev = jax.ShapeDtypeStruct((2, 8, 8), jax.numpy.float32,
+                               sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    assert _spec_signature([dev]) != _spec_signature([to_host(dev)])
+    assert _spec_signature([dev]) == _spec_signature([jax.ShapeDtypeStruct((2, 8, 8), jax.numpy.float32)])

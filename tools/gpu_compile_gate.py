@@ -36,6 +36,8 @@ CONFIGURATIONS = {
     "llama-3.1-8b-bf16": ("llama-3.1-8b", {}),
     "llama-3.1-8b-fp8": ("llama-3.1-8b", {"quantization": "fp8"}),
     "llama-3.1-8b-awq": ("llama-3.1-8b-awq", {}),
+    # --cpu-offload-gb: the MLP stacks in host memory, each layer's copied in a layer ahead
+    "llama-3.1-8b-offload8": ("llama-3.1-8b", {"cpu_offload_gb": 8.0}),
     "qwen3-30b-a3b-ep2": ("qwen3-30b-a3b", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
     "llama-3.1-70b-tp8": ("llama-3.1-70b", {"tensor_parallel_size": 8}),
 }

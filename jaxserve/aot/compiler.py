@@ -98,6 +98,9 @@ def setup(args: EngineArgs, target: Target) -> Setup:
     dtype = resolve_dtype(args.dtype, target.platform)
     mesh = make_mesh(args.tensor_parallel_size, devices=target.devices)
     cfg, weights = _model_config_and_weights(args, target, mesh, dtype)
+    if args.cpu_offload_gb:         # as the engine places them (`engine.builder`)
+        from jaxserve.layers.host_weights import offload_layer_weights
+        weights, _ = offload_layer_weights(weights, args.cpu_offload_gb)
     cfg = dataclasses.replace(cfg, max_model_len=cfg.resolve_max_model_len(args.max_model_len))
     plan = plan_for(cfg, mesh, args.enable_expert_parallel)
     kv_quantize, kv_dtype = kv_quantization(args.kv_cache_dtype, dtype)
@@ -109,7 +112,7 @@ def setup(args: EngineArgs, target: Target) -> Setup:
     per_block = kvc.bytes_per_block(cfg.num_layers, args.block_size, plan.kv_heads_per_device(cfg.num_kv_heads),
                                     cfg.head_dim, kv_dtype, kv_quantize is not None, latent=cfg.mla is not None)
     weight_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                       for x in jax.tree_util.tree_leaves(weights))
+                       for x in jax.tree_util.tree_leaves(weights) if x.sharding.memory_kind != "pinned_host")
     return Setup(cfg, args, target, mesh, plan, weights, dtype, kv_quantize, kv_dtype, backend, per_block,
                  weight_bytes)
 

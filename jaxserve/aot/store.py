@@ -45,15 +45,18 @@ def _digest(obj) -> str:
 
 
 def _spec_signature(tree) -> str:
-    """Structure, shapes, dtypes and partition specs of a pytree of arrays or ShapeDtypeStructs."""
+    """Structure, shapes, dtypes, partition specs and (host) memory kinds of a pytree of arrays or
+    ShapeDtypeStructs."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     parts = [str(treedef)]
     for a in leaves:
         sharding = getattr(a, "sharding", None)
         # one device, or every device holding the whole array: the same program either way
         split = sharding is not None and not sharding.is_fully_replicated
+        kind = getattr(sharding, "memory_kind", None)
         parts.append(f"{tuple(a.shape)}:{a.dtype}:{getattr(a, 'weak_type', False)}:"
-                     f"{getattr(sharding, 'spec', None) if split else None}")
+                     f"{getattr(sharding, 'spec', None) if split else None}"
+                     + (f":{kind}" if kind not in (None, "device") else ""))    # --cpu-offload-gb's
     return _digest(parts)
 
 

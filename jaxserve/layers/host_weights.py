@@ -35,6 +35,17 @@ def device_bytes(x: jax.Array) -> int:
     return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
 
 
+def to_host(a):
+    """An array (or, compiling ahead of time, its `ShapeDtypeStruct`) in pinned_host memory."""
+    sharding = a.sharding.with_memory_kind("pinned_host")
+    if isinstance(a, jax.ShapeDtypeStruct):
+        if sharding.memory_kind is None:    # a compile-only device lists no memories: say it abstractly
+            sharding = jax.sharding.NamedSharding(a.sharding.mesh.abstract_mesh, a.sharding.spec,
+                                                  memory_kind="pinned_host")
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+    return jax.device_put(a, sharding)
+
+
 def offload_layer_weights(weights, gib: float):
     """(weights with stacked per-layer arrays of up to `gib` GiB per device moved to host memory,
     largest first, bytes moved per device). A field that would exceed what is left is skipped
@@ -44,7 +55,7 @@ def offload_layer_weights(weights, gib: float):
         raise ValueError("cpu_offload_gb: this model's weights have no stacked layers to offload")
     def array(x):
         a = x.w if isinstance(x, DenseWeight) else x
-        return a if isinstance(a, jax.Array) and a.ndim >= 3 else None
+        return a if isinstance(a, jax.Array | jax.ShapeDtypeStruct) and a.ndim >= 3 else None
 
     fields = [(f.name, getattr(layers, f.name)) for f in dataclasses.fields(layers)]
     candidates = sorted(((n, x, array(x)) for n, x in fields if array(x) is not None),
@@ -52,7 +63,7 @@ def offload_layer_weights(weights, gib: float):
     left, moved, total = gib * 2**30, {}, 0
     for name, x, a in candidates:
         if device_bytes(a) <= left:
-            host = jax.device_put(a, a.sharding.with_memory_kind("pinned_host"))
+            host = to_host(a)
             moved[name] = dataclasses.replace(x, w=host) if isinstance(x, DenseWeight) else host
             left -= device_bytes(a)
             total += device_bytes(a)

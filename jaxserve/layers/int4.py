@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -191,27 +190,32 @@ def scan_layers(body, carry, xs):
     except that each stack `_kept_whole` says is not sliced by the scan: the body gets it whole
     with `layer` set to the step's index, and its kernel reads that layer in place (a scan copies
     each step's slice of its inputs out of the stack first).
-    Weights in host memory (`--cpu-offload-gb`, `layers.host_weights`) are copied to the device a
-    layer at a time inside the scan."""
+
+    Stacks in host memory (`--cpu-offload-gb`, `layers.host_weights`) are not sliced by the scan
+    either: the scan carries the next layer's slice, copied to the device while this layer
+    computes (the copy of layer i + 1 starts in iteration i; layer 0's before the loop)."""
     weights, ids, *rest = xs
-    if any(on_host(a) for a in jax.tree.leaves(weights)):
-        body = partial(_layer_on_device, body)
-    leaves, tree = jax.tree.flatten(weights, is_leaf=lambda x: _is_int4(x) or isinstance(x, ExpertWeight))
+    whole_leaf = lambda x: _is_int4(x) or isinstance(x, ExpertWeight)     # noqa: E731
+    leaves, tree = jax.tree.flatten(weights, is_leaf=whole_leaf)
     kept = {i: w for i, w in enumerate(leaves) if _kept_whole(w)}
-    if not kept:
+    host = {i: w for i, w in enumerate(leaves) if not whole_leaf(w) and on_host(w)}
+    if not kept and not host:
         return jax.lax.scan(body, carry, xs)[0]
-    sliced = [None if i in kept else w for i, w in enumerate(leaves)]
+    sliced = [None if i in kept or i in host else w for i, w in enumerate(leaves)]
+    last = ids.shape[0] - 1
 
-    def step(carry, xs):
+    def fetch(layer):       # one layer of the host stacks, on the device
+        return {i: on_device(jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)) for i, w in host.items()}
+
+    def step(state, xs):
+        carry, here = state
         part, layer, *rest = xs
-        whole = [dataclasses.replace(kept[i], layer=layer) if i in kept else w for i, w in enumerate(part)]
-        return body(carry, (tree.unflatten(whole), layer, *rest))
-    return jax.lax.scan(step, carry, (sliced, ids, *rest))[0]
-
-
-def _layer_on_device(body, carry, xs):
-    w, *rest = xs
-    return body(carry, (on_device(w), *rest))
+        ahead = fetch(jnp.minimum(layer + 1, last)) if host else {}
+        whole = [dataclasses.replace(kept[i], layer=layer) if i in kept else here[i] if i in host else w
+                 for i, w in enumerate(part)]
+        carry, y = body(carry, (tree.unflatten(whole), layer, *rest))
+        return (carry, ahead), y
+    return jax.lax.scan(step, (carry, fetch(ids[0]) if host else {}), (sliced, ids, *rest))[0][0]
 
 
 def _at_layer(w: Int4Weight) -> Int4Weight:
