@@ -193,12 +193,18 @@ def scan_layers(body, carry, xs):
 
     Stacks in host memory (`--cpu-offload-gb`, `layers.host_weights`) are not sliced by the scan
     either: the scan carries the next layer's slice, copied to the device while this layer
-    computes (the copy of layer i + 1 starts in iteration i; layer 0's before the loop)."""
+    computes (the copy of layer i + 1 starts in iteration i; layer 0's before the loop). On the CPU
+    (host and device memory are the same RAM) each layer's slice is taken in place instead."""
     weights, ids, *rest = xs
     whole_leaf = lambda x: _is_int4(x) or isinstance(x, ExpertWeight)     # noqa: E731
     leaves, tree = jax.tree.flatten(weights, is_leaf=whole_leaf)
     kept = {i: w for i, w in enumerate(leaves) if _kept_whole(w)}
     host = {i: w for i, w in enumerate(leaves) if not whole_leaf(w) and on_host(w)}
+    if host and target_platform() == "cpu":
+        # one memory: a carried copy would be a real memcpy per layer, where a slice feeds the
+        # matmul in place, so the host stacks are sliced by the scan like any other
+        host, inner = {}, body
+        body = lambda carry, xs: inner(carry, (on_device(xs[0]), *xs[1:]))     # noqa: E731
     if not kept and not host:
         return jax.lax.scan(body, carry, xs)[0]
     sliced = [None if i in kept or i in host else w for i, w in enumerate(leaves)]

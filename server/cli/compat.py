@@ -75,7 +75,8 @@ REFUSED_FLAGS: dict[str, tuple[Any, str]] = {
                                   "'{\"model\": PATH, \"num_speculative_tokens\": N}'"),
     "--num-speculative-tokens": (None, "vLLM removed it; use --speculative-config "
                                        "'{\"method\": ..., \"num_speculative_tokens\": N}'"),
-    "--swap-space": (None, "preempted requests are recomputed, never swapped to host memory"),
+    "--swap-space": (None, "preempted requests are recomputed, never swapped to host memory (with "
+                           "--kv-offloading-size their full blocks come back from the host KV tier)"),
     "--headless": (None, "every jaxserve process serves its own API: run each data-parallel rank "
                          "with --data-parallel-rank and its own --port"),
     "--data-parallel-start-rank": (None, "give each process its --data-parallel-rank (and "
