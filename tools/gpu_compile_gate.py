@@ -12,7 +12,8 @@
       (`TARGETS`); at TP 8 (70B) the collectives of decode at batch 1 and 256 within 1.1x of
       their bf16 minimum (`COLLECTIVE_TARGETS`).
 Run with Python 3.12, jax 0.11.2 and the jax-cuda13-plugin / jax-cuda13-pjrt wheels:
-    python tools/gpu_compile_gate.py --out DIR [--only NAME ...] [--programs all]
+    python tools/gpu_compile_gate.py --out DIR [--only NAME ...] [--programs all] [--jobs N]
+--jobs N compiles N parts at once, each in its own process (CI: 2, one per core).
 """
 
 from __future__ import annotations
@@ -118,26 +119,41 @@ def summary(reports: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _gate_part(name: str, out: Path, programs: str) -> tuple[list[str], dict | None, str]:
+    """One part of the gate ("kernels" or a configuration), in a worker process when --jobs > 1."""
+    t1 = time.perf_counter()
+    if name == "kernels":
+        return gate_kernels(out), None, ""
+    found, report = gate_configuration(name, out, programs)
+    return found, report, f"{name}: {len(report['programs'])} programs in {time.perf_counter() - t1:.0f} s"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", nargs="*", help=f"configurations (default all): {', '.join(CONFIGURATIONS)}, kernels")
     ap.add_argument("--programs", choices=("ci", "all"), default="ci")
+    ap.add_argument("--jobs", type=int, default=1, help="parts compiled at once, each in its own process")
     ns = ap.parse_args(argv)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     wanted = ns.only or ["kernels", *CONFIGURATIONS]
     problems, reports = [], {}
     t0 = time.perf_counter()
-    if "kernels" in wanted:
-        problems += gate_kernels(out)
-    for name in wanted:
-        if name == "kernels":
-            continue
-        t1 = time.perf_counter()
-        found, reports[name] = gate_configuration(name, out, ns.programs)
+    if ns.jobs > 1:       # spawned workers: each starts its own jax (XLA compiles mostly on one core)
+        import concurrent.futures
+        import multiprocessing
+        with concurrent.futures.ProcessPoolExecutor(
+                ns.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = [pool.submit(_gate_part, name, out, ns.programs) for name in wanted]
+            results = [part.result() for part in parts]
+    else:
+        results = [_gate_part(name, out, ns.programs) for name in wanted]
+    for name, (found, report, line) in zip(wanted, results):
         problems += found
-        print(f"{name}: {len(reports[name]['programs'])} programs in {time.perf_counter() - t1:.0f} s")
+        if report is not None:
+            reports[name] = report
+            print(line)
     problems += check_targets(reports)
     table = summary(reports)
     (out / "summary.md").write_text(table)
