@@ -24,6 +24,7 @@ from jaxserve.pooling_params import CONVERTS, RUNNERS, PoolerConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+EXECUTOR_BACKENDS = (None, "mp", "uni", "external_launcher", "ray")
 # --quantization values: fp8 quantises on load; the others name an int4 checkpoint's method (vLLM's
 # names, its *_marlin kernels' included), which is detected from config.json anyway; gguf keeps a
 # .gguf file's Q4_0/Q4_1/Q8_0/Q4_K tensors quantized in memory (loader/gguf_quant.py), which is
@@ -372,6 +373,9 @@ class EngineArgs:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29501
+    # "ray": Ray places the other nnodes - 1 processes (engine/ray_hosts.py); mp / uni /
+    # external_launcher (vLLM's other values) and None: each process is started by hand.
+    distributed_executor_backend: str | None = None
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     block_size: int = 16
@@ -484,6 +488,13 @@ class EngineArgs:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
         if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be a TCP port (1..65535), got {self.master_port!r}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be None or one of "
+                             f"{', '.join(EXECUTOR_BACKENDS[1:])}, got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and self.node_rank != 0:
+            raise ValueError("node_rank with distributed_executor_backend 'ray': start only process "
+                             "0; Ray places the other nnodes - 1")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):

@@ -95,8 +95,22 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
         enable_compilation_cache(args.compilation_cache_dir)
     # Several processes: join the job first (before any array), then every process builds
     # the same engine; process 0 schedules, the others follow (`follow`).
-    group = None if args.nnodes == 1 else multihost.initialize(
-        args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    # With Ray, process 0 first has Ray place and start the others (engine/ray_hosts.py).
+    hosts = None
+    if args.distributed_executor_backend == "ray" and args.nnodes == 1:
+        logger.info("distributed_executor_backend 'ray' with nnodes 1: this process drives every "
+                    "device of its host; Ray places processes only for nnodes > 1")
+    if args.distributed_executor_backend == "ray" and args.nnodes > 1:
+        from jaxserve.engine import ray_hosts
+        hosts = ray_hosts.start(args, warmup=bool(warmup))
+        args = dataclasses.replace(args, master_addr=hosts.master_addr)
+    try:
+        group = None if args.nnodes == 1 else multihost.initialize(
+            args.nnodes, args.node_rank, args.master_addr, args.master_port, hosts=hosts)
+    except BaseException:
+        if hosts is not None:
+            hosts.close()
+        raise
     if group is not None and args.tensor_parallel_size != jax.device_count():
         raise ValueError(f"with nnodes={args.nnodes}, tensor_parallel_size must cover every "
                          f"device of every process ({jax.device_count()}), got "

@@ -50,9 +50,11 @@ def _runtime():
     return distributed.global_state
 
 
-def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int) -> ProcessGroup:
+def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int,
+               hosts=None) -> ProcessGroup:
     """Join the job (`jax.distributed.initialize`) unless this process already has, and return
-    its process group. Must run before JAX starts its backends (before any array exists)."""
+    its process group. Must run before JAX starts its backends (before any array exists).
+    `hosts`: what started the other processes (engine/ray_hosts.RayHosts), closed with the group."""
     state = _runtime()
     if state.client is None:
         from jax._src import xla_bridge
@@ -74,14 +76,15 @@ def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int) 
     elif (state.num_processes, state.process_id) != (nnodes, node_rank):
         raise ValueError(f"this process already joined a job as process {state.process_id} of "
                          f"{state.num_processes}, not {node_rank} of {nnodes}")
-    return ProcessGroup(state.client, node_rank, nnodes)
+    return ProcessGroup(state.client, node_rank, nnodes, hosts)
 
 
 class ProcessGroup:
     """The leader's and the followers' side of the step channel, and the leader's watchdog."""
 
-    def __init__(self, client, rank: int, size: int):
+    def __init__(self, client, rank: int, size: int, hosts=None):
         self.client, self.rank, self.size = client, rank, size
+        self.hosts = hosts
         self._seq = 0
         self._lost: PeerLostError | None = None
         self._listeners: list[Callable[[PeerLostError], None]] = []
@@ -166,6 +169,8 @@ class ProcessGroup:
                 self.send(None)
             except Exception:               # noqa: BLE001 - shutting down anyway
                 logger.warning("could not send the stop message to the followers")
+        if self.hosts is not None:
+            self.hosts.close()
 
 
 def follow(group: ProcessGroup, execute: Callable) -> int:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.sharding.rules import RULES, partition_spec
@@ -71,6 +72,24 @@ def place(x, sharding):
     if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     return jax.device_put(x, sharding)
+
+
+def put(tree, sharding):
+    """Host values that every process holds the same of -> arrays on `sharding` (one sharding
+    for every leaf, or a tree of them). One process: `jax.device_put`. Several (a multi-host
+    engine): each process places the shards of its own devices (`jax.make_array_from_callback`),
+    without the all-gather `jax.device_put` runs to check that the processes agree — per step
+    a collective on the step's path, and a put that one process skips (an array it cached)
+    would pair with another process's next one."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+
+    def one(x, s):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: one(x, sharding), tree)
+    return jax.tree.map(one, tree, sharding)
 
 
 def plan_for(cfg, mesh: Mesh, expert_parallel: bool = False) -> ShardingPlan:

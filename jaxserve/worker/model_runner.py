@@ -36,7 +36,7 @@ from jaxserve.layers.int4 import fused_kernel_rows
 from jaxserve.models import get_model
 from jaxserve.sample import penalties
 from jaxserve.sample.rejection import accept
-from jaxserve.sharding.plan import ShardingPlan, single_device_plan
+from jaxserve.sharding.plan import ShardingPlan, put, single_device_plan
 from jaxserve.worker.buckets import pow2_at_least, token_buckets
 from jaxserve.worker.compile_cache import step_compiler_options
 from jaxserve.worker.compile_queue import BackgroundCompiler
@@ -128,8 +128,8 @@ class ModelRunner(StepPrograms):
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=plan.replicated),
                 jax.eval_shape(lambda: penalties.zeros(self.max_seqs, model_config.vocab_size)))
         else:
-            self.penalties = jax.device_put(penalties.zeros(self.max_seqs, model_config.vocab_size),
-                                            plan.replicated)
+            self.penalties = put(penalties.zeros(self.max_seqs, model_config.vocab_size),
+                                 plan.replicated)
         model = get_model(model_config.architecture)
         self._model = model
         self.backend = backend          # the attention backend the step programs use
@@ -208,7 +208,7 @@ class ModelRunner(StepPrograms):
         if mask is None:
             mask = np.full((num_rows, self.mask_words), -1, np.int32)
             if not self.abstract:
-                mask = jax.device_put(mask, self.plan.replicated)
+                mask = put(mask, self.plan.replicated)
             self._all_allowed[num_rows] = mask
         return mask
 
@@ -226,8 +226,8 @@ class ModelRunner(StepPrograms):
         rep = self.plan.replicated
         bitmask = inputs.bitmask
         if not isinstance(bitmask, jax.Array):
-            bitmask = jax.device_put(bitmask, rep)
-        return jax.device_put(self._packing(inputs).pack(inputs), rep), bitmask
+            bitmask = put(bitmask, rep)
+        return put(self._packing(inputs).pack(inputs), rep), bitmask
 
     def _packing(self, x: StepInputs) -> Packing:
         """How the inputs of x's program pack (fixed by the program: planned once, kept)."""
@@ -243,7 +243,7 @@ class ModelRunner(StepPrograms):
 
     def _write_penalty_row(self, slot: int, rows) -> None:
         # a compiled program takes its inputs where it was compiled for them: on every device
-        args = jax.device_put((np.asarray(slot, np.int32), *rows), self.plan.replicated)
+        args = put((np.asarray(slot, np.int32), *rows), self.plan.replicated)
         self.penalties = self.penalty_program()(self.penalties, *args)
 
     def execute(self, scheduler_output) -> RunnerOutput:

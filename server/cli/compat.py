@@ -49,8 +49,6 @@ NOOP_FLAGS: list[tuple[tuple[str, ...], dict[str, Any], str]] = [
     (("--tokenizer-pool-type",), dict(default=None), "tokenization runs in the server process"),
     (("--guided-decoding-backend",), dict(default=None),
      "structured output always uses llguidance (vLLM's --structured-outputs-config backend 'guidance')"),
-    (("--distributed-executor-backend",), dict(choices=["mp", "uni", "external_launcher"], default=None),
-     "one process drives every local device through JAX (several nodes: --nnodes / --node-rank)"),
     (("--pipeline-parallel-size", "-pp"), dict(type=int, default=None),
      "1 is the only pipeline size: devices are split by tensor parallelism"),
     (("--preemption-mode",), dict(default=None),

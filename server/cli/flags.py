@@ -170,6 +170,12 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                          "the others follow its steps.")),
     ("master_addr", "ParallelConfig", dict(help="Address of process 0 (the JAX coordinator).")),
     ("master_port", "ParallelConfig", dict(type=int, help="Coordinator port on process 0.")),
+    ("distributed_executor_backend", "ParallelConfig",
+     dict(choices=["mp", "uni", "external_launcher", "ray"],
+          help="ray: with --nnodes N, start only process 0, on a node of a Ray cluster; Ray "
+               "places the other N - 1 (one actor per host, a placement-group bundle each). "
+               "The others: one process drives every local device through JAX; several nodes "
+               "are started by hand (--node-rank).", shown_default="none")),
     ("speculative_config", "SpeculativeConfig", dict(type=_json_dict, help="JSON, e.g. "
                                                      "'{\"method\": \"ngram\", "
                                                      "\"num_speculative_tokens\": 4}' or, with a "
