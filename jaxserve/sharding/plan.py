@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Sequence
 
 import jax
@@ -80,8 +81,9 @@ def put(tree, sharding):
     engine): each process places the shards of its own devices (`jax.make_array_from_callback`),
     without the all-gather `jax.device_put` runs to check that the processes agree — per step
     a collective on the step's path, and a put that one process skips (an array it cached)
-    would pair with another process's next one."""
-    if jax.process_count() == 1:
+    would pair with another process's next one. `JAXSERVE_CHECK_HOST_INPUTS=1` keeps the check
+    (a process whose inputs differ fails loudly; for debugging a multi-host engine)."""
+    if jax.process_count() == 1 or os.environ.get("JAXSERVE_CHECK_HOST_INPUTS") == "1":
         return jax.device_put(tree, sharding)
 
     def one(x, s):
