@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -21,6 +22,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
+    """POST a JSON body -> (status, the JSON reply), error statuses included."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def greedy_texts(base_url: str, prompts: list, max_tokens: int) -> list[str]:
+    """/v1/completions of `prompts` (token id lists), greedy, `max_tokens` each -> their texts."""
+    status, body = post_json(base_url + "/v1/completions",
+                             {"prompt": prompts, "max_tokens": max_tokens, "temperature": 0,
+                              "ignore_eos": True})
+    assert status == 200, body
+    return [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])]
 
 
 def http_status(url: str, timeout: float = 5.0) -> int | None:

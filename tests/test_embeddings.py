@@ -228,15 +228,8 @@ SERVER_ENGINE = ("--dtype", "float32", "--max-model-len", "64", "--max-num-batch
 
 
 def _post(base_url: str, path: str, body: dict) -> tuple[int, dict]:
-    import urllib.error
-    import urllib.request
-    req = urllib.request.Request(base_url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    from server_fixtures import post_json
+    return post_json(base_url + path, body)
 
 
 @pytest.fixture(scope="module")

@@ -5,32 +5,21 @@ requests fail fast instead of hanging."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from server_fixtures import SMALL_ENGINE, ServerProcess, free_port, http_status
+from server_fixtures import SMALL_ENGINE, ServerProcess, free_port, greedy_texts, http_status, post_json
 
 TINY = str(Path(__file__).parent / "data" / "tiny-llama")
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
 # After SMALL_ENGINE on the command line, so these win: one token bucket (two programs to build).
 ENGINE = ["--load-format", "dummy", "-tp", "8", "--nnodes", "2", "--max-num-batched-tokens", "16",
           "--max-num-seqs", "8"]
-
-
-def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 @pytest.mark.slow
@@ -54,12 +43,7 @@ def test_two_processes_serve_like_one_and_a_lost_follower_is_a_503(monkeypatch, 
                            log_path=tmp_path / "leader.log")
     try:
         leader.start(timeout=400)
-        status, body = _post(leader.base_url + "/v1/completions",
-                             {"prompt": PROMPTS, "max_tokens": 8, "temperature": 0,
-                              "ignore_eos": True})
-        assert status == 200, body
-        texts = [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])]
-        assert texts == expected
+        assert greedy_texts(leader.base_url, PROMPTS, 8) == expected
 
         follower.send_signal(signal.SIGKILL)
         follower.wait(30)
@@ -69,8 +53,8 @@ def test_two_processes_serve_like_one_and_a_lost_follower_is_a_503(monkeypatch, 
             assert time.monotonic() < deadline, "/health still not 503 30 s after the follower died"
             time.sleep(0.2)
         t0 = time.monotonic()
-        status, body = _post(leader.base_url + "/v1/completions",
-                             {"prompt": PROMPTS[0], "max_tokens": 4}, timeout=30)
+        status, body = post_json(leader.base_url + "/v1/completions",
+                                 {"prompt": PROMPTS[0], "max_tokens": 4}, timeout=30)
         assert status == 503 and time.monotonic() - t0 < 10, (status, body)
         print(f"lost follower -> 503 in {t0 - killed:.1f} s")
         assert "stopped" in body["error"]["message"], body

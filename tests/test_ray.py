@@ -7,10 +7,8 @@ starts a replica) reuses that group. The placement rules are checked on their ow
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from server_fixtures import ServerProcess, free_port, http_status
+from server_fixtures import ServerProcess, free_port, greedy_texts, http_status, post_json
 
 from jaxserve.engine import ray_hosts
 
@@ -51,15 +49,6 @@ def cluster():
     c.shutdown()
 
 
-def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 @pytest.mark.slow
 def test_serve_places_the_second_host_and_serves_the_single_process_tokens(
         cluster, expected, monkeypatch, tmp_path):
@@ -72,11 +61,7 @@ def test_serve_places_the_second_host_and_serves_the_single_process_tokens(
                            "--max-num-seqs", "8", log_path=tmp_path / "leader.log")
     try:
         leader.start(timeout=400)
-        status, body = _post(leader.base_url + "/v1/completions",
-                             {"prompt": PROMPTS, "max_tokens": 8, "temperature": 0,
-                              "ignore_eos": True})
-        assert status == 200, body
-        assert [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])] == expected
+        assert greedy_texts(leader.base_url, PROMPTS, 8) == expected
         log = leader.log()
         assert "Ray: host 1 of 2 in bundle" in log and "a new placement group" in log, log
         assert "following process 0" in log, log     # the host's log, forwarded by Ray
@@ -93,8 +78,8 @@ def test_serve_places_the_second_host_and_serves_the_single_process_tokens(
         while http_status(leader.base_url + "/health") != 503:
             assert time.monotonic() < deadline, "/health still not 503 40 s after the host died"
             time.sleep(0.2)
-        status, body = _post(leader.base_url + "/v1/completions",
-                             {"prompt": PROMPTS[0], "max_tokens": 4}, timeout=30)
+        status, body = post_json(leader.base_url + "/v1/completions",
+                                 {"prompt": PROMPTS[0], "max_tokens": 4}, timeout=30)
         assert status == 503, (status, body)
     finally:
         assert leader.stop(timeout=60) is not None, leader.log()
