@@ -140,3 +140,24 @@ def test_throughput_gauges_are_token_rates_over_the_last_window_of_scrapes():
     now[0] += 30.0                                  # idle: the window forgets the busy part
     rates()
     assert rates() == pytest.approx((0.0, 0.0))
+
+
+def test_data_parallel_labels_the_request_series_by_replica():
+    """-dp N: the per-request histograms and request_success carry vLLM's `engine` label (the
+    replica that ran the request), like the engine series; every replica's series exist at 0."""
+    metrics = ServerMetrics("m", lambda: [STATS, STATS], ("vllm",), data_parallel_size=2)
+    before = _samples(metrics.render().decode())
+    for rank in ("0", "1"):
+        assert before[("vllm:time_to_first_token_seconds_count",
+                       (("engine", rank), ("model_name", "m")))] == 0
+    metrics.observe(_finished(7), 100.0, 1)
+    metrics.observe(_finished(5), 100.0, 1)
+    metrics.observe(_finished(3), 100.0, 0)
+    samples = _samples(metrics.render().decode())
+    for rank, count, prompt in (("0", 1, 3), ("1", 2, 12)):
+        label = (("engine", rank), ("model_name", "m"))
+        assert samples[("vllm:e2e_request_latency_seconds_count", label)] == count
+        assert samples[("vllm:request_prompt_tokens_sum", label)] == prompt
+        assert samples[("vllm:request_success_total", (("engine", rank), ("finished_reason", "stop"),
+                                                      ("model_name", "m")))] == count
+        assert samples[("vllm:num_requests_running", label)] == 3     # the engine series, per replica

@@ -73,9 +73,11 @@ class DataParallelLLM:
 
     def __init__(self, engine_args: EngineArgs, *, warmup: bool | str = True,
                  max_waiting_requests: int | None = None,
-                 on_output: Callable[[RequestOutput, float], None] | None = None,
+                 on_output: Callable[[RequestOutput, float, int], None] | None = None,
                  replicas: list[AsyncLLM] | None = None):
-        """replicas: prebuilt AsyncLLMs (tests); default: one per rank of engine_args."""
+        """replicas: prebuilt AsyncLLMs (tests); default: one per rank of engine_args.
+        on_output(output, arrival time, rank of the replica that ran it): AsyncLLM's hook, with
+        the rank (the server labels its per-request metrics by it)."""
         n = engine_args.data_parallel_size
         if n < 2 or engine_args.data_parallel_rank is not None:
             raise ValueError("DataParallelLLM runs data_parallel_size >= 2 replicas with no "
@@ -108,7 +110,7 @@ class DataParallelLLM:
             if out.finished:
                 self._owner.pop(out.request_id, None)
             if self.on_output is not None:
-                self.on_output(out, arrival)
+                self.on_output(out, arrival, rank)
         return on_output
 
     # -- lifetime ---------------------------------------------------------------------------------

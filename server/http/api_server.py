@@ -119,9 +119,9 @@ class Server:
         self.stopping = False
         self._stats_task: asyncio.Future | None = None
 
-    def _on_output(self, out, arrival):
+    def _on_output(self, out, arrival, engine: int | None = None):
         if self.metrics is not None and not isinstance(out, PoolingRequestOutput):
-            self.metrics.observe(out, arrival)
+            self.metrics.observe(out, arrival, engine)
 
     # -- app ----------------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
@@ -379,7 +379,8 @@ class Server:
         get_stats = (lambda: self.llm.replica_stats) if isinstance(self.llm, DataParallelLLM) \
             else (lambda: self.llm.stats)
         self.metrics = ServerMetrics(names[0], get_stats, self.args.metrics_prefix,
-                                     config_info=engine.config_info())
+                                     config_info=engine.config_info(),
+                                     data_parallel_size=len(getattr(self.llm, "replicas", [0])))
         self.serving = OpenAIServing(self.llm, names, self.args.response_role,
                                      model_root=engine.model_path,
                                      enable_auto_tools=self.args.enable_auto_tool_choice,

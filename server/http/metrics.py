@@ -213,68 +213,83 @@ def _rename(name: str, prefix: str) -> str:
 
 class ServerMetrics:
     def __init__(self, model_name: str, get_stats: Callable, prefixes: Iterable[str] = ("jaxserve",),
-                 clock: Callable[[], float] = time.monotonic, config_info: dict | None = None):
-        """config_info: `LLMEngine.config_info()`, for the info gauges."""
+                 clock: Callable[[], float] = time.monotonic, config_info: dict | None = None,
+                 data_parallel_size: int = 1):
+        """config_info: `LLMEngine.config_info()`, for the info gauges. data_parallel_size > 1:
+        the per-request series carry vLLM's `engine` label too (the replica's rank, which
+        `observe` is given), as the engine series do when `get_stats` returns one EngineStats
+        per replica."""
         self.registry = CollectorRegistry()
         self.view = _Prefixed(self.registry, check_prefixes(prefixes))
         self.model_name = model_name
         self.registry.register(_EngineCollector(model_name, get_stats, clock, config_info))
-        r, labels = self.registry, ["model_name"]
-        self.request_success = Counter(
+        r = self.registry
+        self.labels = ["model_name", "engine"] if data_parallel_size > 1 else ["model_name"]
+        self._request_success = Counter(
             "jaxserve:request_success", "Count of successfully processed requests.",
-            labels + ["finished_reason"], registry=r)
-        self.ttft = Histogram("jaxserve:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("jaxserve:inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.", labels,
-                             buckets=_ITL_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram("jaxserve:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.queue_time = Histogram("jaxserve:request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.",
-                                    labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        # vLLM's per-request phases: queued -> scheduled -> first token (prefill) -> last (decode)
-        self.inference_time, self.prefill_time, self.decode_time = (
-            Histogram(f"jaxserve:request_{phase}_time_seconds", doc, labels, buckets=_LATENCY_BUCKETS,
-                      registry=r).labels(model_name)
-            for phase, doc in (("inference", "Histogram of time spent in RUNNING phase for request."),
-                               ("prefill", "Histogram of time spent in PREFILL phase for request."),
-                               ("decode", "Histogram of time spent in DECODE phase for request.")))
-        self.prompt_tokens = Histogram("jaxserve:request_prompt_tokens",
-                                       "Number of prefill tokens processed.", labels,
-                                       buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
+            self.labels + ["finished_reason"], registry=r)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"jaxserve:{name}", doc, self.labels, buckets=buckets, registry=r)
+        self._histograms = {
+            "ttft": histogram("time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", _LATENCY_BUCKETS),
+            "itl": histogram("inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", _ITL_BUCKETS),
+            "e2e": histogram("e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", _LATENCY_BUCKETS),
+            "queue": histogram("request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", _LATENCY_BUCKETS),
+            # vLLM's per-request phases: queued -> scheduled -> first token (prefill) -> last (decode)
+            "inference": histogram("request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request.", _LATENCY_BUCKETS),
+            "prefill": histogram("request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.", _LATENCY_BUCKETS),
+            "decode": histogram("request_decode_time_seconds",
+                                "Histogram of time spent in DECODE phase for request.", _LATENCY_BUCKETS),
+            "prompt_tokens": histogram("request_prompt_tokens", "Number of prefill tokens processed.",
+                                       _TOKEN_BUCKETS),
+        }
+        # every series exists (at 0) from the start, as a scrape before the first request expects
+        for rank in range(data_parallel_size):
+            for hist in self._histograms.values():
+                hist.labels(*self._label(rank))
         self._counted: dict[str, set[int]] = {}     # request id -> choice indices counted
 
-    def observe(self, out: RequestOutput, arrival_time: float) -> None:
-        """Feed one RequestOutput (any output kind); histograms are observed when it finishes."""
+    def _label(self, engine: int | None) -> list[str]:
+        return [self.model_name, *([str(engine or 0)] if len(self.labels) > 1 else [])]
+
+    def observe(self, out: RequestOutput, arrival_time: float, engine: int | None = None) -> None:
+        """Feed one RequestOutput (any output kind); histograms are observed when it finishes.
+        engine: the data-parallel replica that ran it (with `data_parallel`)."""
+        label = self._label(engine)
         counted = self._counted.setdefault(out.request_id, set())
         for c in out.outputs:
             if c.finish_reason is not None and c.index not in counted:
                 counted.add(c.index)
-                self.request_success.labels(self.model_name, c.finish_reason).inc()
+                self._request_success.labels(*label, c.finish_reason).inc()
         if not out.finished:
             return
         self._counted.pop(out.request_id, None)
         m = out.metrics
         if m is None:
             return
-        self.prompt_tokens.observe(len(out.prompt_token_ids))
+        h = {name: hist.labels(*label) for name, hist in self._histograms.items()}
+        h["prompt_tokens"].observe(len(out.prompt_token_ids))
         if m.time_in_queue is not None:
-            self.queue_time.observe(max(0.0, m.time_in_queue))
+            h["queue"].observe(max(0.0, m.time_in_queue))
         if m.first_token_time is not None:
-            self.ttft.observe(max(0.0, m.first_token_time - arrival_time))
+            h["ttft"].observe(max(0.0, m.first_token_time - arrival_time))
         for gap in m.inter_token_latencies:
-            self.itl.observe(max(0.0, gap))
+            h["itl"].observe(max(0.0, gap))
         end = m.finished_time or m.last_token_time
         if end is not None:
-            self.e2e.observe(max(0.0, end - arrival_time))
+            h["e2e"].observe(max(0.0, end - arrival_time))
         if m.first_scheduled_time is not None and end is not None:
-            self.inference_time.observe(max(0.0, end - m.first_scheduled_time))
+            h["inference"].observe(max(0.0, end - m.first_scheduled_time))
             if m.first_token_time is not None:
-                self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
-                self.decode_time.observe(max(0.0, end - m.first_token_time))
+                h["prefill"].observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+                h["decode"].observe(max(0.0, end - m.first_token_time))
 
     def render(self) -> bytes:
         return generate_latest(self.view)
