@@ -223,6 +223,9 @@ def test_two_replicas_spread_a_burst_return_to_cached_prefixes_and_equal_one_eng
         m = _metrics(server.base_url)
         per_engine = [m[("jaxserve:generation_tokens_total", str(r))] for r in (0, 1)]
         assert sum(per_engine) == 64 * 4 and max(per_engine) <= 0.65 * 64 * 4, per_engine
+        # the per-request series too: each replica's requests under its engine label
+        done = [m[("jaxserve:e2e_request_latency_seconds_count", str(r))] for r in (0, 1)]
+        assert sum(done) == 64 and all(done), done
         # greedy tokens equal one engine's, whichever replica ran them
         assert [c["text"] for c in got[:8]] == expected
         # a long shared prefix, sent one request at a time while idle: every later one goes
