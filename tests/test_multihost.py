@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -74,3 +75,55 @@ def test_bad_multihost_flags_are_value_errors_naming_the_field(kwargs, field):
     from jaxserve.config import EngineArgs
     with pytest.raises(ValueError, match=field):
         EngineArgs(**kwargs)
+
+
+class _FakeCoordinator:
+    """The coordination service's live-task query as ProcessGroup uses it: a barrier over the
+    live 'processes' (threads here) that returns the live set; a dead one is dropped."""
+
+    def __init__(self):
+        self.live, self.arrived, self.cond = {0, 1}, set(), threading.Condition()
+
+    def get_live_nodes(self, ranks):
+        with self.cond:
+            self.arrived.add(threading_rank())
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.live <= self.arrived, 30)
+            return {r: 1 for r in ranks if r in self.live}
+
+
+def threading_rank() -> int:
+    return int(threading.current_thread().name.rsplit("-", 1)[1])
+
+
+def test_the_built_barrier_waits_for_a_slow_process_and_fails_on_a_dead_one():
+    """Process 0 (its programs came from a cache, say) waits at the barrier until process 1 (still
+    compiling) arrives, instead of starting a step whose collectives would time out; a process
+    that died instead makes it a PeerLostError."""
+    from jaxserve.engine.multihost import PeerLostError, ProcessGroup
+    coord = _FakeCoordinator()
+    passed = []
+    leader = threading.Thread(name="rank-0", target=lambda: (
+        ProcessGroup(coord, 0, 2).barrier("built"), passed.append(time.monotonic())))
+    leader.start()
+    time.sleep(2)
+    assert not passed                           # still waiting for process 1
+    arrived = time.monotonic()
+    follower = threading.Thread(name="rank-1", target=lambda: ProcessGroup(coord, 1, 2).barrier("built"))
+    follower.start()
+    leader.join(5), follower.join(5)
+    assert passed and passed[0] >= arrived
+
+    coord = _FakeCoordinator()
+    coord.live.discard(1)                       # process 1 died while building
+    errors = []
+
+    def lone_leader():
+        try:
+            ProcessGroup(coord, 0, 2).barrier("built")
+        except PeerLostError as e:
+            errors.append(str(e))
+    t = threading.Thread(name="rank-0", target=lone_leader)
+    t.start()
+    t.join(5)
+    assert errors == ["process(es) [1] of 2 stopped before reaching 'built'"]

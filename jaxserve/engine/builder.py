@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from typing import Any
 
 import jax
@@ -270,6 +271,13 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
                     host_tier.num_slots * host_tier.block_bytes / 2**30)
     kernels = kernel_table(args, runner.weights, attention_backend, selected)
     logger.info("kernels:\n%s", kernels)
+    if group is not None:
+        # No step before every process holds its programs: the first step's collectives would
+        # otherwise time out (gloo gives 30 s) on a process still compiling.
+        t0 = time.perf_counter()
+        logger.info("process %d of %d: built; waiting for the others", group.rank, group.size)
+        group.barrier("engine-built")
+        logger.info("every process of the engine is built (waited %.1f s)", time.perf_counter() - t0)
     return EngineParts(
         args=args, model_path=model_path, model_name=model_name, group=group,
         default_sampling_params=default_sampling_params, generation_eos=generation_eos, mesh=mesh,

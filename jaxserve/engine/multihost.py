@@ -128,6 +128,16 @@ class ProcessGroup:
         return min(int(self.client.blocking_key_value_get(f"jaxserve/agree/{name}/{r}", 300_000))
                    for r in range(self.size))
 
+    def barrier(self, name: str) -> None:
+        """Every process: return once all have reached `name` — however long the slowest takes
+        (compiling, say). The coordination service's live-task query is itself a barrier over
+        the live processes (a dead one is dropped once its heartbeat lapses, ~HEARTBEAT_TIMEOUT_S),
+        so a process that stops first makes it a PeerLostError, not a hang."""
+        missing = sorted(set(range(self.size)) - self._live(range(self.size)))
+        if missing:
+            raise PeerLostError(f"process(es) {missing} of {self.size} stopped before reaching "
+                                f"{name!r}")
+
     # -- liveness ---------------------------------------------------------------------------------
     def _live(self, ranks) -> set[int]:
         try:
