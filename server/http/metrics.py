@@ -250,10 +250,10 @@ class ServerMetrics:
             "prompt_tokens": histogram("request_prompt_tokens", "Number of prefill tokens processed.",
                                        _TOKEN_BUCKETS),
         }
-        # every series exists (at 0) from the start, as a scrape before the first request expects
-        for rank in range(data_parallel_size):
-            for hist in self._histograms.values():
-                hist.labels(*self._label(rank))
+        # each replica's series, bound once; every one exists (at 0) from the start, as a scrape
+        # before the first request expects
+        self._bound = [{name: hist.labels(*self._label(rank)) for name, hist in self._histograms.items()}
+                       for rank in range(data_parallel_size)]
         self._counted: dict[str, set[int]] = {}     # request id -> choice indices counted
 
     def _label(self, engine: int | None) -> list[str]:
@@ -261,7 +261,7 @@ class ServerMetrics:
 
     def observe(self, out: RequestOutput, arrival_time: float, engine: int | None = None) -> None:
         """Feed one RequestOutput (any output kind); histograms are observed when it finishes.
-        engine: the data-parallel replica that ran it (with `data_parallel`)."""
+        engine: the data-parallel replica that ran it (with data_parallel_size > 1)."""
         label = self._label(engine)
         counted = self._counted.setdefault(out.request_id, set())
         for c in out.outputs:
@@ -274,7 +274,7 @@ class ServerMetrics:
         m = out.metrics
         if m is None:
             return
-        h = {name: hist.labels(*label) for name, hist in self._histograms.items()}
+        h = self._bound[engine or 0]
         h["prompt_tokens"].observe(len(out.prompt_token_ids))
         if m.time_in_queue is not None:
             h["queue"].observe(max(0.0, m.time_in_queue))
