@@ -387,9 +387,11 @@ def test_drafts_cross_the_end_of_reasoning_and_greedy_is_unchanged(spec_llm, mon
         # full-length drafts (no adaptive trimming), so some run through the marker
         engine.proposer = make_proposer(SpeculativeConfig(**NGRAM, min_expected_accepted=0))
         try:
-            before = engine.stats().spec_num_accepted_tokens
+            # drafts verified, not accepted: whether one of them is accepted turns on near-ties
+            # in this model's logits, which differ between CPUs (CI accepted none, this one 1)
+            before = engine.stats().spec_num_draft_tokens
             spec = spec_llm.chat([CONVERSATION], params, use_tqdm=False)[0].outputs[0]
-            after = engine.stats().spec_num_accepted_tokens
+            after = engine.stats().spec_num_draft_tokens
         finally:
             engine.proposer = None
     assert spec.token_ids == base.token_ids and after > before
