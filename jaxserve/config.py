@@ -130,7 +130,8 @@ class SpeculativeConfig:
     """vLLM's `speculative_config` keys. `method`: "ngram" (prompt lookup), "suffix" (suffix
     trie over the request's tokens and, with suffix_cache_requests > 0, earlier outputs) or
     "draft_model" (`model`: a smaller model sharing the target's tokenizer proposes greedily;
-    giving `model` without `method` means "draft_model").
+    giving `model` without `method` means "draft_model") or "eagle3" (`model`: an EAGLE-3 head
+    directory for this target, `models/eagle3.py`).
     Opt-out: no drafts for a request whose prompt is longer than `max_prompt_len` or while the
     running batch has `disable_by_batch_size` requests or more."""
 
@@ -146,10 +147,15 @@ class SpeculativeConfig:
     # Adaptive opt-out: pause a request's drafts while fewer than this many are accepted per
     # verification (moving average); 0 = never pause.
     min_expected_accepted: float = 0.5
-    # The draft model's path (method "draft_model"): a Hugging Face directory or a .gguf file.
+    # The draft's path: a Hugging Face directory or a .gguf file (method "draft_model"), an
+    # EAGLE-3 head directory (method "eagle3"); a Hub name is resolved by the engine.
     model: str | None = None
+    # vLLM's key: the devices the draft runs on. jaxserve runs an EAGLE-3 head whole on every
+    # tensor-parallel device (1 means that) and a draft model split like the target.
+    draft_tensor_parallel_size: int | None = None
 
-    METHODS = ("ngram", "suffix", "draft_model")
+    METHODS = ("ngram", "suffix", "draft_model", "eagle3")
+    MODEL_METHODS = ("draft_model", "eagle3")     # the methods with a `model`
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
@@ -185,10 +191,13 @@ class SpeculativeConfig:
         if self.num_speculative_tokens > 16:
             raise ValueError("speculative_config.num_speculative_tokens must be <= 16, got "
                              f"{self.num_speculative_tokens}")
-        if (self.method == "draft_model") != (self.model is not None):
-            raise ValueError("speculative_config.model (a draft model path) is required with "
-                             "method 'draft_model' and only allowed with it, got method "
-                             f"{self.method!r} and model {self.model!r}")
+        if (self.method in self.MODEL_METHODS) != (self.model is not None):
+            raise ValueError("speculative_config.model (a draft model or EAGLE-3 head path) is "
+                             "required with methods 'draft_model' and 'eagle3' and only allowed "
+                             f"with them, got method {self.method!r} and model {self.model!r}")
+        v = self.draft_tensor_parallel_size
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size must be an int >= 1, got {v!r}")
         if self.model is not None and not isinstance(self.model, str | os.PathLike):
             raise ValueError(f"speculative_config.model must be a path, got {self.model!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -540,9 +549,10 @@ class EngineArgs:
             raise ValueError("kv_offloading_size with nnodes > 1: the host KV tier is for one "
                              "process's devices")
         spec = self.spec_config()
-        if spec is not None and spec.method == "draft_model":
-            raise ValueError("kv_offloading_size with a draft model: the host KV tier does not keep "
-                             "the draft's KV; use an n-gram speculative method or no offloading")
+        if spec is not None and spec.method in spec.MODEL_METHODS:
+            raise ValueError(f"kv_offloading_size with speculative method {spec.method!r}: the host KV "
+                             "tier does not keep the draft's KV; use an n-gram speculative method or "
+                             "no offloading")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -566,7 +576,7 @@ class EngineArgs:
                                enable_chunked_prefill=self.enable_chunked_prefill,
                                num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                                num_lookahead_tokens=(spec.num_speculative_tokens
-                                                     if spec and spec.method == "draft_model"
+                                                     if spec and spec.method in spec.MODEL_METHODS
                                                      else 0),
                                max_loras=self.max_loras if self.enable_lora else 0,
                                async_scheduling=self.uses_async_scheduling())

@@ -92,9 +92,10 @@ def _model_config_and_weights(args: EngineArgs, target: Target, mesh, dtype):
 def setup(args: EngineArgs, target: Target) -> Setup:
     """The engine's choices for `target`, made by the engine's own functions."""
     from jaxserve.engine.builder import kv_quantization
-    if args.enable_lora or args.spec_config() is not None and args.spec_config().method == "draft_model":
-        raise ValueError("jaxserve compile: enable_lora and a draft model's programs are not compiled ahead "
-                         "of time yet; serve them without --compiled-dir")
+    spec = args.spec_config()
+    if args.enable_lora or spec is not None and spec.method in spec.MODEL_METHODS:
+        raise ValueError("jaxserve compile: enable_lora and a draft model's or EAGLE-3 head's programs are "
+                         "not compiled ahead of time yet; serve them without --compiled-dir")
     dtype = resolve_dtype(args.dtype, target.platform)
     mesh = make_mesh(args.tensor_parallel_size, devices=target.devices)
     cfg, weights = _model_config_and_weights(args, target, mesh, dtype)

@@ -47,6 +47,7 @@ from jaxserve.sharding.mesh import make_mesh
 from jaxserve.sharding.plan import plan_for
 from jaxserve.tokenizer.tokenizer import Tokenizer
 from jaxserve.worker.draft_runner import DraftRunner, load_draft
+from jaxserve.worker.eagle3_runner import Eagle3Runner
 from jaxserve.worker.kv_sizing import num_kv_blocks, probe_blocks, profile_peak_bytes
 from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.pooling_runner import PoolingRunner
@@ -178,6 +179,8 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
         draft = (draft[0], cpu_matmuls_for(draft[1], args.dtype, mesh.size,
                                            batch_invariant=args.batch_invariant))
         draft_plan = plan_for(draft[0], mesh, args.enable_expert_parallel)
+    head = load_eagle3_head(args, spec, cfg, dtype, mesh.size) if spec is not None and spec.method == "eagle3" \
+        else None
     # Sized per device: a block costs its heads on one device, the budget is one device's.
     per_block = sum(kvc.bytes_per_block(c.num_layers, args.block_size,
                                         plan.kv_heads_per_device(c.num_kv_heads),
@@ -185,10 +188,14 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
                                         latent=c.mla is not None)
                     for c, plan in [(cfg, plan)] + ([(draft[0], draft_plan)] if draft
                                                          else []))
+    if head is not None:    # the head's one-layer pool, whole on every device
+        c = head[0].model
+        per_block += kvc.bytes_per_block(1, args.block_size, c.num_kv_heads, c.head_dim, kv_dtype,
+                                         kv_quantize is not None)
     # One device's share, from the sharding (no per-shard array objects: on CPU those would
     # stay alive beside the weights and count twice in jax.live_arrays()).
     weight_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                       for x in jax.tree_util.tree_leaves((weights, draft and draft[1]))
+                       for x in jax.tree_util.tree_leaves((weights, draft and draft[1], head and head[1]))
                        if x.sharding.memory_kind != "pinned_host")    # --cpu-offload-gb's
     # Simulated CPU devices share the host's memory: there a budget covers all of them.
     host_copies = mesh.size if jax.default_backend() == "cpu" else 1
@@ -216,7 +223,13 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
             num_speculative_tokens=scheduler_config.num_speculative_tokens,
             drafter=drafter, **({} if lora is None else {"lora": lora}))
 
-    def make_drafter(num_blocks: int, choice: Choice) -> DraftRunner | None:
+    def make_drafter(num_blocks: int, choice: Choice, w) -> DraftRunner | Eagle3Runner | None:
+        if head is not None:
+            return Eagle3Runner(*head, w.embed, target_plan=plan, num_blocks=num_blocks,
+                                block_size=args.block_size, max_model_len=max_model_len,
+                                max_num_seqs=args.max_num_seqs,
+                                num_speculative_tokens=spec.num_speculative_tokens, dtype=dtype,
+                                backend=choice.attention, kv_quantize=kv_quantize, kv_dtype=kv_dtype)
         if draft is None:
             return None
         dcfg, dweights = draft
@@ -242,7 +255,7 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
                                    probe_num_blocks=probe_blocks(args, max_model_len))
         if group is not None:      # one pool size for all (profiles differ per process)
             blocks = group.agree_min("kv_blocks", blocks)
-        runner = make_runner(blocks, choice, w, make_drafter(blocks, choice))
+        runner = make_runner(blocks, choice, w, make_drafter(blocks, choice, w))
         if args.compiled_dir:
             runner.programs = open_matching(args.compiled_dir, runner)
         elif args.program_cache_dir:
@@ -284,6 +297,31 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
         model_config=model_config, tokenizer=tokenizer, pooler=pooler, max_model_len=max_model_len, lora=lora,
         plan=plan, scheduler_config=scheduler_config, runner=runner, warmup_seconds=warmup_seconds,
         attention_backend=attention_backend, cache_config=cache_config, kernels=kernels)
+
+
+def load_eagle3_head(args: EngineArgs, spec, cfg: ModelConfig, dtype, tp: int):
+    """speculative_config method "eagle3": (Eagle3Config, weights) of the head at spec.model (a
+    local directory or a Hub name), checked against the target. Raises ValueError naming the
+    field."""
+    import inspect
+
+    from jaxserve.models import eagle3, get_model
+    if "aux_layers" not in inspect.signature(get_model(cfg.architecture).forward).parameters:
+        raise ValueError(f"speculative_config.method 'eagle3': {cfg.architecture} does not return the "
+                         "hidden states an EAGLE-3 head reads; EAGLE-3 runs on the Llama family "
+                         "(Llama, Mistral, Qwen2, Qwen3)")
+    if spec.draft_tensor_parallel_size not in (None, 1, tp):
+        raise ValueError(f"speculative_config.draft_tensor_parallel_size must be 1 or the target's "
+                         f"tensor_parallel_size ({tp}), got {spec.draft_tensor_parallel_size}")
+    try:
+        path = resolve_model(spec.model, download_dir=args.download_dir, weights=True)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"speculative_config.model: {e}") from None
+    ecfg = eagle3.read_config(path, cfg)
+    weights = eagle3.load(path, ecfg, dtype)
+    logger.info("EAGLE-3 head %s: features from layers %s, draft vocabulary %d of %d", spec.model,
+                list(ecfg.aux_layer_ids), ecfg.draft_vocab_size, cfg.vocab_size)
+    return ecfg, weights
 
 
 def enable_compilation_cache(directory: str | None) -> str | None:

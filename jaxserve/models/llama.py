@@ -292,9 +292,13 @@ def mlp(cfg: ModelConfig, plan: ShardingPlan | None, w: LayerWeights, h: jax.Arr
 
 def forward(weights: Weights, cache: kvc.KVCache, tokens: jax.Array, positions: jax.Array,
             meta: attention.AttentionMetadata, *, cfg: ModelConfig, backend: str = "reference",
-            kv_quantize=None, plan: ShardingPlan | None = None, each_layer=None):
+            kv_quantize=None, plan: ShardingPlan | None = None, each_layer=None,
+            aux_layers: tuple[int, ...] = ()):
     """tokens, positions [T] -> final hidden states [T, E] and the updated cache. `plan` (None:
     one device) says how heads and vocabulary split over the tensor-parallel devices.
+
+    `aux_layers` (EAGLE-3's features, `models/eagle3.py`): also return the residual stream at
+    the input of each of these layers, concatenated -> (hidden, cache, aux [T, n * E]).
 
     `each_layer(index, layer_weights) -> layer_weights` (calibration, eager only): the layers run
     one at a time in a Python loop instead of the scan, each on what `each_layer` returns for its
@@ -315,10 +319,27 @@ def forward(weights: Weights, cache: kvc.KVCache, tokens: jax.Array, positions: 
     body = partial(_layer, cfg, backend, kv_quantize, plan, stacks)
     if each_layer is not None and stacks is not None:
         raise ValueError("each_layer: models that mix dense and MoE layers are not supported")
-    carry = run_layers(body, (x, cache, cos, sin, meta), (layers, layer_ids, *xs), cfg.num_layers,
-                       each_layer)
+    carry = (x, cache, cos, sin, meta)
+    if aux_layers:
+        body = partial(_keeping_aux, body, tuple(aux_layers))
+        carry = (*carry, jnp.zeros((len(aux_layers), *x.shape), x.dtype))
+    carry = run_layers(body, carry, (layers, layer_ids, *xs), cfg.num_layers, each_layer)
     x, cache = carry[:2]
-    return rms_norm(x, weights.final_norm, cfg.rms_norm_eps), cache
+    out = rms_norm(x, weights.final_norm, cfg.rms_norm_eps), cache
+    if aux_layers:
+        aux = carry[-1]
+        return *out, jnp.concatenate(list(aux), axis=-1)
+    return out
+
+
+def _keeping_aux(body, ids: tuple[int, ...], carry, xs):
+    """`body` that first keeps its input x where its layer is one of `ids` (a select per id: no
+    branch, no [L, T, E] stack)."""
+    *inner, aux = carry
+    x, layer = inner[0], xs[1]
+    aux = jnp.stack([jnp.where(layer == i, x, aux[k]) for k, i in enumerate(ids)])
+    inner, _ = body(tuple(inner), xs)
+    return (*inner, aux), None
 
 
 def compute_logits(weights: Weights, hidden: jax.Array) -> jax.Array:

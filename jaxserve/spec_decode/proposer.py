@@ -44,7 +44,7 @@ class Proposer:
                                        config.suffix_min_count, config.suffix_cache_requests)
                         if config.method == "suffix" else None)
         self._tracks: dict[str, _Track] = {}
-        # Method "draft_model": the drafts the draft model proposed in the last step, by request
+        # Methods "draft_model" and "eagle3": the drafts the draft model proposed in the last step, by request
         # (the runner computes them; the engine hands them over before proposing).
         self.model_drafts: dict[str, list[int]] = {}
 
@@ -84,7 +84,7 @@ class Proposer:
             drafts = self._suffix.propose(request_id, tokens)
         elif tr.paused:
             drafts = []
-        elif c.method == "draft_model":
+        elif c.method in SpeculativeConfig.MODEL_METHODS:
             drafts = list(self.model_drafts.get(request_id, ()))[:k]
         else:
             drafts = propose_ngram(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max)

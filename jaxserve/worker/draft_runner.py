@@ -194,15 +194,15 @@ class DraftRunner:
                 np.array([num_steps], np.int32))
 
     # -- the step --------------------------------------------------------------------------------
-    def catch_up(self, inputs) -> None:
+    def catch_up(self, inputs, aux=None) -> None:
         """Write the draft's K/V for the target step's tokens (a StepInputs; dispatched
-        asynchronously, the pool donated)."""
+        asynchronously, the pool donated). `aux`: the target's features (EAGLE-3's; unused)."""
         args = (inputs.tokens, inputs.positions, inputs.meta)
         exe = self._executable("catch_up", len(inputs.tokens), args)
         self.cache = exe(self.weights, self.cache, *args)
 
     def propose(self, scheduled, sampled: dict[str, list[int]],
-                lengths: dict[str, int] | None = None) -> dict[str, list[int]]:
+                lengths: dict[str, int] | None = None, batch=None) -> dict[str, list[int]]:
         """Greedy drafts after the tokens emitted this step for each sampling row: as many as
         `lengths` asks for the request (None: k for every row; a row asking 0 is skipped). The
         loop runs the longest asked length, so a batch whose drafts are paused costs nothing."""

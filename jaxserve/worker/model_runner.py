@@ -110,7 +110,8 @@ class ModelRunner(StepPrograms):
         self.max_logprobs = max_logprobs
         # Speculative decoding: each sampling request may verify this many drafts in a step.
         self.num_spec = num_speculative_tokens
-        # A draft model (worker/draft_runner.DraftRunner) or None.
+        # A draft model (worker/draft_runner.DraftRunner), an EAGLE-3 head
+        # (worker/eagle3_runner.Eagle3Runner) or None.
         self.drafter = drafter
         # Measured wall seconds of a step (host inputs, device run, results back) per token
         # bucket, a moving average over steps without prompt logprobs: what speculation weighs
@@ -133,11 +134,15 @@ class ModelRunner(StepPrograms):
         model = get_model(model_config.architecture)
         self._model = model
         self.backend = backend          # the attention backend the step programs use
-        self.step_context = StepContext(model, model_config, backend, plan, max_logprobs, kv_quantize)
+        # An EAGLE-3 head reads the target's residual stream at a few layers: the step returns it.
+        aux_layers = tuple(getattr(drafter, "aux_layers", ()))
+        self.step_context = StepContext(model, model_config, backend, plan, max_logprobs, kv_quantize,
+                                        aux_layers=aux_layers)
         # Donated state leaves with the sharding it came in with, so the buffers are reused.
         rep = plan.replicated
         self._step = jit_step(generate_step, self.step_context,
-                              (rep, rep, self._cache_sharding(self.cache.quantized, self.cache.codes), rep))
+                              (rep, rep, self._cache_sharding(self.cache.quantized, self.cache.codes), rep)
+                              + ((rep,) if aux_layers else ()))
         self._executables: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._packings: dict[tuple[int, bool], Packing] = {}     # by program: how its inputs pack
         self._from_cache = 0        # how many of them the persistent compilation cache supplied
@@ -216,8 +221,9 @@ class ModelRunner(StepPrograms):
         """Run the compiled step (cache and penalty state replaced by the donated results);
         returns the device (SamplerOutput, prompt scores or None)."""
         exe = self._executable(len(inputs.tokens), inputs.prompt_targets is not None)
-        out, scores, self.cache, self.penalties = exe(self.weights, self.cache, self.penalties,
-                                                      *self.device_inputs(inputs))
+        out, scores, self.cache, self.penalties, *aux = exe(self.weights, self.cache, self.penalties,
+                                                            *self.device_inputs(inputs))
+        self.aux_hidden = aux[0] if aux else None     # EAGLE-3's features, for the drafter
         return out, scores
 
     def device_inputs(self, inputs: StepInputs) -> tuple:
@@ -279,7 +285,7 @@ class ModelRunner(StepPrograms):
         timed = (len(inputs.tokens), want_prompt_lp) in self._executables and not want_prompt_lp
         out, scores = self.run_model(inputs)
         if self.drafter is not None:        # the draft's K/V for the same tokens (async)
-            self.drafter.catch_up(inputs)
+            self.drafter.catch_up(inputs, self.aux_hidden)
         for rid in layout.sample_rows:      # the next step's sampling positions count this token
             batch.count_dispatched(rid)
         want_lp = {rid for rid in layout.sample_rows if batch.requests[rid].sampling_params.logprobs is not None}
@@ -317,7 +323,7 @@ class ModelRunner(StepPrograms):
         scheduled = step.scheduler_output.scheduled
         if self.drafter is not None:
             out.draft_token_ids = self.drafter.propose(
-                scheduled, out.sampled, getattr(step.scheduler_output, "draft_lengths", None))
+                scheduled, out.sampled, getattr(step.scheduler_output, "draft_lengths", None), batch)
         if step.prompt_scoring:
             out.prompt_logprobs = self._prompt_logprobs(scheduled, step.layout.offsets,
                                                         step.inputs.prompt_targets, scores, step.prompt_scoring)

@@ -44,20 +44,25 @@ class StepContext:
     max_logprobs: int = 0               # top logprobs computed per sampled / scored row
     kv_quantize: Callable | None = None
     pooling_type: str | None = None     # pooling models: "MEAN", "LAST" or "CLS"
+    # EAGLE-3: the target layers whose inputs the step also returns (the head's features)
+    aux_layers: tuple[int, ...] = ()
 
 
 def _forward(ctx: StepContext, weights, cache, pen, x: StepInputs):
     if x.lora_slots is not None:      # each token's adapter slot reaches every LoraWeight
         weights = bind_token_slots(weights, x.lora_slots)
     tokens = penalties.take_placeholders(x.tokens, pen)
-    hidden, cache = ctx.model.forward(weights, cache, tokens, x.positions, x.meta, cfg=ctx.cfg,
-                                      backend=ctx.backend, kv_quantize=ctx.kv_quantize, plan=ctx.plan)
-    return weights, hidden, cache
+    aux = {"aux_layers": ctx.aux_layers} if ctx.aux_layers else {}
+    hidden, cache, *aux = ctx.model.forward(weights, cache, tokens, x.positions, x.meta, cfg=ctx.cfg,
+                                            backend=ctx.backend, kv_quantize=ctx.kv_quantize,
+                                            plan=ctx.plan, **aux)
+    return weights, hidden, cache, aux
 
 
 def generate_step(ctx: StepContext, weights, cache, pen, x: StepInputs):
-    """-> (SamplerOutput [R], prompt scores or None, cache, sampling state)."""
-    weights, hidden, cache = _forward(ctx, weights, cache, pen, x)
+    """-> (SamplerOutput [R], prompt scores or None, cache, sampling state), and with
+    `ctx.aux_layers` the aux hidden states [T, n * E] last (left on the device for the head)."""
+    weights, hidden, cache, aux = _forward(ctx, weights, cache, pen, x)
     plan = ctx.plan
 
     def logits_of(h):
@@ -77,7 +82,7 @@ def generate_step(ctx: StepContext, weights, cache, pen, x: StepInputs):
         keep = emitted_mask(out.token_ids, x.draft_ids, x.group_start)
         slots = jnp.where(keep, slots, pen.output_counts.shape[0])
     pen = penalties.count_sampled(pen, slots, out.token_ids)
-    return out, scores, cache, pen
+    return (out, scores, cache, pen, *aux)
 
 
 def pool_rows(hidden: jax.Array, cu_q_lens: jax.Array, pooling_type: str) -> jax.Array:
@@ -97,7 +102,7 @@ def pool_rows(hidden: jax.Array, cu_q_lens: jax.Array, pooling_type: str) -> jax
 def pooling_step(ctx: StepContext, weights, cache, pen, x: StepInputs):
     """-> (pooled rows [S, E] f32, cache, sampling state untouched): the generate step's
     signature, so the runner's AOT compilation per bucket applies as it is."""
-    _, hidden, cache = _forward(ctx, weights, cache, pen, x)
+    _, hidden, cache, _ = _forward(ctx, weights, cache, pen, x)
     pooled = pool_rows(hidden, x.meta.cu_q_lens, ctx.pooling_type)
     return jax.lax.with_sharding_constraint(pooled, ctx.plan.replicated), cache, pen
 
