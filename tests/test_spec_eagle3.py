@@ -156,6 +156,18 @@ def test_seeded_sampling_identical_with_eagle3(eagle_llm):
     assert [o.token_ids for o in spec] == [o.token_ids for o in base]
 
 
+def test_structured_output_greedy_identical_with_eagle3(eagle_llm):
+    from jaxserve.sampling_params import StructuredOutputsParams
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    params = SamplingParams(temperature=0, max_tokens=32,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    prompts = ["Give me a person as JSON: Ada, 36."]
+    base = _run(eagle_llm, prompts, params, drafts=False)[0]
+    spec = _run(eagle_llm, prompts, params, drafts=True)[0]
+    assert spec.token_ids == base.token_ids and json.loads(spec.text)["age"] == json.loads(base.text)["age"]
+
+
 def test_drafts_equal_the_head_run_over_the_whole_sequence(eagle_llm, variant, monkeypatch):
     """Each step's drafts (after chunked prompts and verified drafts, most of them accepted)
     equal those proposed after one prefill of the same tokens: the head's KV, features and
