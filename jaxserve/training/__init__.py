@@ -1,4 +1,5 @@
-"""Fine-tuning LoRA adapters with optax on a loaded model, saved in PEFT's format for serving."""
+"""Fine-tuning LoRA adapters with optax on a loaded model, saved in PEFT's format for serving; EAGLE-3
+heads (`jaxserve.training.eagle3`, imported on its own), saved in the published format."""
 
 from jaxserve.training.batch import TrainBatch, make_batch
 from jaxserve.training.lora import (

@@ -81,6 +81,9 @@ register_module("run-batch", "Run an OpenAI Batch JSONL file through the engine 
                 "jaxserve.server.batch.runner")
 register_module("compile", "Compile the engine's programs ahead of time for an H100/H200 (on any machine) "
                 "or this CPU, with a report; serve them with --compiled-dir.", "jaxserve.server.cli.compile")
+register_module("train-eagle3", "Train an EAGLE-3 speculative decoding head for a model (default: the embedded "
+                "one) on its own answers, with optax; serve it with --speculative-config.",
+                "jaxserve.server.cli.train_eagle3")
 register_module("bench", "Benchmark a server (serve) or the offline engine (throughput, latency), "
                 "as vllm bench does.", "jaxserve.server.bench.cli")
 

@@ -1,0 +1,295 @@
+"""Training an EAGLE-3 head (`models/eagle3.py`) for a target with optax, from the target's own data.
+
+1. `generate_data`: the target answers a prompt set greedily (the engine, batched); for each
+   (prompt, answer) one forward pass with the head's aux layers gives the features, and the
+   token embeddings are taken from the target's table.
+2. `new_head`: the draft vocabulary is the answers' most frequent tokens; the head starts from
+   the target where it can: `lm_head` rows and `norm` from the target's head and final norm, `fc`
+   selecting the highest aux layer (its residual stream is nearly the final one), `wo` and
+   `w_down` zero (the layer starts as the identity on the feature).
+3. `train`: training-time test as EAGLE-3 trains: step 1 at anchor p is the head's catch-up
+   (feature of the target at p, token p + 1, predicts token p + 2); step j > 1 feeds step j - 1's
+   pre-norm output with token p + j at position p + j - 1 and attends to step 1's keys at
+   positions <= p plus its own earlier steps' keys of the same anchor — exactly what the chained
+   drafts see at inference. Cross-entropy over the draft vocabulary on answer tokens, step j
+   weighted 0.8^(j-1), AdamW with warm-up and cosine decay.
+4. `eagle3.save`: the published format, which `serve` loads like a downloaded head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxserve.layers.embedding import embed_rows
+from jaxserve.layers.linear import DenseWeight, linear
+from jaxserve.layers.norm import rms_norm
+from jaxserve.layers.rotary import apply_rope
+from jaxserve.models import eagle3
+from jaxserve.models.llama import mlp, rope_tables
+
+logger = logging.getLogger(__name__)
+
+_TOPICS = ["the ocean", "volcanoes", "the moon", "bread baking", "honey bees", "the internet", "chess",
+           "rainbows", "electric cars", "the Roman empire", "photosynthesis", "coffee", "gravity",
+           "music theory", "the human heart", "recycling", "mountains", "penguins", "solar panels",
+           "the printing press", "friendship", "sleep", "clouds", "trains", "vaccines", "deserts",
+           "libraries", "earthquakes", "the piano", "tea", "robots", "rivers", "forests", "bicycles",
+           "the stock market", "dinosaurs", "snow", "airplanes", "cheese", "the brain"]
+_TEMPLATES = ["Explain {} in simple terms.", "Write a short paragraph about {}.",
+              "Give three facts about {}.", "How does {} work?", "Why is {} important?",
+              "Describe {} to a child."]
+
+
+def default_prompts() -> list[str]:
+    """240 chat prompts (6 templates x 40 topics): the training set of `jaxserve train-eagle3`."""
+    return [t.format(topic) for topic in _TOPICS for t in _TEMPLATES]
+
+
+@dataclasses.dataclass
+class Eagle3Data:
+    """N sequences padded to L: tokens [N, L], features [N, L, n_aux * E] (f32), embeddings
+    [N, L, E] (f32), answer [N, L] (1 where the token is the target's own, 0 prompt or pad)."""
+    tokens: np.ndarray
+    features: np.ndarray
+    embeds: np.ndarray
+    answer: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def generate_data(llm, prompts: list[str], aux_layer_ids: tuple[int, ...], *, max_tokens: int = 96,
+                  max_len: int = 256, batch_size: int = 8) -> Eagle3Data:
+    """The target (`llm`, an LLM) answers each chat prompt greedily; its features at
+    `aux_layer_ids` and token embeddings for every (prompt, answer) token, cut to `max_len`."""
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.training.batch import make_batch
+    engine = llm.llm_engine
+    cfg, weights = engine.runner.cfg, engine.runner.weights
+    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
+                    SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    pairs = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs if o.outputs[0].token_ids]
+    from jaxserve.attention import kv_cache as kvc
+    from jaxserve.models import get_model
+    model = get_model(cfg.architecture)
+    backend = engine.attention_backend      # no gradient here: the serving kernels
+
+    @jax.jit
+    def features(weights, batch):
+        cache = kvc.allocate(cfg.num_layers, batch.num_blocks, batch.block_size, cfg.num_kv_heads,
+                             cfg.head_dim, jnp.float32)
+        _, _, aux = model.forward(weights, cache, batch.tokens, batch.positions, batch.meta, cfg=cfg,
+                                  backend=backend, aux_layers=aux_layer_ids)
+        return aux.astype(jnp.float32), embed_rows(weights.embed, batch.tokens).astype(jnp.float32)
+
+    N, L, E = len(pairs), max_len, cfg.hidden_size
+    data = Eagle3Data(np.zeros((N, L), np.int32), np.zeros((N, L, len(aux_layer_ids) * E), np.float32),
+                      np.zeros((N, L, E), np.float32), np.zeros((N, L), np.float32))
+    for start in range(0, N, batch_size):
+        chunk = pairs[start:start + batch_size]
+        batch = make_batch(chunk, num_seqs=batch_size, max_len=L, max_targets=batch_size * L)
+        aux, emb = jax.device_get(features(weights, batch))
+        cu = batch.meta.cu_q_lens
+        for i, (prompt, _) in enumerate(chunk):
+            a, b = int(cu[i]), int(cu[i + 1])
+            n = b - a
+            data.tokens[start + i, :n] = batch.tokens[a:b]
+            data.features[start + i, :n] = aux[a:b]
+            data.embeds[start + i, :n] = emb[a:b]
+            data.answer[start + i, len(prompt):n] = 1.0
+    return data
+
+
+def draft_vocabulary(data: Eagle3Data, size: int, vocab_size: int) -> np.ndarray:
+    """The `size` most frequent answer tokens, sorted (the head's draft ids -> target ids)."""
+    counts = np.bincount(data.tokens[data.answer > 0], minlength=vocab_size).astype(np.float64)
+    counts += 1e-6 * np.bincount(data.tokens.ravel(), minlength=vocab_size)    # ties: any token seen
+    return np.sort(np.argsort(-counts, kind="stable")[:size])
+
+
+def new_head(ecfg: eagle3.Eagle3Config, target_weights, model, draft_ids: np.ndarray, key) -> eagle3.Eagle3Weights:
+    """A head started from the target (module docstring, 2.)."""
+    w = eagle3.init(ecfg, key, draft_to_target=draft_ids)
+    E = ecfg.model.hidden_size
+    eye = jnp.eye(E, dtype=jnp.float32)
+    head = np.asarray(model.compute_logits(target_weights, eye))[:, draft_ids]       # [E, Vd]
+    fc = np.zeros((ecfg.fc_in, E), np.float32)
+    fc[-ecfg.target_hidden_size:] = np.eye(E)       # the last aux layer (the highest by default)
+    layer = dataclasses.replace(w.layer, wo=DenseWeight(jnp.zeros_like(w.layer.wo.w)),
+                                w_down=DenseWeight(jnp.zeros_like(w.layer.w_down.w)))
+    return dataclasses.replace(w, fc=DenseWeight(jnp.asarray(fc)), layer=layer,
+                               lm_head=DenseWeight(jnp.asarray(head)),
+                               final_norm=jnp.asarray(target_weights.final_norm, jnp.float32))
+
+
+def _attention(cfg, q, k_ctx, v_ctx, k_own, v_own):
+    """q [L, H, D] of one step at anchors 0..L-1; k_ctx/v_ctx [L, K, D] step 1's keys (anchor p
+    sees those at <= p); k_own/v_own [m, L, K, D] the same anchor's earlier steps' and its own."""
+    L, H, D = q.shape
+    K = k_ctx.shape[1]
+    g = H // K
+    qg = q.reshape(L, K, g, D).astype(jnp.float32)
+    scale = D ** -0.5
+    s_ctx = jnp.einsum("pkgd,ckd->kgpc", qg, k_ctx.astype(jnp.float32)) * scale        # [K, g, L, L]
+    causal = jnp.arange(L)[:, None] >= jnp.arange(L)[None, :]
+    s_ctx = jnp.where(causal, s_ctx, -1e30)
+    s_own = jnp.einsum("pkgd,mpkd->kgpm", qg, k_own.astype(jnp.float32)) * scale       # [K, g, L, m]
+    p = jax.nn.softmax(jnp.concatenate([s_ctx, s_own], axis=-1), axis=-1)
+    out = (jnp.einsum("kgpc,ckd->pkgd", p[..., :L], v_ctx.astype(jnp.float32))
+           + jnp.einsum("kgpm,mpkd->pkgd", p[..., L:], v_own.astype(jnp.float32)))
+    return out.reshape(L, H * D).astype(q.dtype)
+
+
+def ttt_loss(w: eagle3.Eagle3Weights, tokens, features, embeds, answer, t2d, *, ecfg: eagle3.Eagle3Config,
+             steps: int):
+    """Mean weighted cross-entropy of one sequence ([L] tokens, [L, n*E] features, [L, E]
+    embeddings, [L] answer mask; t2d [V] the draft id of each target id, -1 none) over `steps`
+    chained drafts. Returns (loss sum, weight sum, correct first-step predictions, their count)."""
+    cfg = ecfg.model
+    L = tokens.shape[0]
+    H, K, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    feat = eagle3.project(w, features)
+    anchors = jnp.arange(L)
+    k_ctx = v_ctx = None
+    own_k, own_v = [], []
+    total = weight = correct = counted = 0.0
+    for j in range(1, steps + 1):
+        idx = jnp.minimum(anchors + j, L - 1)                   # the token fed at step j
+        emb = embeds[idx]
+        pos = anchors + j - 1
+        cos, sin = rope_tables(cfg, pos)
+        h = jnp.concatenate([rms_norm(emb, w.layer.attn_norm, eps), rms_norm(feat, w.hidden_norm, eps)], -1)
+        q = apply_rope(linear(h, w.layer.wq).reshape(L, H, D), cos, sin)
+        k = apply_rope(linear(h, w.layer.wk).reshape(L, K, D), cos, sin)
+        v = linear(h, w.layer.wv).reshape(L, K, D)
+        if j == 1:
+            k_ctx, v_ctx = k, v
+            none = jnp.zeros((0, L, K, D), k.dtype)
+            o = _attention(cfg, q, k_ctx, v_ctx, none, none)
+        else:
+            own_k.append(k)
+            own_v.append(v)
+            o = _attention(cfg, q, k_ctx, v_ctx, jnp.stack(own_k), jnp.stack(own_v))
+        residual = feat + linear(o, w.layer.wo)
+        residual = residual + mlp(cfg, None, w.layer, rms_norm(residual, w.layer.mlp_norm, eps))
+        logits = eagle3.draft_logits(w, rms_norm(residual, w.final_norm, eps))      # [L, Vd]
+        tgt_at = anchors + j + 1
+        tgt = tokens[jnp.minimum(tgt_at, L - 1)]
+        draft = t2d[tgt]
+        valid = (tgt_at < L) & (answer[jnp.minimum(tgt_at, L - 1)] > 0) & (draft >= 0)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.maximum(draft, 0)[:, None], 1)[:, 0]
+        wj = 0.8 ** (j - 1)
+        total += wj * jnp.sum(jnp.where(valid, nll, 0.0))
+        weight += wj * jnp.sum(valid)
+        if j == 1:
+            correct = jnp.sum(valid & (jnp.argmax(logits, -1) == draft))
+            counted = jnp.sum(valid)
+        feat = residual
+    return total, weight, correct, counted
+
+
+def make_train_step(ecfg: eagle3.Eagle3Config, optimizer, steps: int):
+    """step(head, opt_state, batch of sequences, t2d) -> (head, opt_state, loss, first-step accuracy)."""
+    per_seq = partial(ttt_loss, ecfg=ecfg, steps=steps)
+
+    def loss_fn(w, tokens, features, embeds, answer, t2d):
+        total, weight, correct, counted = jax.vmap(per_seq, in_axes=(None, 0, 0, 0, 0, None))(
+            w, tokens, features, embeds, answer, t2d)
+        return jnp.sum(total) / jnp.maximum(jnp.sum(weight), 1.0), jnp.sum(correct) / jnp.maximum(jnp.sum(counted), 1.0)
+
+    @partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, d2t, tokens, features, embeds, answer, t2d):
+        # params: the head without its (integer) d2t, which is not trained
+        def of(p):
+            return loss_fn(dataclasses.replace(p, d2t=d2t), tokens, features, embeds, answer, t2d)
+        (loss, acc), grads = jax.value_and_grad(of, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, acc
+
+    return step
+
+
+def train(ecfg: eagle3.Eagle3Config, head: eagle3.Eagle3Weights, data: Eagle3Data, *, epochs: int = 3,
+          batch_size: int = 4, learning_rate: float = 1e-3, steps: int = 3, seed: int = 0,
+          log_every: int | None = None, time_limit_s: float | None = None) -> tuple[eagle3.Eagle3Weights, list[dict]]:
+    """Train `head` on `data` -> (trained head, a log of {step, loss, accuracy, seconds})."""
+    V = ecfg.model.vocab_size
+    d2t = np.asarray(head.d2t)
+    t2d = np.full(V, -1, np.int32)
+    t2d[np.arange(len(d2t)) + d2t] = np.arange(len(d2t))
+    n_batches = max(1, len(data) // batch_size)
+    total_steps = epochs * n_batches
+    log_every = log_every or max(1, total_steps // 20)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, total_steps // 20), total_steps,
+                                                  learning_rate * 0.05)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
+    d2t_dev = head.d2t
+    params = dataclasses.replace(head, d2t=None)
+    opt_state = optimizer.init(params)
+    step_fn = make_train_step(ecfg, optimizer, steps)
+    rng = np.random.default_rng(seed)
+    log, t0, n = [], time.perf_counter(), 0
+    for _ in range(epochs):
+        order = rng.permutation(len(data))
+        for b in range(n_batches):
+            sel = order[b * batch_size:(b + 1) * batch_size]
+            params, opt_state, loss, acc = step_fn(params, opt_state, d2t_dev, data.tokens[sel],
+                                                   data.features[sel], data.embeds[sel], data.answer[sel], t2d)
+            n += 1
+            if n % log_every == 0 or n == total_steps:
+                log.append(dict(step=n, loss=float(loss), accuracy=float(acc),
+                                seconds=round(time.perf_counter() - t0, 1)))
+                logger.info("eagle3 step %d/%d: loss %.3f, first-draft accuracy %.2f (%.0f s)", n, total_steps,
+                            log[-1]["loss"], log[-1]["accuracy"], log[-1]["seconds"])
+            if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
+                logger.info("eagle3: time limit %.0f s reached after %d steps", time_limit_s, n)
+                return dataclasses.replace(params, d2t=d2t_dev), log
+    return dataclasses.replace(params, d2t=d2t_dev), log
+
+
+def train_head(out: str, model: str | None = None, *, prompts: list[str] | None = None, max_tokens: int = 96,
+               max_len: int = 256, draft_vocab_size: int = 4096, epochs: int = 3, batch_size: int = 4,
+               learning_rate: float = 1e-3, steps: int = 3, time_limit_s: float | None = None, seed: int = 0,
+               llm=None) -> dict:
+    """The whole recipe (module docstring): load `model` (None: the default one) or use `llm`,
+    make the data, train, write the head to `out` with `train_log.json` beside it. Returns that
+    log: timings, data size, the loss and first-draft accuracy curve."""
+    import json
+    import os
+    import platform
+    from pathlib import Path
+
+    from jaxserve.models import get_model
+    if draft_vocab_size < 1:
+        raise ValueError(f"draft_vocab_size must be >= 1, got {draft_vocab_size}")
+    t0 = time.perf_counter()
+    if llm is None:
+        from jaxserve import LLM
+        llm = LLM(model=model, warmup=False, max_model_len=max(512, max_len), max_num_seqs=64, seed=seed)
+    engine = llm.llm_engine
+    cfg, weights = engine.runner.cfg, engine.runner.weights
+    ecfg = eagle3.config_for(cfg, draft_vocab_size=min(draft_vocab_size, cfg.vocab_size))
+    prompts = default_prompts() if prompts is None else prompts
+    data = generate_data(llm, prompts, ecfg.aux_layer_ids, max_tokens=max_tokens, max_len=max_len)
+    t_data = time.perf_counter() - t0
+    draft_ids = draft_vocabulary(data, ecfg.draft_vocab_size, cfg.vocab_size)
+    head = new_head(ecfg, weights, get_model(cfg.architecture), draft_ids, jax.random.key(seed))
+    remaining = None if time_limit_s is None else max(1.0, time_limit_s - t_data)
+    head, log = train(ecfg, head, data, epochs=epochs, batch_size=batch_size, learning_rate=learning_rate,
+                      steps=steps, seed=seed, time_limit_s=remaining)
+    eagle3.save(out, ecfg, head)
+    report = dict(model=model or "default", sequences=len(data), answer_tokens=int(data.answer.sum()),
+                  draft_vocab_size=ecfg.draft_vocab_size, aux_layer_ids=list(ecfg.aux_layer_ids),
+                  data_seconds=round(t_data, 1), total_seconds=round(time.perf_counter() - t0, 1),
+                  machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {jax.default_backend()}",
+                  log=log)
+    (Path(out) / "train_log.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report

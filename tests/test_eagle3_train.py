@@ -1,0 +1,41 @@
+"""Training an EAGLE-3 head with optax (jaxserve/training/eagle3.py, `jaxserve train-eagle3`): on the
+shared default-model engine, a few prompts: the loss falls, the head is written in the published
+format with its training log, and it loads as a head of the target."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+def test_a_few_steps_lower_the_loss_and_write_a_loadable_head(llm, tmp_path):
+    from jaxserve.models import eagle3
+    from jaxserve.training.eagle3 import default_prompts, train_head
+    out = tmp_path / "head"
+    report = train_head(str(out), prompts=default_prompts()[:6], max_tokens=16, max_len=64, draft_vocab_size=512,
+                        epochs=4, batch_size=2, learning_rate=3e-3, llm=llm)
+    log = report["log"]
+    assert report["sequences"] == 6 and report["answer_tokens"] > 40
+    assert len(log) >= 4 and log[-1]["loss"] < log[0]["loss"] - 0.5, log
+    assert json.loads((out / "train_log.json").read_text())["log"] == log
+    cfg = llm.llm_engine.runner.cfg
+    ecfg = eagle3.read_config(out, cfg)
+    assert ecfg.draft_vocab_size == 512 and ecfg.aux_layer_ids == eagle3.default_aux_layers(cfg.num_layers)
+    head = eagle3.load(out, ecfg, jnp.float32)
+    targets = np.arange(512) + np.asarray(head.d2t)
+    assert (np.diff(targets) > 0).all() and targets[-1] < cfg.vocab_size
+
+
+def test_cli_refuses_bad_arguments(tmp_path, capsys):
+    from jaxserve.server.cli.main import main
+    with pytest.raises(SystemExit):
+        main(["train-eagle3", "--out", str(tmp_path / "h"), "--max-tokens", "0"])
+    assert "--max-tokens must be >= 1" in capsys.readouterr().err
+    empty = tmp_path / "prompts.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(SystemExit):
+        main(["train-eagle3", "--out", str(tmp_path / "h"), "--prompts", str(empty)])
+    assert "holds no prompt" in capsys.readouterr().err
