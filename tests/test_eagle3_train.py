@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,8 @@ def test_a_few_steps_lower_the_loss_and_write_a_loadable_head(llm, tmp_path):
     report = train_head(str(out), prompts=default_prompts()[:6], max_tokens=16, max_len=64, draft_vocab_size=512,
                         epochs=4, batch_size=2, learning_rate=3e-3, llm=llm)
     log = report["log"]
+    # the shared engine is intact: training donates the head's arrays, none of the target's
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(llm.llm_engine.runner.weights))
     assert report["sequences"] == 6 and report["answer_tokens"] > 40
     assert len(log) >= 4 and log[-1]["loss"] < log[0]["loss"] - 0.5, log
     assert json.loads((out / "train_log.json").read_text())["log"] == log

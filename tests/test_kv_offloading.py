@@ -189,7 +189,9 @@ def test_prompt_logprob_entries_live_while_the_host_tier_holds_the_block():
     (dict(kv_offloading_backend="native"), "kv_offloading_backend needs kv_offloading_size"),
     (dict(kv_offloading_size=1, nnodes=2), "nnodes > 1"),
     (dict(kv_offloading_size=1, speculative_config={"model": TINY, "num_speculative_tokens": 2}),
-     "draft model"),
+     "speculative method 'draft_model'"),
+    (dict(kv_offloading_size=1, speculative_config={"method": "eagle3", "model": TINY}),
+     "speculative method 'eagle3'"),
 ])
 def test_bad_offloading_settings_name_the_field(kwargs, match):
     from jaxserve.config import EngineArgs

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_spec_draft_model import _run
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.sampling_params import SamplingParams
@@ -114,18 +115,6 @@ def eagle_llm(tmp_path_factory):
     llm.llm_engine.runner.step_cost = lambda num_tokens: 1.0
     yield llm
     llm.shutdown()
-
-
-def _run(llm, prompts, params, *, drafts: bool):
-    engine = llm.llm_engine
-    proposer = engine.proposer
-    if not drafts:
-        engine.proposer = None
-    try:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
-    finally:
-        engine.proposer = proposer
-    return [c for o in outs for c in o.outputs]
 
 
 def test_greedy_identical_alone_mixed_chunked_preempted_and_on_prefix_hits(eagle_llm, variant):

@@ -127,7 +127,8 @@ def new_head(ecfg: eagle3.Eagle3Config, target_weights, model, draft_ids: np.nda
                                 w_down=DenseWeight(jnp.zeros_like(w.layer.w_down.w)))
     return dataclasses.replace(w, fc=DenseWeight(jnp.asarray(fc)), layer=layer,
                                lm_head=DenseWeight(jnp.asarray(head)),
-                               final_norm=jnp.asarray(target_weights.final_norm, jnp.float32))
+                               # a copy: training donates the head, never the target's arrays
+                               final_norm=jnp.array(target_weights.final_norm, jnp.float32, copy=True))
 
 
 def _attention(cfg, q, k_ctx, v_ctx, k_own, v_own):
