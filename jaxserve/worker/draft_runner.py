@@ -81,6 +81,32 @@ def _draft_vocab(path: Path, reader) -> dict[str, int] | None:
     return Tokenizer.from_pretrained_dir(path).get_vocab()
 
 
+def lookahead_meta(tables, pos, limits, num_rows, block_size: int, num_blocks: int) -> AttentionMetadata:
+    """The attention metadata of one chained single-token draft step: row i (real below
+    num_rows [1]) writes its token at `pos[i]` into its block table `tables[i]` [S, M]. Past
+    the allocated slots (`limits`: max_model_len or the blocks held) the write is dropped; such
+    drafts are never scheduled (no room), so what they read does not matter."""
+    S, M = tables.shape
+    B, N = block_size, num_blocks
+    real = jnp.arange(S) < num_rows[0]
+    cu = jnp.minimum(jnp.arange(S + 1, dtype=jnp.int32), num_rows[0])
+    block = jnp.take_along_axis(tables, jnp.minimum(pos // B, M - 1)[:, None], 1)[:, 0]
+    slot = jnp.where(real & (pos < limits), block * B + pos % B, N * B)
+    return AttentionMetadata(slot, tables, jnp.where(real, pos + 1, 0), cu, num_rows)
+
+
+def row_tables(blocks_of_rows, num_rows: int, max_blocks_per_seq: int, block_size: int,
+               max_model_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host block tables [num_rows, M] and write limits [num_rows] of the drafting rows (each
+    row's block ids; missing rows are padding)."""
+    tables = np.zeros((num_rows, max_blocks_per_seq), np.int32)
+    limits = np.zeros(num_rows, np.int32)
+    for i, blocks in enumerate(blocks_of_rows):
+        tables[i, :len(blocks)] = blocks
+        limits[i] = min(len(blocks) * block_size, max_model_len)
+    return tables, limits
+
+
 class DraftRunner:
     """The draft's weights, KV pool and programs. `catch_up(inputs)` after the target's step,
     then `propose(scheduled, sampled)` -> request id -> k greedy draft ids."""
@@ -108,8 +134,6 @@ class DraftRunner:
         model = get_model(cfg.architecture)
         forward = partial(model.forward, cfg=cfg, backend=backend, kv_quantize=kv_quantize,
                           plan=plan)
-        B, N, M = block_size, num_blocks, self.max_blocks_per_seq
-
         def catch_up(weights, cache, tokens, positions, meta):
             _, cache = forward(weights, cache, tokens, positions, meta)
             return cache
@@ -117,16 +141,10 @@ class DraftRunner:
         def propose(weights, cache, tokens, positions, tables, limits, num_seqs, num_steps):
             # tokens, positions, limits [S]; tables [S, M]; num_seqs, num_steps [1] (<= k)
             S = tokens.shape[0]
-            real = jnp.arange(S) < num_seqs[0]
-            cu = jnp.minimum(jnp.arange(S + 1, dtype=jnp.int32), num_seqs[0])
 
             def body(j, carry):
                 cache, tok, pos, out = carry
-                block = jnp.take_along_axis(tables, jnp.minimum(pos // B, M - 1)[:, None], 1)[:, 0]
-                # Past the allocated slots (max_model_len): the write is dropped; such drafts
-                # are never scheduled (no room), so what they read does not matter.
-                slot = jnp.where(real & (pos < limits), block * B + pos % B, N * B)
-                meta = AttentionMetadata(slot, tables, jnp.where(real, pos + 1, 0), cu, num_seqs)
+                meta = lookahead_meta(tables, pos, limits, num_seqs, block_size, num_blocks)
                 hidden, cache = forward(weights, cache, tok, pos, meta)
                 logits = jax.lax.with_sharding_constraint(model.compute_logits(weights, hidden),
                                                           plan.sharding(("tokens", "vocab")))
@@ -184,12 +202,10 @@ class DraftRunner:
         """rows: (last token, its position, block ids) -> the proposal loop's host arrays."""
         tokens = np.zeros(S, np.int32)
         positions = np.zeros(S, np.int32)
-        tables = np.zeros((S, self.max_blocks_per_seq), np.int32)
-        limits = np.zeros(S, np.int32)
-        for i, (tok, pos, blocks) in enumerate(rows):
+        for i, (tok, pos, _) in enumerate(rows):
             tokens[i], positions[i] = tok, pos
-            tables[i, :len(blocks)] = blocks
-            limits[i] = min(len(blocks) * self.block_size, self.max_model_len)
+        tables, limits = row_tables([b for *_, b in rows], S, self.max_blocks_per_seq, self.block_size,
+                                    self.max_model_len)
         return (tokens, positions, tables, limits, np.array([len(rows)], np.int32),
                 np.array([num_steps], np.int32))
 

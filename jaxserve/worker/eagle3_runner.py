@@ -32,11 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention import AttentionMetadata
 from jaxserve.models import eagle3
 from jaxserve.sample.sampler import argmax_last
 from jaxserve.sharding.plan import ShardingPlan, embed_lookup
 from jaxserve.worker.compile_cache import compile_noting_cache_hit, how_obtained, step_compiler_options
+from jaxserve.worker.draft_runner import lookahead_meta, row_tables
 from jaxserve.worker.kv_sizing import allocate_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,6 @@ class Eagle3Runner:
                                                       platform=target_plan.mesh.devices.flat[0].platform), rep)
         self._pending = None        # (StepInputs, aux) of the step in flight
         fwd = partial(eagle3.forward, ecfg, backend=backend, kv_quantize=kv_quantize)
-        B, N, M = block_size, num_blocks, self.max_blocks_per_seq
         plan = target_plan
 
         def drafts_of(w, normed):
@@ -78,18 +77,12 @@ class Eagle3Runner:
             table = embed if w.embed is None else w.embed
             emb = lambda t: embed_lookup(plan, table, t).astype(w.final_norm.dtype)   # noqa: E731
             normed, pre, cache = fwd(w, cache, emb(tokens), eagle3.project(w, aux), positions, meta)
-            G = starts.shape[0]
-            real = jnp.arange(G) < num_rows[0]
-            cu = jnp.minimum(jnp.arange(G + 1, dtype=jnp.int32), num_rows[0])
             first = drafts_of(w, normed[starts])
-            out = jnp.zeros((G, k), jnp.int32).at[:, 0].set(first)
+            out = jnp.zeros((starts.shape[0], k), jnp.int32).at[:, 0].set(first)
 
             def body(j, carry):
                 cache, tok, hid, pos, out = carry
-                block = jnp.take_along_axis(tables, jnp.minimum(pos // B, M - 1)[:, None], 1)[:, 0]
-                # Past the allocated slots the write is dropped (such drafts are never scheduled).
-                slot = jnp.where(real & (pos < limits), block * B + pos % B, N * B)
-                m = AttentionMetadata(slot, tables, jnp.where(real, pos + 1, 0), cu, num_rows)
+                m = lookahead_meta(tables, pos, limits, num_rows, block_size, num_blocks)
                 normed, hid, cache = fwd(w, cache, emb(tok), hid, pos, m)
                 nxt = drafts_of(w, normed)
                 return cache, nxt, hid, pos + 1, out.at[:, j].set(nxt)
@@ -130,12 +123,9 @@ class Eagle3Runner:
         T = len(inputs.tokens)
         G = self.rows(T)
         starts = np.zeros(G, np.int32)
-        tables = np.zeros((G, self.max_blocks_per_seq), np.int32)
-        limits = np.zeros(G, np.int32)
-        for i, (start, blocks) in enumerate(rows):
-            starts[i] = start
-            tables[i, :len(blocks)] = blocks
-            limits[i] = min(len(blocks) * self.block_size, self.max_model_len)
+        starts[:len(rows)] = [start for start, _ in rows]
+        tables, limits = row_tables([b for _, b in rows], G, self.max_blocks_per_seq, self.block_size,
+                                    self.max_model_len)
         return (shifted, inputs.positions, inputs.meta, aux, starts, tables, limits,
                 np.array([len(rows)], np.int32), np.array([num_steps], np.int32))
 
