@@ -41,6 +41,10 @@ def test_choose_replica_least_loaded_then_prefix_then_round_robin():
     assert choose_replica([29, 20, 40], [9, 0, 0], up) == 0        # 29 <= 20 + 4 + 5
     assert choose_replica([30, 20, 40], [9, 0, 0], up) == 1
     assert choose_replica([30, 20, 40], [0, 0, 9], up) == 1
+    # then a replica whose device slots hold the request's adapter, within the same margin
+    assert choose_replica([2, 0, 0], [0, 0, 0], up, 0, [False, False, True]) == 2
+    assert choose_replica([2, 0, 0], [0, 3, 0], up, 0, [False, False, True]) == 1   # prefix first
+    assert choose_replica([9, 0, 0], [0, 0, 0], up, 0, [True, False, False]) == 1   # too busy
     # dead replicas take nothing; none alive is EngineDeadError
     assert choose_replica([0, 5, 5], [9, 0, 0], [False, True, True]) == 1
     with pytest.raises(EngineDeadError):
@@ -88,8 +92,6 @@ def test_an_engine_alone_is_one_replica():
         LLM(model=TINY, load_format="dummy", data_parallel_size=2)
     with pytest.raises(ValueError, match="needs 256 devices, but this host has"):
         DataParallelLLM(EngineArgs(data_parallel_size=2, tensor_parallel_size=2 * 64))
-    with pytest.raises(ValueError, match="enable_lora"):
-        DataParallelLLM(EngineArgs(data_parallel_size=2, enable_lora=True))
 
 
 def test_flags():
@@ -185,6 +187,12 @@ def _post(url: str, body: dict, timeout: float = 300.0) -> dict:
         return json.loads(r.read())
 
 
+def _post_text(url: str, body: dict) -> str:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return r.read().decode()
+
+
 def _metrics(base: str) -> dict[tuple[str, str], float]:
     """{(name, engine label): value} of the engine series."""
     text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
@@ -244,3 +252,66 @@ def test_two_replicas_spread_a_burst_return_to_cached_prefixes_and_equal_one_eng
     log = server.log()
     assert "data-parallel replica 1 of 2 ready" in log, log[-3000:]
     assert os.environ.get("XLA_FLAGS")
+
+
+@pytest.mark.slow
+def test_two_replicas_serve_lora_adapters_loaded_and_unloaded_on_both(monkeypatch, tmp_path):
+    """-dp 2 with --enable-lora: an adapter named at start and one loaded at run time serve the
+    single engine's greedy tokens from both replicas; unloading reaches both."""
+    pytest.importorskip("peft")
+    from lora_helpers import hf_model, write_adapter, write_tiny
+    from server_fixtures import post_json
+
+    from jaxserve import LLM, LoRARequest, SamplingParams
+    base = write_tiny(tmp_path / "base")
+    model = hf_model(base)
+    a0 = write_adapter(model, tmp_path / "a0", targets=("q_proj", "v_proj"), seed=1)
+    a1 = write_adapter(model, tmp_path / "a1", r=4, targets=("o_proj", "down_proj"), seed=2)
+    prompts = [[(11 * i + j) % 250 + 3 for j in range(4 + i % 5)] for i in range(16)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(model=str(base), dtype="float32", enable_lora=True, max_lora_rank=8, warmup=False,
+             max_model_len=128, compilation_cache_dir="") as one:
+        expected = {name: [o.outputs[0].text for o in one.generate(
+            [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False,
+            lora_request=None if path is None else LoRARequest(name, i + 1, str(path)))]
+            for i, (name, path) in enumerate([("a0", a0), ("a1", a1), ("base", None)])}
+    assert expected["a0"] != expected["base"] != expected["a1"]
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    server = ServerProcess(str(base), "--dtype", "float32", "-dp", "2", "--enable-lora",
+                           "--max-lora-rank", "8", "--max-model-len", "128", "--lora-modules", f"a0={a0}",
+                           "--allow-runtime-lora-updating", "--compilation-cache-dir", "",
+                           log_path=tmp_path / "server.log")
+    server.start(timeout=600)
+    try:
+        url = server.base_url + "/v1/completions"
+
+        def burst(model_name):
+            """16 requests at once -> their texts; each replica must have run some."""
+            body = {"model": model_name, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            before = _metrics(server.base_url)
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                outs = list(pool.map(lambda p: post_json(url, {**body, "prompt": p}), prompts))
+            assert all(status == 200 for status, _ in outs), outs
+            after = _metrics(server.base_url)
+            served = [after[("jaxserve:generation_tokens_total", r)] -
+                      before[("jaxserve:generation_tokens_total", r)] for r in ("0", "1")]
+            assert sum(served) == 16 * 6 and min(served) > 0, (model_name, served)
+            return [o["choices"][0]["text"] for _, o in outs]
+
+        assert burst("a0") == expected["a0"]
+        # vLLM's answer to a load or unload is plain text
+        assert "added successfully" in _post_text(server.base_url + "/v1/load_lora_adapter",
+                                                  {"lora_name": "a1", "lora_path": str(a1)})
+        assert burst("a1") == expected["a1"]
+        assert burst(str(base)) == expected["base"]
+        assert "removed successfully" in _post_text(server.base_url + "/v1/unload_lora_adapter",
+                                                    {"lora_name": "a1"})
+        status, body = post_json(url, {"model": "a1", "prompt": prompts[0], "max_tokens": 1})
+        assert status == 404, body
+        models = json.loads(urllib.request.urlopen(server.base_url + "/v1/models").read())
+        assert sorted(m["id"] for m in models["data"]) == sorted([str(base), "a0"])
+    finally:
+        server.stop()
+    assert "data-parallel replica 1 of 2 ready" in server.log()

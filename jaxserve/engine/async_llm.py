@@ -259,6 +259,15 @@ class AsyncLLM:
             raise
         return stream
 
+    def load_lora(self, lora_request) -> None:
+        """Read and check an adapter's host copy (thread-safe; InvalidRequestError naming the
+        field when it cannot be served)."""
+        self.engine.load_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Drop an adapter's host copy (False: none was loaded)."""
+        return self.engine.remove_lora(lora_name)
+
     async def generate(self, prompt, params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Outputs of one request (DELTA, CUMULATIVE or FINAL_ONLY as params.output_kind says).

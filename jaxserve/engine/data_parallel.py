@@ -37,17 +37,19 @@ PREFIX_LOAD_SHARE = 0.25
 
 
 def choose_replica(loads: Sequence[float], cached_blocks: Sequence[int], alive: Sequence[bool],
-                   start: int = 0) -> int:
+                   start: int = 0, adapter_on_device: Sequence[bool] | None = None) -> int:
     """The replica for a request: among live replicas whose load is within PREFIX_LOAD_MARGIN
-    (+ PREFIX_LOAD_SHARE of it) of the least, the one with the most cached prefix blocks; ties
-    by load, then round robin from `start`. Raises EngineDeadError when none is alive."""
+    (+ PREFIX_LOAD_SHARE of it) of the least, the one with the most cached prefix blocks; then
+    one whose device slots already hold the request's LoRA adapter (no slot write); then by
+    load, then round robin from `start`. Raises EngineDeadError when none is alive."""
     live = [i for i, ok in enumerate(alive) if ok]
     if not live:
         raise EngineDeadError("every data-parallel replica is dead")
     least = min(loads[i] for i in live)
     near = [i for i in live if loads[i] <= least + PREFIX_LOAD_MARGIN + PREFIX_LOAD_SHARE * least]
     n = len(loads)
-    return min(near, key=lambda i: (-cached_blocks[i], loads[i], (i - start) % n))
+    slot = adapter_on_device or [False] * n
+    return min(near, key=lambda i: (-cached_blocks[i], not slot[i], loads[i], (i - start) % n))
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
@@ -82,10 +84,6 @@ class DataParallelLLM:
         if n < 2 or engine_args.data_parallel_rank is not None:
             raise ValueError("DataParallelLLM runs data_parallel_size >= 2 replicas with no "
                              "data_parallel_rank (internal load balancing)")
-        if engine_args.enable_lora:
-            raise ValueError("enable_lora with data_parallel_size > 1: adapters are not yet "
-                             "loaded on every replica; run one replica per process "
-                             "(--data-parallel-rank) with LoRA")
         if replicas is None:
             import jax
             need, have = n * engine_args.tensor_parallel_size, len(jax.local_devices())
@@ -175,8 +173,28 @@ class DataParallelLLM:
         except (AttributeError, TypeError, ValueError):
             return none
 
+    def adapter_on_device(self, lora_request) -> list[bool] | None:
+        """Whether each replica's device slots hold the request's adapter (None: no adapter)."""
+        if lora_request is None:
+            return None
+        name = lora_request.lora_name
+        return [not r.errored and r.engine is not None and getattr(r.engine, "lora", None) is not None
+                and name in r.engine.lora.device_loaded for r in self.replicas]
+
     def num_waiting(self) -> int:
         return sum(r.num_waiting() for r in self.replicas)
+
+    # -- LoRA adapters: every replica serves the same set ------------------------------------------
+    def load_lora(self, lora_request) -> None:
+        """Read and check the adapter on every live replica (each keeps its own host copy, as
+        each vLLM engine core does when the API server broadcasts a load)."""
+        for r in self.replicas:
+            if not r.errored:
+                r.load_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Drop the adapter's host copy on every replica; True when any held one."""
+        return any([r.remove_lora(lora_name) for r in self.replicas if not r.errored])
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
                           priority: int = 0, lora_request=None) -> RequestStream:
@@ -184,7 +202,8 @@ class DataParallelLLM:
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
         rank = choose_replica(self.loads(), self.cached_blocks(prompt, lora_request),
-                              [r.is_ready for r in self.replicas], self._next)
+                              [r.is_ready for r in self.replicas], self._next,
+                              self.adapter_on_device(lora_request))
         self._next = (rank + 1) % len(self.replicas)
         self._owner[request_id] = rank
         try:

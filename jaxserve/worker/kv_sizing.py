@@ -153,8 +153,10 @@ def allocate_sharded_kv_cache(model_config, plan, num_blocks: int, block_size: i
     (`jaxserve.aot`)."""
     platform = plan.mesh.devices.flat[0].platform
     if plan.tp == 1 and not abstract:
-        return allocate_kv_cache(model_config, num_blocks, block_size, dtype, quantized=quantized,
-                                 platform=platform)
+        # on the plan's device (a data-parallel replica's is not the default one)
+        with jax.default_device(plan.mesh.devices.flat[0]):
+            return allocate_kv_cache(model_config, num_blocks, block_size, dtype, quantized=quantized,
+                                     platform=platform)
     make = partial(kvc.allocate, model_config.num_layers, num_blocks, block_size,
                    plan.cache_kv_heads(model_config.num_kv_heads), model_config.head_dim, dtype,
                    quantized=quantized, fp8_as_bytes=platform == "cpu", latent=is_latent(model_config))

@@ -58,7 +58,7 @@ class LoraModels:
     """The adapters the server knows by name (thread-safe: loads run in worker threads)."""
 
     def __init__(self, engine, base_name: str, allow_runtime_updating: bool = False):
-        self.engine = engine            # an AsyncLLM (its .engine is the LLMEngine)
+        self.engine = engine            # an AsyncLLM or a DataParallelLLM (loads reach every replica)
         self.base_name = base_name
         self.allow_runtime_updating = allow_runtime_updating
         self._by_name: dict[str, LoRARequest] = {}
@@ -78,7 +78,7 @@ class LoraModels:
                 raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded.",
                                   param="lora_name")
             request = LoRARequest(name, next(self._ids), path, base_model_name)
-        self.engine.engine.load_lora(request)
+        self.engine.load_lora(request)
         with self._lock:
             self._by_name[name] = request
         return request
@@ -122,7 +122,7 @@ class LoraModels:
         if request is None:
             raise OpenAIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError",
                               param="lora_name")
-        self.engine.engine.remove_lora(name)
+        self.engine.remove_lora(name)
         return f"Success: LoRA adapter '{name}' removed successfully."
 
 
