@@ -321,12 +321,18 @@ class ParallelConfig:
     `tensor_parallel_size` devices. Internal load balancing (rank None): one server runs every
     replica (`engine/data_parallel.py`). External (`data_parallel_rank` r): this process is
     replica r alone, on the devices of local rank r mod `data_parallel_size_local` (default: all
-    ranks on this host), behind a balancer of the user's."""
+    ranks on this host), behind a balancer of the user's. With `data_parallel_size_local` L below
+    the size and no rank, the server runs ranks 0..L-1 and the others are headless hosts
+    (ranks from `data_parallel_start_rank`) dialling `data_parallel_address`:`_rpc_port`
+    (`engine/dp_remote.py`)."""
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     data_parallel_size: int = 1
     data_parallel_rank: int | None = None
     data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int | None = None
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int | None = None
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -339,6 +345,26 @@ class ParallelConfig:
         if local is not None and (not isinstance(local, int) or not 1 <= local <= self.data_parallel_size):
             raise ValueError(f"data_parallel_size_local must be in [1, data_parallel_size="
                              f"{self.data_parallel_size}], got {local!r}")
+        start = self.data_parallel_start_rank
+        if start is not None and (not isinstance(start, int) or not 0 <= start
+                                  < self.data_parallel_size - (local or 1) + 1):
+            raise ValueError(f"data_parallel_start_rank must be in [0, data_parallel_size - "
+                             f"data_parallel_size_local], got {start!r}")
+        port = self.data_parallel_rpc_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                                 or not 0 < port < 65536):
+            raise ValueError(f"data_parallel_rpc_port must be a TCP port, got {port!r}")
+        if self.data_parallel_address is not None and (not isinstance(self.data_parallel_address, str)
+                                                       or not self.data_parallel_address):
+            raise ValueError(f"data_parallel_address must be a host name or address, got "
+                             f"{self.data_parallel_address!r}")
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks this host's processes run (a headless host's: from its start rank)."""
+        local = self.data_parallel_size_local or self.data_parallel_size
+        start = self.data_parallel_start_rank or 0
+        return range(start, start + local)
 
     def replica_devices(self, devices: list, rank: int | None = None) -> list:
         """The devices of replica `rank` (default: this process's) among this host's
@@ -348,7 +374,8 @@ class ParallelConfig:
         tp = self.tensor_parallel_size
         if rank is None or self.data_parallel_size == 1 or len(devices) == tp:
             return list(devices)
-        local = rank % (self.data_parallel_size_local or self.data_parallel_size)
+        local = rank - self.local_ranks.start if rank in self.local_ranks and \
+            self.data_parallel_start_rank else rank % (self.data_parallel_size_local or self.data_parallel_size)
         if (local + 1) * tp > len(devices):
             raise ValueError(f"data_parallel_rank {rank} (local rank {local}) needs devices "
                              f"{local * tp}..{(local + 1) * tp - 1} (tensor_parallel_size {tp} "
@@ -376,6 +403,9 @@ class EngineArgs:
     data_parallel_size: int = 1
     data_parallel_rank: int | None = None
     data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int | None = None     # a headless host's first rank
+    data_parallel_address: str | None = None        # the server's host, for headless ranks
+    data_parallel_rpc_port: int | None = None       # where the server waits for them (29550)
     # Several processes (one per node) as one engine (jaxserve/engine/multihost.py): process 0
     # serves; every process runs with the same flags but its own --node-rank.
     nnodes: int = 1
@@ -644,7 +674,8 @@ class EngineArgs:
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel,
                               self.data_parallel_size, self.data_parallel_rank,
-                              self.data_parallel_size_local)
+                              self.data_parallel_size_local, self.data_parallel_start_rank,
+                              self.data_parallel_address, self.data_parallel_rpc_port)
 
     def replace(self, **changes) -> EngineArgs:
         return dataclasses.replace(self, **changes)

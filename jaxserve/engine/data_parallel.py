@@ -13,6 +13,10 @@ others go on serving, and `dead_ranks` says which died (the server's /health rep
 External load balancing (`--data-parallel-rank R`: one replica per process, one endpoint per
 rank for the user's router) needs nothing here: that process is a plain engine on its rank's
 devices, tagging its KV-cache events and metrics with the rank.
+
+Several hosts behind this one server (`--data-parallel-size-local L` below the size): ranks
+0..L-1 run here, the others on `--headless` hosts that dial `--data-parallel-rpc-port`; each is
+a `dp_remote.RemoteReplica` to the balancer (`engine/dp_remote.py`).
 """
 
 from __future__ import annotations
@@ -84,21 +88,32 @@ class DataParallelLLM:
         if n < 2 or engine_args.data_parallel_rank is not None:
             raise ValueError("DataParallelLLM runs data_parallel_size >= 2 replicas with no "
                              "data_parallel_rank (internal load balancing)")
+        parallel = engine_args.parallel_config()
+        if parallel.data_parallel_start_rank:
+            raise ValueError("data_parallel_start_rank is a headless host's first rank (serve "
+                             "--headless); the server runs ranks from 0")
+        local = parallel.local_ranks
+        self.hub = None
         if replicas is None:
             import jax
-            need, have = n * engine_args.tensor_parallel_size, len(jax.local_devices())
+            need, have = len(local) * engine_args.tensor_parallel_size, len(jax.local_devices())
             if need > have:
                 raise ValueError(
-                    f"data_parallel_size {n} x tensor_parallel_size "
+                    f"data_parallel_size {len(local)} x tensor_parallel_size "
                     f"{engine_args.tensor_parallel_size} needs {need} devices, but this host has "
                     f"{have} (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={need})")
         self.engine_args = engine_args
         self.on_output = on_output
         # max_waiting_requests bounds each replica's queue (as vLLM's engines each have one)
-        self.replicas = replicas if replicas is not None else [
-            AsyncLLM(dataclasses.replace(engine_args, data_parallel_rank=r), warmup=warmup,
-                     max_waiting_requests=max_waiting_requests, on_output=self._hook(r))
-            for r in range(n)]
+        if replicas is None:
+            replicas = [AsyncLLM(dataclasses.replace(engine_args, data_parallel_rank=r),
+                                 warmup=warmup, max_waiting_requests=max_waiting_requests,
+                                 on_output=self._hook(r)) for r in local]
+            if len(local) < n:          # the other ranks: headless hosts dial in
+                from jaxserve.engine.dp_remote import DEFAULT_RPC_PORT, RemoteHub, RemoteReplica
+                self.hub = RemoteHub(engine_args.data_parallel_rpc_port or DEFAULT_RPC_PORT)
+                replicas += [RemoteReplica(self.hub, r, self._hook(r)) for r in range(len(local), n)]
+        self.replicas = replicas
         self._owner: dict[str, int] = {}        # request id -> replica, until its final output
         self._next = 0                          # round robin among equals
         self.routed = [0] * len(self.replicas)  # requests each replica took (for tests, logs)
@@ -117,8 +132,7 @@ class DataParallelLLM:
         results = await asyncio.gather(*(r.start() for r in self.replicas), return_exceptions=True)
         failed = [(rank, e) for rank, e in enumerate(results) if isinstance(e, BaseException)]
         if failed:
-            await asyncio.gather(*(r.shutdown(graceful=False) for r in self.replicas),
-                                 return_exceptions=True)
+            await self.shutdown(graceful=False)
             rank, error = failed[0]
             raise RuntimeError(f"data-parallel replica {rank} failed to start: {error!r}") from error
         for rank, r in enumerate(self.replicas):
@@ -129,6 +143,8 @@ class DataParallelLLM:
     async def shutdown(self, graceful: bool = True, timeout: float | None = 30.0) -> None:
         await asyncio.gather(*(r.shutdown(graceful=graceful, timeout=timeout)
                                for r in self.replicas), return_exceptions=True)
+        if self.hub is not None:
+            self.hub.close()
 
     @property
     def is_ready(self) -> bool:

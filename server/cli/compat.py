@@ -53,11 +53,6 @@ NOOP_FLAGS: list[tuple[tuple[str, ...], dict[str, Any], str]] = [
      "1 is the only pipeline size: devices are split by tensor parallelism"),
     (("--preemption-mode",), dict(default=None),
      "preempted requests are always recomputed"),
-    (("--data-parallel-address", "-dpa"), dict(default=None),
-     "data-parallel replicas run independently (each holds the whole model, experts included, on "
-     "its own devices): there is no coordinator between ranks to reach"),
-    (("--data-parallel-rpc-port", "-dpp"), dict(type=int, default=None),
-     "data-parallel replicas run independently: there is no coordinator between ranks to reach"),
 ]
 # Server-only (not engine) flags that do nothing here.
 FRONTEND_NOOP_FLAGS: list[tuple[tuple[str, ...], dict[str, Any], str]] = [
@@ -75,10 +70,6 @@ REFUSED_FLAGS: dict[str, tuple[Any, str]] = {
                                        "'{\"method\": ..., \"num_speculative_tokens\": N}'"),
     "--swap-space": (None, "preempted requests are recomputed, never swapped to host memory (with "
                            "--kv-offloading-size their full blocks come back from the host KV tier)"),
-    "--headless": (None, "every jaxserve process serves its own API: run each data-parallel rank "
-                         "with --data-parallel-rank and its own --port"),
-    "--data-parallel-start-rank": (None, "give each process its --data-parallel-rank (and "
-                                         "--data-parallel-size-local for its host's devices)"),
 }
 _NOOP_VALUES = {"--pipeline-parallel-size": ("1",), "--preemption-mode": ("recompute",)}
 _NOOP_REFUSALS = {"--pipeline-parallel-size": "pipeline parallelism is not supported; split the devices with "

@@ -163,6 +163,16 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("data_parallel_size_local", "ParallelConfig", dict(type=int, help="Replicas on this host "
                                                         "(a rank takes the devices of rank mod "
                                                         "this).", shown_default="--data-parallel-size")),
+    ("data_parallel_start_rank", "ParallelConfig", dict(type=int, help="With --headless: the "
+                                                        "first rank this host runs.",
+                                                        shown_default="0")),
+    ("data_parallel_address", "ParallelConfig", dict(help="The server's host, which headless "
+                                                     "ranks dial.", shown_default="127.0.0.1")),
+    ("data_parallel_rpc_port", "ParallelConfig", dict(type=int, help="Where the server waits "
+                                                      "for its headless ranks "
+                                                      "(--data-parallel-size-local below "
+                                                      "--data-parallel-size).",
+                                                      shown_default="29550")),
     ("nnodes", "ParallelConfig", dict(type=int, help="Processes (one per node) running this "
                                       "engine together; every one gets the same flags and its "
                                       "own --node-rank.")),
@@ -234,7 +244,8 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                                shown_default="none")),
 ]
 _SHORT = {"tensor_parallel_size": ["-tp"], "data_parallel_size": ["-dp"],
-          "data_parallel_rank": ["-dpr"], "data_parallel_size_local": ["-dpl"]}
+          "data_parallel_rank": ["-dpr"], "data_parallel_size_local": ["-dpl"],
+          "data_parallel_address": ["-dpa"], "data_parallel_rpc_port": ["-dpp"]}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:

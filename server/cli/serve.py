@@ -57,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     fe.add_argument("--allow-runtime-lora-updating", action="store_true",
                     help="Answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind "
                          "--api-key; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).")
+    fe.add_argument("--headless", action="store_true",
+                    help="Run data-parallel ranks --data-parallel-start-rank .. + "
+                         "--data-parallel-size-local - 1 for the server at "
+                         "--data-parallel-address:--data-parallel-rpc-port, with no HTTP server.")
     fe.add_argument("--config", default=None, help="YAML file of flag values; the command line "
                                                    "wins.")
     add_tool_arguments(p)
@@ -94,6 +98,20 @@ def describe_config(engine_args: EngineArgs, server_args) -> str:
     return "".join(f"\n    {k}: {v}" for k, v in settings.items()) or " none"
 
 
+def _headless(engine_args) -> int:
+    """--headless: this host's data-parallel ranks for a server elsewhere (engine/dp_remote.py)."""
+    import asyncio
+
+    from jaxserve.engine.dp_remote import serve_headless
+    p = engine_args.parallel_config()
+    if p.data_parallel_size < 2 or p.data_parallel_rank is not None or not p.data_parallel_start_rank \
+            or p.data_parallel_size_local is None:
+        raise ValueError("--headless runs ranks of a data-parallel group for a server elsewhere: it "
+                         "needs --data-parallel-size N, --data-parallel-size-local L and "
+                         "--data-parallel-start-rank S >= 1 (no --data-parallel-rank)")
+    return asyncio.run(serve_headless(engine_args))
+
+
 def run(ns: argparse.Namespace) -> int:
     import asyncio
 
@@ -123,6 +141,8 @@ def run(ns: argparse.Namespace) -> int:
                 engine_args.model or "(the default model)", describe_config(engine_args, server_args))
     if engine_args.node_rank > 0:
         return _follow(engine_args)
+    if ns.headless:
+        return _headless(engine_args)
     code = asyncio.run(serve(engine_args, server_args))
     if engine_args.nnodes > 1:
         # A step left waiting on a lost process would block the interpreter's exit (it joins
