@@ -113,6 +113,24 @@ class RequestStream:
             self._llm.abort(self.request_id)
 
 
+def deliver(front, out: RequestOutput) -> None:
+    """Hand one output to its request's stream and to the front's `on_output` hook (on the event
+    loop); a finished one leaves `front._streams` / `front._arrivals` (AsyncLLM, RemoteReplica)."""
+    arrival = front._arrivals.get(out.request_id, time.time())
+    if out.finished:
+        front._arrivals.pop(out.request_id, None)
+        stream = front._streams.pop(out.request_id, None)
+    else:
+        stream = front._streams.get(out.request_id)
+    if front.on_output is not None:
+        try:
+            front.on_output(out, arrival)
+        except Exception:
+            logger.exception("metrics hook failed")
+    if stream is not None and not stream.finished:
+        stream.put(out)
+
+
 class AsyncLLM:
     """Async front of `LLMEngine`; see the module docstring.
 
@@ -379,19 +397,7 @@ class AsyncLLM:
     def _publish(self, outputs: list[RequestOutput], stats) -> None:
         self.stats = stats
         for out in outputs:
-            arrival = self._arrivals.get(out.request_id, time.time())
-            if out.finished:
-                self._arrivals.pop(out.request_id, None)
-                stream = self._streams.pop(out.request_id, None)
-            else:
-                stream = self._streams.get(out.request_id)
-            if self.on_output is not None:
-                try:
-                    self.on_output(out, arrival)
-                except Exception:
-                    logger.exception("metrics hook failed")
-            if stream is not None and not stream.finished:
-                stream.put(out)
+            deliver(self, out)
 
     def _die(self, e: BaseException) -> None:
         """The engine cannot serve again: fail what waits on it; /health answers 503."""

@@ -35,7 +35,7 @@ import signal
 import time
 
 from jaxserve.config import EngineArgs
-from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream, deliver
 
 logger = logging.getLogger("jaxserve")
 
@@ -258,20 +258,8 @@ class RemoteReplica:
             elif fut is None and error is None:     # the caller gave up: free it there
                 self.abort(rid)
         elif kind == "out":
-            out, self.stats = message[1], message[2]
-            arrival = self._arrivals.get(out.request_id, time.time())
-            if out.finished:
-                self._arrivals.pop(out.request_id, None)
-                stream = self._streams.pop(out.request_id, None)
-            else:
-                stream = self._streams.get(out.request_id)
-            if self.on_output is not None:
-                try:
-                    self.on_output(out, arrival)
-                except Exception:
-                    logger.exception("metrics hook failed")
-            if stream is not None and not stream.finished:
-                stream.put(out)
+            self.stats = message[2]
+            deliver(self, message[1])
         elif kind == "reply":
             _, n, error = message
             fut = self._calls.pop(n, None)
