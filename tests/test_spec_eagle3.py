@@ -61,6 +61,9 @@ def test_config_takes_vllms_eagle3_line():
         SpeculativeConfig(method="eagle3")
     with pytest.raises(ValueError, match="draft_tensor_parallel_size"):
         SpeculativeConfig(method="eagle3", model="x", draft_tensor_parallel_size=0)
+    from jaxserve.config import EngineArgs
+    with pytest.raises(ValueError, match="'eagle3' with nnodes > 1"):
+        EngineArgs(nnodes=2, speculative_config={"method": "eagle3", "model": "x"})
 
 
 def test_head_round_trips_in_the_published_format_and_bad_heads_are_refused(tmp_path):
@@ -155,6 +158,25 @@ def test_structured_output_greedy_identical_with_eagle3(eagle_llm):
     base = _run(eagle_llm, prompts, params, drafts=False)[0]
     spec = _run(eagle_llm, prompts, params, drafts=True)[0]
     assert spec.token_ids == base.token_ids and json.loads(spec.text)["age"] == json.loads(base.text)["age"]
+
+
+def test_warmup_compiles_the_heads_program_per_bucket_and_serving_compiles_nothing(eagle_llm):
+    """The head's warm-up compiles one program per token bucket; with them (and the target's
+    programs of a first identical run) serving with drafts compiles nothing."""
+    from test_no_compile_while_serving import count_compilations
+    engine = eagle_llm.llm_engine
+    runner, drafter = engine.runner, engine.runner.drafter
+    params = [SamplingParams(temperature=0, max_tokens=12),
+              SamplingParams(temperature=0.9, top_p=0.8, seed=1, max_tokens=12)]
+    assert engine.scheduler.reset_prefix_cache()
+    _run(eagle_llm, COPY, params, drafts=True)
+    assert engine.scheduler.reset_prefix_cache()
+    drafter._executables.clear()
+    drafter.warmup(lambda T: runner._build([], T, False)[0], runner.buckets)
+    assert drafter.compiled_programs == sorted(runner.buckets)
+    with count_compilations() as seen:
+        _run(eagle_llm, COPY, params, drafts=True)
+    assert not seen
 
 
 def test_drafts_equal_the_head_run_over_the_whole_sequence(eagle_llm, variant, monkeypatch):
