@@ -230,3 +230,30 @@ def test_draft_model_drafts_are_verified_under_the_request_adapter(tiny):
     for p, s, adapter in zip(plain, spec, [paths[1], paths[0], None]):
         assert p.outputs[0].token_ids == s.outputs[0].token_ids
         _check(model, s, adapter)
+
+
+def test_eagle3_drafts_are_verified_under_the_request_adapter(tiny, tmp_path):
+    """An EAGLE-3 head drafts from the target's features without the adapter's own view of
+    the draft tokens; the target verifies under each request's adapter: greedy tokens equal
+    plain decoding under the adapter, the logprobs those of peft."""
+    import jax
+
+    from jaxserve.models import eagle3
+    base, model, paths, loras = tiny
+    prompts = [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[2]}, {"prompt_token_ids": PROMPTS[1]}]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    which = [loras[0], None, loras[2]]
+    with _llm(base) as llm:
+        plain = llm.generate(prompts, sp, use_tqdm=False, lora_request=which)
+        cfg = llm.llm_engine.model_config
+    ecfg = eagle3.config_for(cfg, draft_vocab_size=128)
+    ids = np.sort(np.random.default_rng(0).choice(cfg.vocab_size, 128, replace=False))
+    eagle3.save(tmp_path / "head", ecfg, eagle3.init(ecfg, jax.random.key(0), draft_to_target=ids))
+    with _llm(base, speculative_config={"method": "eagle3", "model": str(tmp_path / "head"),
+                                        "num_speculative_tokens": 3, "min_expected_accepted": 0}) as llm:
+        llm.llm_engine.runner.step_cost = lambda num_tokens: 1.0
+        spec = llm.generate(prompts, sp, use_tqdm=False, lora_request=which)
+        assert llm.llm_engine.stats().spec_num_draft_tokens > 0
+    for p, s, adapter in zip(plain, spec, [paths[0], None, paths[2]]):
+        assert p.outputs[0].token_ids == s.outputs[0].token_ids
+        _check(model, s, adapter)
