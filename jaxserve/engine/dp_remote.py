@@ -107,7 +107,7 @@ class RemoteHub:
     def close(self) -> None:
         for t in self._tasks:
             t.cancel()
-        self._ctx.destroy(linger=0)
+        self._ctx.destroy(linger=1000)      # up to 1 s to deliver the "shutdown" messages
 
 
 class RemoteReplica:
@@ -243,13 +243,15 @@ class RemoteReplica:
     def receive(self, message: tuple) -> None:
         self.last_seen = time.monotonic()
         kind = message[0]
-        if kind == "ready":
+        if kind in ("ready", "stats"):
+            # a heartbeat counts as ready too: a host that was up before this server started
+            # (a restarted server) said "ready" to its predecessor
             if self._ready is None:
                 self._ready = asyncio.get_running_loop().create_future()
             if not self._ready.done():
                 self._ready.set_result(None)
-        elif kind == "stats":
-            self.stats = message[1]
+            if kind == "stats":
+                self.stats = message[1]
         elif kind == "accepted":
             _, rid, error = message
             fut = self._adds.pop(rid, None)
