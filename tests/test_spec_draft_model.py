@@ -205,26 +205,32 @@ def test_seeded_sampling_identical_with_a_draft_model(draft_llm):
             assert a[tok].logprob == pytest.approx(b[tok].logprob, abs=1e-4)
 
 
-def test_warmup_compiles_every_draft_program(draft_llm):
-    """The draft's warm-up compiles a catch-up per token bucket and a proposal loop per sequence
-    bucket; with them (and the target's programs of a first identical run) serving compiles
-    nothing."""
+def warmup_then_no_compile(llm, expected_programs) -> None:
+    """Run once (the target's programs for this batch), rebuild the drafter's programs by its
+    warm-up, check them (`expected_programs(runner, drafter)`), then serving compiles nothing."""
     from test_no_compile_while_serving import count_compilations
-    engine = draft_llm.llm_engine
+    engine = llm.llm_engine
     runner, drafter = engine.runner, engine.runner.drafter
     params = [SamplingParams(temperature=0, max_tokens=12),
               SamplingParams(temperature=0.9, top_p=0.8, seed=1, max_tokens=12)]
     # The target's programs for this batch (no prefix hits, so both runs have the same steps).
     assert engine.scheduler.reset_prefix_cache()
-    _run(draft_llm, COPY, params, drafts=True)
+    _run(llm, COPY, params, drafts=True)
     assert engine.scheduler.reset_prefix_cache()
     drafter._executables.clear()
     drafter.warmup(lambda T: runner._build([], T, False)[0], runner.buckets)
-    assert drafter.compiled_programs == sorted(
-        [("catch_up", T) for T in runner.buckets] + [("propose", S) for S in drafter.seq_buckets])
+    assert drafter.compiled_programs == expected_programs(runner, drafter)
     with count_compilations() as seen:
-        _run(draft_llm, COPY, params, drafts=True)
+        _run(llm, COPY, params, drafts=True)
     assert not seen
+
+
+def test_warmup_compiles_every_draft_program(draft_llm):
+    """The draft's warm-up compiles a catch-up per token bucket and a proposal loop per sequence
+    bucket; with them (and the target's programs of a first identical run) serving compiles
+    nothing."""
+    warmup_then_no_compile(draft_llm, lambda runner, drafter: sorted(
+        [("catch_up", T) for T in runner.buckets] + [("propose", S) for S in drafter.seq_buckets]))
 
 
 def test_abort_beside_a_drafting_request(draft_llm):

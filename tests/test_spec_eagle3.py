@@ -163,20 +163,8 @@ def test_structured_output_greedy_identical_with_eagle3(eagle_llm):
 def test_warmup_compiles_the_heads_program_per_bucket_and_serving_compiles_nothing(eagle_llm):
     """The head's warm-up compiles one program per token bucket; with them (and the target's
     programs of a first identical run) serving with drafts compiles nothing."""
-    from test_no_compile_while_serving import count_compilations
-    engine = eagle_llm.llm_engine
-    runner, drafter = engine.runner, engine.runner.drafter
-    params = [SamplingParams(temperature=0, max_tokens=12),
-              SamplingParams(temperature=0.9, top_p=0.8, seed=1, max_tokens=12)]
-    assert engine.scheduler.reset_prefix_cache()
-    _run(eagle_llm, COPY, params, drafts=True)
-    assert engine.scheduler.reset_prefix_cache()
-    drafter._executables.clear()
-    drafter.warmup(lambda T: runner._build([], T, False)[0], runner.buckets)
-    assert drafter.compiled_programs == sorted(runner.buckets)
-    with count_compilations() as seen:
-        _run(eagle_llm, COPY, params, drafts=True)
-    assert not seen
+    from test_spec_draft_model import warmup_then_no_compile
+    warmup_then_no_compile(eagle_llm, lambda runner, drafter: sorted(runner.buckets))
 
 
 def test_drafts_equal_the_head_run_over_the_whole_sequence(eagle_llm, variant, monkeypatch):
