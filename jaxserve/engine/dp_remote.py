@@ -47,7 +47,7 @@ CALL_TIMEOUT = 300.0        # a remote adapter load
 
 def _wire_error(e: BaseException) -> BaseException:
     """`e` if it survives pickling (the head re-raises it: a ValueError is the client's 400),
-    else a RuntimeError with its text."""
+    else a plain ValueError (for a ValueError) or RuntimeError with its text."""
     try:
         pickle.loads(pickle.dumps(e))
         return e
