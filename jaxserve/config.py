@@ -189,8 +189,8 @@ class ParallelConfig:
         tp = self.tensor_parallel_size
         if rank is None or self.data_parallel_size == 1 or len(devices) == tp:
             return list(devices)
-        local = rank - self.local_ranks.start if rank in self.local_ranks and \
-            self.data_parallel_start_rank else rank % (self.data_parallel_size_local or self.data_parallel_size)
+        local = rank - self.local_ranks.start if rank in self.local_ranks else \
+            rank % (self.data_parallel_size_local or self.data_parallel_size)
         if (local + 1) * tp > len(devices):
             raise ValueError(f"data_parallel_rank {rank} (local rank {local}) needs devices "
                              f"{local * tp}..{(local + 1) * tp - 1} (tensor_parallel_size {tp} "
