@@ -371,9 +371,9 @@ class EngineArgs:
         # The sub-configs validate their own fields; build them once here so errors surface early.
         self.cache_config()
         spec = self.spec_config()
-        if spec is not None and spec.method == "eagle3" and self.nnodes > 1:
-            raise ValueError("speculative_config.method 'eagle3' with nnodes > 1: the head is placed "
-                             "on one process's devices; serve it on one node")
+        if spec is not None and spec.method in ("eagle3", "mtp") and self.nnodes > 1:
+            raise ValueError(f"speculative_config.method {spec.method!r} with nnodes > 1: the head is "
+                             "placed on one process's devices; serve it on one node")
         self.structured_config()
         self.kv_events()
         self._check_kv_offloading()

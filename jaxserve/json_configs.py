@@ -16,8 +16,10 @@ class SpeculativeConfig:
     """vLLM's `speculative_config` keys. `method`: "ngram" (prompt lookup), "suffix" (suffix
     trie over the request's tokens and, with suffix_cache_requests > 0, earlier outputs) or
     "draft_model" (`model`: a smaller model sharing the target's tokenizer proposes greedily;
-    giving `model` without `method` means "draft_model") or "eagle3" (`model`: an EAGLE-3 head
-    directory for this target, `models/eagle3.py`).
+    giving `model` without `method` means "draft_model"), "eagle3" (`model`: an EAGLE-3 head
+    directory for this target, `models/eagle3.py`) or "mtp" (DeepSeek V3/R1's multi-token
+    prediction layer, `models/mtp.py`: `model` defaults to the target's checkpoint; vLLM's older
+    name "deepseek_mtp" is taken as "mtp").
     Opt-out: no drafts for a request whose prompt is longer than `max_prompt_len` or while the
     running batch has `disable_by_batch_size` requests or more."""
 
@@ -34,14 +36,16 @@ class SpeculativeConfig:
     # verification (moving average); 0 = never pause.
     min_expected_accepted: float = 0.5
     # The draft's path: a Hugging Face directory or a .gguf file (method "draft_model"), an
-    # EAGLE-3 head directory (method "eagle3"); a Hub name is resolved by the engine.
+    # EAGLE-3 head directory (method "eagle3"), the checkpoint holding the MTP layer (method
+    # "mtp"; default the target's); a Hub name is resolved by the engine.
     model: str | None = None
     # vLLM's key: the devices the draft runs on. jaxserve runs an EAGLE-3 head whole on every
     # tensor-parallel device (1 means that) and a draft model split like the target.
     draft_tensor_parallel_size: int | None = None
 
-    METHODS = ("ngram", "suffix", "draft_model", "eagle3")
-    MODEL_METHODS = ("draft_model", "eagle3")     # the methods with a `model`
+    METHODS = ("ngram", "suffix", "draft_model", "eagle3", "mtp")
+    MODEL_METHODS = ("draft_model", "eagle3", "mtp")     # the methods whose drafts a model computes
+    ALIASES = {"deepseek_mtp": "mtp"}     # vLLM's older names
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
@@ -52,6 +56,8 @@ class SpeculativeConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         if d.get("model") is not None and "method" not in d:
             d = {**d, "method": "draft_model"}      # vLLM: a model alone means a draft model
+        if d.get("method") in cls.ALIASES:
+            d = {**d, "method": cls.ALIASES[d["method"]]}
         if d.get("method", "ngram") not in cls.METHODS:    # before the keys: an unknown method has its own
             raise ValueError(f"speculative_config.method must be one of {', '.join(cls.METHODS)}, got "
                              f"{d['method']!r}")
@@ -65,6 +71,8 @@ class SpeculativeConfig:
         return cls(**d)
 
     def __post_init__(self):
+        if self.method in self.ALIASES:
+            object.__setattr__(self, "method", self.ALIASES[self.method])
         if self.method not in self.METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(self.METHODS)}"
                              f", got {self.method!r}")
@@ -77,10 +85,10 @@ class SpeculativeConfig:
         if self.num_speculative_tokens > 16:
             raise ValueError("speculative_config.num_speculative_tokens must be <= 16, got "
                              f"{self.num_speculative_tokens}")
-        if (self.method in self.MODEL_METHODS) != (self.model is not None):
+        if (self.method in self.MODEL_METHODS) != (self.model is not None) and self.method != "mtp":
             raise ValueError("speculative_config.model (a draft model or EAGLE-3 head path) is "
                              "required with methods 'draft_model' and 'eagle3' and only allowed "
-                             f"with them, got method {self.method!r} and model {self.model!r}")
+                             f"with them and 'mtp', got method {self.method!r} and model {self.model!r}")
         v = self.draft_tensor_parallel_size
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"speculative_config.draft_tensor_parallel_size must be an int >= 1, got {v!r}")

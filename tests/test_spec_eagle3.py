@@ -1,5 +1,5 @@
 """EAGLE-3 speculative decoding (`speculative_config={"method": "eagle3", "model": DIR}`): the head
-format (models/eagle3.py), the drafter (worker/eagle3_runner.py) on the default model with a
+format (models/eagle3.py), the drafter (worker/head_runner.py) on the default model with a
 random head written in the published format and loaded by path: greedy and seeded outputs equal
 decoding without drafts, and the engine's drafts equal a reference that runs the head over the
 whole sequence in one prefill (the feature/token shift, the catch-up over chunks and verified

@@ -94,8 +94,8 @@ def setup(args: EngineArgs, target: Target) -> Setup:
     from jaxserve.engine.builder import kv_quantization
     spec = args.spec_config()
     if args.enable_lora or spec is not None and spec.method in spec.MODEL_METHODS:
-        raise ValueError("jaxserve compile: enable_lora and a draft model's or EAGLE-3 head's programs are "
-                         "not compiled ahead of time yet; serve them without --compiled-dir")
+        raise ValueError("jaxserve compile: enable_lora and a draft model's, EAGLE-3 head's or MTP layer's "
+                         "programs are not compiled ahead of time yet; serve them without --compiled-dir")
     dtype = resolve_dtype(args.dtype, target.platform)
     mesh = make_mesh(args.tensor_parallel_size, devices=target.devices)
     cfg, weights = _model_config_and_weights(args, target, mesh, dtype)

@@ -47,7 +47,7 @@ from jaxserve.sharding.mesh import make_mesh
 from jaxserve.sharding.plan import plan_for
 from jaxserve.tokenizer.tokenizer import Tokenizer
 from jaxserve.worker.draft_runner import DraftRunner, load_draft
-from jaxserve.worker.eagle3_runner import Eagle3Runner
+from jaxserve.worker.head_runner import HeadRunner
 from jaxserve.worker.kv_sizing import num_kv_blocks, probe_blocks, profile_peak_bytes
 from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.pooling_runner import PoolingRunner
@@ -179,8 +179,13 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
         draft = (draft[0], cpu_matmuls_for(draft[1], args.dtype, mesh.size,
                                            batch_invariant=args.batch_invariant))
         draft_plan = plan_for(draft[0], mesh, args.enable_expert_parallel)
-    head = load_eagle3_head(args, spec, cfg, dtype, mesh.size) if spec is not None and spec.method == "eagle3" \
-        else None
+    head = None         # (module, config, weights, plan or None) of an EAGLE-3 head or an MTP layer
+    if spec is not None and spec.method == "eagle3":
+        from jaxserve.models import eagle3
+        head = (eagle3, *load_eagle3_head(args, spec, cfg, dtype, mesh.size), None)
+    elif spec is not None and spec.method == "mtp":
+        from jaxserve.models import mtp
+        head = (mtp, *load_mtp_layer(args, spec, cfg, model_path, dtype, mesh))
     # Sized per device: a block costs its heads on one device, the budget is one device's.
     per_block = sum(kvc.bytes_per_block(c.num_layers, args.block_size,
                                         plan.kv_heads_per_device(c.num_kv_heads),
@@ -188,14 +193,15 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
                                         latent=c.mla is not None)
                     for c, plan in [(cfg, plan)] + ([(draft[0], draft_plan)] if draft
                                                          else []))
-    if head is not None:    # the head's one-layer pool, whole on every device
-        c = head[0].model
-        per_block += kvc.bytes_per_block(1, args.block_size, c.num_kv_heads, c.head_dim, kv_dtype,
-                                         kv_quantize is not None)
+    if head is not None:    # the head's one-layer pool (EAGLE-3's whole on every device)
+        c, head_plan = head[1].model, head[3]
+        kv_heads = c.num_kv_heads if head_plan is None else head_plan.kv_heads_per_device(c.num_kv_heads)
+        per_block += kvc.bytes_per_block(1, args.block_size, kv_heads, c.head_dim, kv_dtype,
+                                         kv_quantize is not None, latent=c.mla is not None)
     # One device's share, from the sharding (no per-shard array objects: on CPU those would
     # stay alive beside the weights and count twice in jax.live_arrays()).
     weight_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                       for x in jax.tree_util.tree_leaves((weights, draft and draft[1], head and head[1]))
+                       for x in jax.tree_util.tree_leaves((weights, draft and draft[1], head and head[2]))
                        if x.sharding.memory_kind != "pinned_host")    # --cpu-offload-gb's
     # Simulated CPU devices share the host's memory: there a budget covers all of them.
     host_copies = mesh.size if jax.default_backend() == "cpu" else 1
@@ -223,13 +229,14 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
             num_speculative_tokens=scheduler_config.num_speculative_tokens,
             drafter=drafter, **({} if lora is None else {"lora": lora}))
 
-    def make_drafter(num_blocks: int, choice: Choice, w) -> DraftRunner | Eagle3Runner | None:
+    def make_drafter(num_blocks: int, choice: Choice, w) -> DraftRunner | HeadRunner | None:
         if head is not None:
-            return Eagle3Runner(*head, w.embed, target_plan=plan, num_blocks=num_blocks,
-                                block_size=args.block_size, max_model_len=max_model_len,
-                                max_num_seqs=args.max_num_seqs,
-                                num_speculative_tokens=spec.num_speculative_tokens, dtype=dtype,
-                                backend=choice.attention, kv_quantize=kv_quantize, kv_dtype=kv_dtype)
+            module, hcfg, hweights, head_plan = head
+            return HeadRunner(module, hcfg, hweights, w.embed, target_plan=plan, head_plan=head_plan,
+                              num_blocks=num_blocks, block_size=args.block_size,
+                              max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+                              num_speculative_tokens=spec.num_speculative_tokens, dtype=dtype,
+                              backend=choice.attention, kv_quantize=kv_quantize, kv_dtype=kv_dtype)
         if draft is None:
             return None
         dcfg, dweights = draft
@@ -322,6 +329,38 @@ def load_eagle3_head(args: EngineArgs, spec, cfg: ModelConfig, dtype, tp: int):
     logger.info("EAGLE-3 head %s: features from layers %s, draft vocabulary %d of %d", spec.model,
                 list(ecfg.aux_layer_ids), ecfg.draft_vocab_size, cfg.vocab_size)
     return ecfg, weights
+
+
+def load_mtp_layer(args: EngineArgs, spec, cfg: ModelConfig, model_path: str, dtype, mesh):
+    """speculative_config method "mtp": (MtpConfig, weights, plan) of the multi-token prediction
+    layer in spec.model (default: the target's checkpoint), placed on the target's mesh. Raises
+    ValueError naming the field."""
+    from jaxserve.models import mtp
+    if cfg.architecture not in mtp.ARCHITECTURES:
+        raise ValueError(f"speculative_config.method 'mtp': multi-token prediction runs on DeepSeek V3 / R1 "
+                         f"checkpoints ({', '.join(mtp.ARCHITECTURES)}); the target is {cfg.architecture}")
+    tp = mesh.shape["tp"]
+    if spec.draft_tensor_parallel_size not in (None, tp):
+        raise ValueError(f"speculative_config.draft_tensor_parallel_size: the MTP layer runs split as the "
+                         f"target's layers (tensor_parallel_size {tp}), got {spec.draft_tensor_parallel_size}")
+    if args.load_format == "dummy":
+        raise ValueError("speculative_config.method 'mtp' reads the MTP layer from the checkpoint; "
+                         "load_format 'dummy' has none")
+    if spec.model is None:
+        path = model_path
+    else:
+        try:
+            path = resolve_model(spec.model, download_dir=args.download_dir, weights=True)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"speculative_config.model: {e}") from None
+    if str(path).endswith(".gguf"):
+        raise ValueError("speculative_config.method 'mtp' reads the MTP layer from a safetensors "
+                         "checkpoint; a GGUF file drops it")
+    mcfg = mtp.read_config(path, cfg)
+    weights = mtp.load(path, mcfg, dtype, mesh, quantization=args.load_quantization(path),
+                       expert_parallel=args.enable_expert_parallel)
+    logger.info("MTP: the multi-token prediction layer %d of %s drafts", mcfg.layer_index, path)
+    return mcfg, weights, plan_for(mcfg.model, mesh, args.enable_expert_parallel)
 
 
 def enable_compilation_cache(directory: str | None) -> str | None:

@@ -213,7 +213,9 @@ def mlp(cfg: ModelConfig, plan: ShardingPlan | None, w: LayerWeights, h: jax.Arr
     return out
 
 
-def _layer(cfg: ModelConfig, backend: str, kv_quantize, plan: ShardingPlan | None, mlp_stacks, carry, xs):
+def decoder_layer(cfg: ModelConfig, backend: str, kv_quantize, plan: ShardingPlan | None, mlp_stacks, carry, xs):
+    """One decoder layer as a scan body: MLA, then the dense or MoE MLP (the multi-token
+    prediction layer of `models/mtp.py` runs it too)."""
     x, cache, cos, sin, meta = carry
     w, layer, *kind = xs
     h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
@@ -253,7 +255,7 @@ def forward(weights: Weights, cache: kvc.KVCache, tokens: jax.Array, positions: 
                   {n: getattr(layers, n) for n in SPARSE_MLP if getattr(layers, n) is not None})
         layers = dataclasses.replace(layers, **{n: None for n in DENSE_MLP + SPARSE_MLP})
         xs = (jnp.asarray(is_sparse), jnp.asarray(index, jnp.int32))
-    body = partial(_layer, cfg, backend, kv_quantize, plan, stacks)
+    body = partial(decoder_layer, cfg, backend, kv_quantize, plan, stacks)
     carry = llama.run_layers(body, (x, cache, cos, sin, meta),
                              (layers, jnp.arange(cfg.num_layers, dtype=jnp.int32), *xs), cfg.num_layers, each_layer)
     x, cache = carry[:2]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ from jaxserve.layers.linear import DenseWeight, linear
 from jaxserve.layers.norm import rms_norm
 from jaxserve.models.llama import LayerWeights, mlp, rope_tables, self_attention
 
+NAME = "EAGLE-3"
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle")
 
 
@@ -42,10 +44,13 @@ class Eagle3Config:
     aux_layer_ids: tuple[int, ...]
     draft_vocab_size: int
     target_hidden_size: int
+    final_hidden: ClassVar[bool] = False    # the features are the aux layers' inputs
 
     @property
     def fc_in(self) -> int:
         return len(self.aux_layer_ids) * self.target_hidden_size
+
+    feature_width = fc_in       # the width of the target's features the step returns
 
 
 @jax.tree_util.register_dataclass
@@ -246,10 +251,11 @@ def init(ecfg: Eagle3Config, key: jax.Array, dtype=jnp.float32,
 
 
 def forward(ecfg: Eagle3Config, w: Eagle3Weights, cache, embeds: jax.Array, feature: jax.Array,
-            positions: jax.Array, meta, *, backend: str, kv_quantize=None):
+            positions: jax.Array, meta, *, backend: str, kv_quantize=None, plan=None):
     """The draft layer: embeds [T, E] of the next tokens, feature [T, E] (`fc` of the target's
     aux hidden states, or the layer's own last pre-norm output) -> (normed [T, E] for the head,
-    pre-norm [T, E] for the next draft, cache)."""
+    pre-norm [T, E] for the next draft, cache). The head runs whole on every device (`plan`
+    unused)."""
     cfg = ecfg.model
     eps = cfg.rms_norm_eps
     cos, sin = rope_tables(cfg, positions)

@@ -110,8 +110,8 @@ class ModelRunner(StepPrograms):
         self.max_logprobs = max_logprobs
         # Speculative decoding: each sampling request may verify this many drafts in a step.
         self.num_spec = num_speculative_tokens
-        # A draft model (worker/draft_runner.DraftRunner), an EAGLE-3 head
-        # (worker/eagle3_runner.Eagle3Runner) or None.
+        # A draft model (worker/draft_runner.DraftRunner), an EAGLE-3 head or an MTP layer
+        # (worker/head_runner.HeadRunner) or None.
         self.drafter = drafter
         # Measured wall seconds of a step (host inputs, device run, results back) per token
         # bucket, a moving average over steps without prompt logprobs: what speculation weighs
@@ -134,15 +134,17 @@ class ModelRunner(StepPrograms):
         model = get_model(model_config.architecture)
         self._model = model
         self.backend = backend          # the attention backend the step programs use
-        # An EAGLE-3 head reads the target's residual stream at a few layers: the step returns it.
+        # An EAGLE-3 head reads the target's residual stream at a few layers, an MTP layer its
+        # final hidden states: the step returns them.
         aux_layers = tuple(getattr(drafter, "aux_layers", ()))
+        final_hidden = bool(getattr(drafter, "final_hidden", False))
         self.step_context = StepContext(model, model_config, backend, plan, max_logprobs, kv_quantize,
-                                        aux_layers=aux_layers)
+                                        aux_layers=aux_layers, final_hidden=final_hidden)
         # Donated state leaves with the sharding it came in with, so the buffers are reused.
         rep = plan.replicated
         self._step = jit_step(generate_step, self.step_context,
                               (rep, rep, self._cache_sharding(self.cache.quantized, self.cache.codes), rep)
-                              + ((rep,) if aux_layers else ()))
+                              + ((rep,) if aux_layers or final_hidden else ()))
         self._executables: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._packings: dict[tuple[int, bool], Packing] = {}     # by program: how its inputs pack
         self._from_cache = 0        # how many of them the persistent compilation cache supplied
@@ -223,7 +225,7 @@ class ModelRunner(StepPrograms):
         exe = self._executable(len(inputs.tokens), inputs.prompt_targets is not None)
         out, scores, self.cache, self.penalties, *aux = exe(self.weights, self.cache, self.penalties,
                                                             *self.device_inputs(inputs))
-        self.aux_hidden = aux[0] if aux else None     # EAGLE-3's features, for the drafter
+        self.aux_hidden = aux[0] if aux else None     # EAGLE-3's or MTP's features, for the drafter
         return out, scores
 
     def device_inputs(self, inputs: StepInputs) -> tuple:

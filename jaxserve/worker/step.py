@@ -46,6 +46,8 @@ class StepContext:
     pooling_type: str | None = None     # pooling models: "MEAN", "LAST" or "CLS"
     # EAGLE-3: the target layers whose inputs the step also returns (the head's features)
     aux_layers: tuple[int, ...] = ()
+    # DeepSeek MTP: the step also returns the final hidden states (the MTP layer's features)
+    final_hidden: bool = False
 
 
 def _forward(ctx: StepContext, weights, cache, pen, x: StepInputs):
@@ -61,8 +63,11 @@ def _forward(ctx: StepContext, weights, cache, pen, x: StepInputs):
 
 def generate_step(ctx: StepContext, weights, cache, pen, x: StepInputs):
     """-> (SamplerOutput [R], prompt scores or None, cache, sampling state), and with
-    `ctx.aux_layers` the aux hidden states [T, n * E] last (left on the device for the head)."""
+    `ctx.aux_layers` the aux hidden states [T, n * E] last (left on the device for the head),
+    with `ctx.final_hidden` the final hidden states [T, E]."""
     weights, hidden, cache, aux = _forward(ctx, weights, cache, pen, x)
+    if ctx.final_hidden:
+        aux = [hidden]
     plan = ctx.plan
 
     def logits_of(h):

@@ -1,11 +1,16 @@
-"""The EAGLE-3 drafter (`speculative_config={"method": "eagle3", "model": DIR}`): a one-layer head
-(`models/eagle3.py`) over the target's features, with its own paged KV pool of one layer indexed
-by the target's block tables and slot mappings (the draft-model runner's design: the scheduler
-and the KV cache manager know nothing of it).
+"""The drafters that are one layer over the target's own features: the EAGLE-3 head
+(`speculative_config={"method": "eagle3", "model": DIR}`, `models/eagle3.py`) and DeepSeek's
+multi-token prediction layer (`{"method": "mtp"}`, `models/mtp.py`). Each has its own paged KV
+pool of one layer indexed by the target's block tables and slot mappings (the draft-model
+runner's design: the scheduler and the KV cache manager know nothing of it). The head's module
+gives `project`, `forward`, `draft_logits` and `to_target_ids`; its config `model` (the layer as a
+one-layer model), `aux_layer_ids` / `final_hidden` (which features the target's step returns)
+and `feature_width`.
 
-The target's step returns its residual stream at the head's aux layers for every token
-(`StepContext.aux_layers`), left on the device. After the step's samples are known, one program
-per token bucket:
+The target's step returns its features for every token, left on the device: EAGLE-3's are the
+residual stream at the head's aux layers (`StepContext.aux_layers`), MTP's the final hidden
+states (`StepContext.final_hidden`). After the step's samples are known, one program per token
+bucket:
 
 1. catch-up: the head runs the step's tokens with the step's attention metadata, each position p
    fed the target's feature at p and the token at p + 1 (EAGLE's shift: the tokens of the row,
@@ -14,12 +19,13 @@ per token bucket:
    inputs are garbage and the K/V lies past `num_computed_tokens`: overwritten before anything
    reads it, as in the target's pool.
 2. drafting: for each row that sampled, the head's output at its last accepted position gives
-   the first draft (argmax over the draft vocabulary, mapped to a target id by `d2t`), and k - 1
-   single-token steps follow, each fed the last draft and the head's own pre-norm output. Argmax
-   drafts are point masses, so the rejection sampler keeps the target's distribution exact.
+   the first draft (argmax, mapped to a target id: EAGLE-3's reduced vocabulary by `d2t`), and
+   k - 1 single-token steps follow, each fed the last draft and the layer's own pre-norm output.
+   Argmax drafts are point masses, so the rejection sampler keeps the target's distribution exact.
 
-Under tensor parallelism the head and its pool are replicated (one layer: every device runs it
-whole; the target's vocabulary-split embedding is read where it lies).
+Under tensor parallelism an EAGLE-3 head and its pool are replicated (one small layer: every
+device runs it whole; `head_plan` None), the MTP layer is split as the target's layers are
+(`head_plan`: its plan); the target's vocabulary-split embedding is read where it lies.
 """
 
 from __future__ import annotations
@@ -32,51 +38,58 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.models import eagle3
 from jaxserve.sample.sampler import argmax_last
 from jaxserve.sharding.plan import ShardingPlan, embed_lookup
 from jaxserve.worker.compile_cache import compile_noting_cache_hit, how_obtained, step_compiler_options
 from jaxserve.worker.draft_runner import lookahead_meta, row_tables
-from jaxserve.worker.kv_sizing import allocate_kv_cache
+from jaxserve.worker.kv_sizing import allocate_kv_cache, allocate_sharded_kv_cache
 
 logger = logging.getLogger(__name__)
 
 
-class Eagle3Runner:
+class HeadRunner:
     """`catch_up(inputs, aux)` after the target's step (keeps them), then
-    `propose(scheduled, sampled, lengths, batch)` -> request id -> draft ids."""
+    `propose(scheduled, sampled, lengths, batch)` -> request id -> draft ids. `head`: the head's
+    module (`models.eagle3` or `models.mtp`), `hcfg` its config; `head_plan`: None to run the
+    head whole on every device (its weights are replicated here), else the plan its weights
+    were placed with."""
 
-    def __init__(self, ecfg: eagle3.Eagle3Config, weights: eagle3.Eagle3Weights, target_embed, *,
-                 target_plan: ShardingPlan, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, num_speculative_tokens: int, dtype, backend: str,
-                 kv_quantize=None, kv_dtype=None):
-        self.ecfg = ecfg
-        self.aux_layers = ecfg.aux_layer_ids
+    def __init__(self, head, hcfg, weights, target_embed, *, target_plan: ShardingPlan,
+                 num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
+                 num_speculative_tokens: int, dtype, backend: str, kv_quantize=None, kv_dtype=None,
+                 head_plan: ShardingPlan | None = None):
+        self.head, self.hcfg = head, hcfg
+        self.aux_layers = hcfg.aux_layer_ids
+        self.final_hidden = hcfg.final_hidden
         self.plan = target_plan
         rep = target_plan.replicated
-        self.weights = jax.device_put(weights, rep)
+        self.weights = jax.device_put(weights, rep) if head_plan is None else weights
         self.target_embed = target_embed
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.max_rows = max_num_seqs
         self.k = k = num_speculative_tokens
-        self.cache = jax.device_put(allocate_kv_cache(ecfg.model, num_blocks, block_size, kv_dtype or dtype,
-                                                      kv_quantize is not None,
-                                                      platform=target_plan.mesh.devices.flat[0].platform), rep)
+        if head_plan is None:
+            self.cache = jax.device_put(allocate_kv_cache(
+                hcfg.model, num_blocks, block_size, kv_dtype or dtype, kv_quantize is not None,
+                platform=target_plan.mesh.devices.flat[0].platform), rep)
+        else:
+            self.cache = allocate_sharded_kv_cache(hcfg.model, head_plan, num_blocks, block_size,
+                                                   kv_dtype or dtype, kv_quantize is not None)
         self._pending = None        # (StepInputs, aux) of the step in flight
-        fwd = partial(eagle3.forward, ecfg, backend=backend, kv_quantize=kv_quantize)
+        fwd = partial(head.forward, hcfg, backend=backend, kv_quantize=kv_quantize, plan=head_plan)
         plan = target_plan
 
         def drafts_of(w, normed):
-            logits = jax.lax.with_sharding_constraint(eagle3.draft_logits(w, normed), rep)
-            return eagle3.to_target_ids(w, argmax_last(logits))
+            logits = jax.lax.with_sharding_constraint(head.draft_logits(w, normed), rep)
+            return head.to_target_ids(w, argmax_last(logits))
 
         def program(w, embed, cache, tokens, positions, meta, aux, starts, tables, limits,
                     num_rows, num_steps):
             table = embed if w.embed is None else w.embed
             emb = lambda t: embed_lookup(plan, table, t).astype(w.final_norm.dtype)   # noqa: E731
-            normed, pre, cache = fwd(w, cache, emb(tokens), eagle3.project(w, aux), positions, meta)
+            normed, pre, cache = fwd(w, cache, emb(tokens), head.project(w, aux), positions, meta)
             first = drafts_of(w, normed[starts])
             out = jnp.zeros((starts.shape[0], k), jnp.int32).at[:, 0].set(first)
 
@@ -92,7 +105,7 @@ class Eagle3Runner:
             return out, cache
 
         self._program = jax.jit(program, donate_argnames=("cache",),
-                                out_shardings=(rep, jax.tree.map(lambda _: rep, self.cache)))
+                                out_shardings=(rep, jax.tree.map(lambda a: a.sharding, self.cache)))
         self._executables: dict[int, jax.stages.Compiled] = {}
 
     # -- programs --------------------------------------------------------------------------------
@@ -110,7 +123,7 @@ class Eagle3Runner:
             exe, from_cache = compile_noting_cache_hit(lambda: self._program.lower(
                 self.weights, self.target_embed, self.cache, *spec).compile(options))
             self._executables[T] = exe
-            logger.info("EAGLE-3 program: %d tokens, %s (%.1f s)", T, how_obtained(from_cache),
+            logger.info("%s program: %d tokens, %s (%.1f s)", self.head.NAME, T, how_obtained(from_cache),
                         time.perf_counter() - t0)
         return exe
 
@@ -178,11 +191,11 @@ class Eagle3Runner:
     def warmup(self, step_inputs_of, token_buckets) -> None:
         """Compile the program of every token bucket (`step_inputs_of(T)`: the target's
         StepInputs of bucket T, shapes only)."""
-        n_aux = len(self.aux_layers) * self.ecfg.target_hidden_size
+        width = self.hcfg.feature_width
         dtype = self.weights.final_norm.dtype
         for T in token_buckets:
             x = step_inputs_of(T)
-            aux = jax.ShapeDtypeStruct((T, n_aux), dtype)
+            aux = jax.ShapeDtypeStruct((T, width), dtype)
             self._executable(T, self._inputs(x, aux, [], np.zeros(T, np.int32), 0))
 
     def release(self) -> None:
