@@ -15,6 +15,7 @@ token and the drafts are accepted and rejected alike. Checked:
     DeepseekV3DecoderLayer with enorm / hnorm / eh_proj / shared_head) run over the whole sequence;
   - the warm-up compiles the layer's program per token bucket and serving compiles nothing;
   - under a LoRA adapter the target verifies the (unadapted) drafts: greedy tokens unchanged;
+  - a block-FP8 checkpoint (V3's format) loads the layer's projections as FP8;
   - configs: "deepseek_mtp" is "mtp", `model` defaults to the target, refusals name the field.
 """
 
@@ -353,3 +354,38 @@ def test_mtp_drafts_are_verified_under_the_request_adapter(tmp_path):
     finally:
         llm.shutdown()
 
+
+
+def test_fp8_block_checkpoint_loads_the_mtp_layer_as_fp8(tmp_path):
+    """DeepSeek V3 ships 128x128 block FP8: the MTP layer's projections load as the target's do
+    (Fp8Weight; eh_proj, no matmul of the layer stack, dequantised), and greedy tokens with its
+    drafts equal those without."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+    from test_deepseek import _block_fp8
+
+    from jaxserve.layers.fp8 import Fp8Weight
+    write_checkpoint(tmp_path)
+    B = 16
+    for file in ("model.safetensors", "model-mtp.safetensors"):
+        with safe_open(str(tmp_path / file), "np") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        for name in list(tensors):
+            w = tensors[name]
+            if w.ndim == 2 and (name.endswith("proj.weight") or "proj_with_mqa" in name):
+                tensors[name], tensors[name[:-len("weight")] + "weight_scale_inv"] = _block_fp8(w, B)
+        save_file(tensors, str(tmp_path / file))
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                 "weight_block_size": [B, B]}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    llm = _llm(tmp_path)
+    llm.llm_engine.runner.step_cost = lambda num_tokens: 1.0
+    try:
+        w = llm.llm_engine.runner.drafter.weights
+        assert isinstance(w.layer.wq_b, Fp8Weight) and isinstance(w.layer.we_gate.w, Fp8Weight)
+        assert w.eh_proj.w.dtype == np.float32
+        assert _gen(llm, PROMPTS, GREEDY, drafts=True) == _gen(llm, PROMPTS, GREEDY, drafts=False)
+        assert llm.llm_engine.stats().spec_num_accepted_tokens > 0
+    finally:
+        llm.shutdown()

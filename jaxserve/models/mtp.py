@@ -118,21 +118,28 @@ def load(path: str | Path, mcfg: MtpConfig, dtype, mesh, *, quantization: str | 
     get = _safetensors_getter(p)
     prefix = f"model.layers.{mcfg.layer_index}."
     names = get.names
-    head = prefix + "shared_head.head.weight"
+    own_head = prefix + "shared_head.head.weight" in names
+    # the one-layer model's names <-> the checkpoint's (FP8 scales follow their weights' names)
+    renames = [("model.layers.0.", prefix), ("model.norm.", prefix + "shared_head.norm.")] + \
+        ([("lm_head.", prefix + "shared_head.head.")] if own_head else [])
 
     def mapped(name: str) -> str:
-        if name.startswith("model.layers.0."):
-            return prefix + name[len("model.layers.0."):]
-        if name == "model.norm.weight":
-            return prefix + "shared_head.norm.weight"
-        if name == "lm_head.weight" and head in names:
-            return head
+        for ours, theirs in renames:
+            if name.startswith(ours):
+                return theirs + name[len(ours):]
         return name
+
+    def declared(name: str) -> str | None:
+        for ours, theirs in sorted(renames, key=lambda r: -len(r[1])):     # shared_head.* before layer N
+            if name.startswith(theirs):
+                return ours + name[len(theirs):]
+        return None if any(name.startswith(ours) for ours, _ in renames) or \
+            name.startswith("model.layers.") else name
 
     def remapped(name: str) -> np.ndarray:
         return get(mapped(name))
 
-    remapped.names = frozenset(names)
+    remapped.names = frozenset(n for n in map(declared, names) if n is not None)
     if prefix + "eh_proj.weight" not in names:
         raise ValueError(f"speculative_config.method 'mtp': {p} holds no {prefix}eh_proj.weight (the "
                          "checkpoint's config names an MTP layer its files do not have)")
