@@ -21,6 +21,7 @@ from jaxserve.core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.core.scheduler import GrammarBitmask, Scheduler, SchedulerOutput
 from jaxserve.engine import multihost
 from jaxserve.engine.builder import build_engine, enable_compilation_cache
+from jaxserve.engine.drafting import draft_lengths, propose_drafts
 from jaxserve.engine.kv_event_publisher import make_publisher
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.pooling import PoolingRequests
@@ -278,7 +279,7 @@ class LLMEngine:
         sched = self.scheduler.schedule(self._ready_token_budget())
         sched.grammar_bitmask = self._grammar_bitmask(sched)
         if self.runner.drafter is not None:
-            sched.draft_lengths = self._draft_lengths(sched) if self.proposer else {}
+            sched.draft_lengths = draft_lengths(self.proposer, self.scheduler, sched) if self.proposer else {}
         launched, failed = self._launch(sched)
         if previous is not None:
             outputs += self._finish(*previous)
@@ -342,7 +343,7 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched, result.sampled)
         if self.proposer is not None:
             self.proposer.model_drafts = result.draft_token_ids
-            self._propose(updated)
+            propose_drafts(self.proposer, self.scheduler, self.runner, updated)
         for req in updated:
             new = len(result.sampled.get(req.request_id, ()))
             self.generation_tokens_total += new
@@ -375,55 +376,6 @@ class LLMEngine:
             return None
         mask = self.structured.bitmask(states, drafts)
         return GrammarBitmask(ids, mask) if (mask != -1).any() else None
-
-    def _propose(self, updated) -> None:
-        """Draft tokens for each running request that just got tokens; forget finished ones.
-        Opt-out: penalties that depend on the output history (their draft positions would need
-        the drafts counted), what `Proposer.enabled_for` refuses, and drafts that would push the
-        step into a larger token bucket unless the runner's measured step times say the expected
-        accepted tokens pay for it (`Proposer.fit`). A constrained request's drafts end before
-        the first token its grammar refuses."""
-        batch_size = self.scheduler.num_running
-        self.proposer.retain(self.scheduler.requests)      # aborted / stop-string finished
-        proposals = {}
-        for req in updated:
-            if req.is_finished():
-                self.proposer.finish(req.request_id, req.output_token_ids)
-                continue
-            if not self._may_draft(req, batch_size):
-                continue
-            drafts = self.proposer.propose(req.request_id, req.all_token_ids)
-            if req.structured is not None:
-                drafts = drafts[:req.structured.validate_tokens(drafts)]
-            proposals[req] = drafts
-        if not proposals:
-            return
-        n = min(batch_size, self.runner.buckets[-1])      # the next step's tokens, drafts aside
-        fitted = self.proposer.fit({r.request_id: d for r, d in proposals.items()},
-                                   self.runner.bucket_for(n) - n,
-                                   cost=lambda extra: self.runner.step_cost(n + extra), tokens=n)
-        for req in proposals:
-            req.spec_token_ids = fitted[req.request_id]
-
-    def _draft_lengths(self, sched: SchedulerOutput) -> dict[str, int]:
-        """Draft model: how many drafts each sampling row's request may use after this step (the
-        proposer's opt-outs, judged now), so the draft computes no drafts that would be dropped."""
-        proposer, batch_size = self.proposer, self.scheduler.num_running
-        out = {}
-        for row in sched.scheduled:
-            req = self.scheduler.get_request(row.request_id)
-            if not row.sample or req is None:
-                continue
-            out[row.request_id] = (proposer.draft_len(row.request_id)
-                                   if self._may_draft(req, batch_size) else 0)
-        return out
-
-    def _may_draft(self, req, batch_size: int) -> bool:
-        """The opt-outs judged per request: penalties that depend on the output history (their
-        draft positions would need the drafts counted) and what `Proposer.enabled_for` refuses."""
-        sp = req.sampling_params
-        return not (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
-                    ) and self.proposer.enabled_for(req.num_prompt_tokens, batch_size)
 
     def _runner_usable(self) -> bool:
         """False when the failed step consumed the donated KV cache (nothing can run again)."""
