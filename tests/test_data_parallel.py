@@ -270,6 +270,45 @@ def test_a_remote_replica_serves_refuses_aborts_loads_and_follows_the_heads_shut
     asyncio.run(main())
 
 
+def test_a_headless_rank_aborts_its_requests_when_the_head_goes_quiet_and_serves_a_new_head(monkeypatch):
+    """The head crashes (no shutdown message): its requests on the headless rank are aborted
+    after DEAD_AFTER, the rank keeps running, and a head restarted on the same port finds it
+    ready (its heartbeat) and is served."""
+    from server_fixtures import free_port
+
+    from jaxserve.engine import dp_remote
+    monkeypatch.setattr(dp_remote, "DEAD_AFTER", 1.0)
+
+    async def main():
+        port = free_port()
+        remote_engine = FakeEngine(tokens=1000)
+        front, link, ctx, run = await _remote_pair(remote_engine, port)
+        hub = None
+        try:
+            held = await front.replicas[1].add_request("held", {"prompt_token_ids": [1]}, delta(1000))
+            await held.__anext__()
+            front.hub.close()                # the head process is gone: no ping, no shutdown
+            await _until(lambda: remote_engine.aborted == ["held"] and not link._serving)
+            assert not link.done.is_set()
+            hub = dp_remote.RemoteHub(port)
+            again = dp_remote.RemoteReplica(hub, 1, ready_timeout=10)
+            await again.start()
+            remote_engine.tokens = 3
+            outs = await _collect(await again.add_request("new", {"prompt_token_ids": [2]}, delta(3)))
+            assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 3
+        finally:
+            for r in front.replicas[:1]:
+                await r.shutdown(graceful=False)
+            if hub is not None:
+                await again.shutdown(graceful=False)
+                hub.close()
+            run.cancel()
+            await link.shutdown()
+            ctx.destroy(linger=0)
+
+    asyncio.run(main())
+
+
 def test_a_silent_remote_replica_is_dead_its_requests_fail_and_the_rest_serve(monkeypatch):
     from server_fixtures import free_port
 

@@ -13,13 +13,17 @@ pickled tuples. Pickle runs code on load: the RPC port is for the replicas of on
 a private network, never for the public (vLLM's DP RPC channel is the same).
 
 head -> replica: ("add", id, prompt, params, priority, lora_request, arrival), ("abort", id),
-                 ("load_lora", call, lora_request), ("remove_lora", name), ("shutdown",)
+                 ("load_lora", call, lora_request), ("remove_lora", name), ("shutdown",),
+                 ("ping",) every HEARTBEAT seconds
 replica -> head: ("ready",), ("accepted", id, error | None), ("out", RequestOutput, EngineStats),
                  ("stats", EngineStats) every HEARTBEAT seconds, ("reply", call, error | None),
                  ("dead", message)
 
 A replica that sends nothing for DEAD_AFTER seconds is dead (its host or process went away): its
-requests fail, the others keep serving, `/health` names its rank, as for a local replica.
+requests fail, the others keep serving, `/health` names its rank, as for a local replica. A head
+that sends nothing for DEAD_AFTER seconds (it crashed: a shutdown would have said so) leaves its
+requests with no one to read them: the headless rank aborts them and keeps serving, so a restarted
+head finds it ready (its heartbeat) with no orphaned work in its batch.
 The prefix-aware part of the balancer needs the replica's cache: remote replicas count as
 holding none of a prompt (load alone places requests on them).
 """
@@ -101,6 +105,7 @@ class RemoteHub:
             await asyncio.sleep(HEARTBEAT)
             now = time.monotonic()
             for r in self.replicas.values():
+                self.send(r.rank, ("ping",))        # the head is alive (a headless host's watch)
                 if r.is_running and now - r.last_seen > DEAD_AFTER:
                     r.die(TimeoutError(f"data-parallel rank {r.rank} sent nothing for {DEAD_AFTER:.0f} s"))
 
@@ -284,6 +289,7 @@ class ReplicaLink:
         self.endpoint = f"tcp://{address}:{port}"
         self._serving: dict[str, asyncio.Task] = {}
         self.done = asyncio.Event()
+        self.last_head = time.monotonic()     # when the head last sent anything
 
     def send(self, message: tuple) -> None:
         self.sock.send(pickle.dumps(message))
@@ -299,6 +305,7 @@ class ReplicaLink:
         try:
             while not self.done.is_set():
                 message = pickle.loads(await self.sock.recv())
+                self.last_head = time.monotonic()
                 self._handle(message)
         finally:
             beat.cancel()
@@ -349,6 +356,11 @@ class ReplicaLink:
                 self.send(("dead", f"data-parallel rank {self.rank}: {self.llm.error!r}"))
                 return
             self.send(("stats", self.llm.stats))
+            if self._serving and time.monotonic() - self.last_head > DEAD_AFTER:
+                logger.warning("data-parallel rank %d: the head sent nothing for %.0f s; aborting its %d "
+                               "request(s)", self.rank, DEAD_AFTER, len(self._serving))
+                for rid in list(self._serving):
+                    self.llm.abort(rid)
             await asyncio.sleep(HEARTBEAT)
 
     async def shutdown(self) -> None:
