@@ -143,20 +143,21 @@ def run(llm, prompts, params, method, k, extra, batch=None):
         method, extra = "draft_model", dict(extra, model=method)
     engine.proposer = make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=k,
                                                       **extra)) if method else None
-    # where the time goes: host seconds drafting (the engine's _propose) and steps run
+    # where the time goes: host seconds drafting (engine/drafting.propose_drafts) and steps run
+    from jaxserve.engine import llm_engine
     host = {"propose_s": 0.0, "steps": 0}
-    propose, dispatch = engine._propose, engine.runner.dispatch
+    propose, dispatch = llm_engine.propose_drafts, engine.runner.dispatch
 
-    def timed_propose(updated):
+    def timed_propose(*args):
         t = time.perf_counter()
-        propose(updated)
+        propose(*args)
         host["propose_s"] += time.perf_counter() - t
 
     def counted_dispatch(sched):
         host["steps"] += bool(sched.scheduled)
         return dispatch(sched)
 
-    engine._propose, engine.runner.dispatch = timed_propose, counted_dispatch
+    llm_engine.propose_drafts, engine.runner.dispatch = timed_propose, counted_dispatch
     before = engine.stats()
     # batch B: the prompts in groups of B, one `LLM.chat` each (batch 1: each prompt alone)
     outs, wall, decode_s = [], 0.0, 0.0
@@ -170,7 +171,8 @@ def run(llm, prompts, params, method, k, extra, batch=None):
                      - min(o.metrics.first_token_time for o in group))
         outs += group
     after = engine.stats()
-    del engine._propose, engine.runner.dispatch
+    llm_engine.propose_drafts = propose
+    del engine.runner.dispatch
     engine.proposer = None
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     drafts = after.spec_num_drafts - before.spec_num_drafts
