@@ -91,15 +91,18 @@ def draft_llm(tmp_path_factory):
     llm.shutdown()
 
 
-def _run(llm, prompts, params, *, drafts: bool):
-    """Chat completions with the draft model proposing, or with speculation off."""
+def _run(llm, prompts, params, *, drafts: bool, **kw):
+    """Chat completions (prompts as token id lists: plain completions) with the draft model
+    proposing, or with speculation off; `kw` goes to the call (lora_request)."""
     engine = llm.llm_engine
     proposer = engine.proposer
     if not drafts:
         engine.proposer = None
     try:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
-                        use_tqdm=False)
+        if prompts and isinstance(prompts[0], list):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, **kw)
+        else:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False, **kw)
     finally:
         engine.proposer = proposer
     return [c for o in outs for c in o.outputs]

@@ -35,6 +35,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from test_deepseek import FAMILIES, VOCAB  # noqa: E402
+from test_spec_draft_model import _run  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.config import SpeculativeConfig  # noqa: E402
@@ -119,16 +120,8 @@ def mtp_case(tmp_path_factory):
     llm.shutdown()
 
 
-def _gen(llm, prompts, params, *, drafts: bool):
-    engine = llm.llm_engine
-    proposer = engine.proposer
-    if not drafts:
-        engine.proposer = None
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    finally:
-        engine.proposer = proposer
-    return [c.token_ids for o in outs for c in o.outputs]
+def _gen(llm, prompts, params, *, drafts: bool, **kw):
+    return [c.token_ids for c in _run(llm, prompts, params, drafts=drafts, **kw)]
 
 
 def test_config_names_and_refusals(tmp_path):
@@ -341,14 +334,8 @@ def test_mtp_drafts_are_verified_under_the_request_adapter(tmp_path):
     llm = _llm(tmp_path / "ck", enable_lora=True, max_lora_rank=8)
     llm.llm_engine.runner.step_cost = lambda num_tokens: 1.0
     try:
-        prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
-        runs = {}
-        for drafts in (False, True):
-            proposer = llm.llm_engine.proposer
-            llm.llm_engine.proposer = proposer if drafts else None
-            outs = llm.generate(prompts * 2, GREEDY, use_tqdm=False, lora_request=[loras[0]] * 2 + [None] * 2)
-            llm.llm_engine.proposer = proposer
-            runs[drafts] = [o.outputs[0].token_ids for o in outs]
+        runs = {drafts: _gen(llm, PROMPTS[:2] * 2, GREEDY, drafts=drafts, lora_request=[loras[0]] * 2 + [None] * 2)
+                for drafts in (False, True)}
         assert runs[True] == runs[False] and runs[True][:2] != runs[True][2:]
         assert llm.llm_engine.stats().spec_num_accepted_tokens > 0
     finally:
