@@ -427,7 +427,11 @@ def test_two_replicas_serve_lora_adapters_loaded_and_unloaded_on_both(monkeypatc
     a0 = write_adapter(model, tmp_path / "a0", targets=("q_proj", "v_proj"), seed=1)
     a1 = write_adapter(model, tmp_path / "a1", r=4, targets=("o_proj", "down_proj"), seed=2)
     prompts = [[(11 * i + j) % 250 + 3 for j in range(4 + i % 5)] for i in range(16)]
-    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    # Long enough that the replica holding the adapter is still busy when the burst's later
+    # requests arrive (the balancer prefers it until its load passes the margin): with a few
+    # tokens a fast CPU finished each request before the next came, and one replica ran them all.
+    n_tokens = 32
+    sp = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
     with LLM(model=str(base), dtype="float32", enable_lora=True, max_lora_rank=8, warmup=False,
              max_model_len=128, compilation_cache_dir="") as one:
         expected = {name: [o.outputs[0].text for o in one.generate(
@@ -448,7 +452,7 @@ def test_two_replicas_serve_lora_adapters_loaded_and_unloaded_on_both(monkeypatc
 
         def burst(model_name):
             """16 requests at once -> their texts; each replica must have run some."""
-            body = {"model": model_name, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            body = {"model": model_name, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True}
             before = _metrics(server.base_url)
             with concurrent.futures.ThreadPoolExecutor(16) as pool:
                 outs = list(pool.map(lambda p: post_json(url, {**body, "prompt": p}), prompts))
@@ -456,7 +460,7 @@ def test_two_replicas_serve_lora_adapters_loaded_and_unloaded_on_both(monkeypatc
             after = _metrics(server.base_url)
             served = [after[("jaxserve:generation_tokens_total", r)] -
                       before[("jaxserve:generation_tokens_total", r)] for r in ("0", "1")]
-            assert sum(served) == 16 * 6 and min(served) > 0, (model_name, served)
+            assert sum(served) == 16 * n_tokens and min(served) > 0, (model_name, served)
             return [o["choices"][0]["text"] for _, o in outs]
 
         assert burst("a0") == expected["a0"]
