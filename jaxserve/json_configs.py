@@ -58,6 +58,9 @@ class SpeculativeConfig:
             d = {**d, "method": "draft_model"}      # vLLM: a model alone means a draft model
         if d.get("method") in cls.ALIASES:
             d = {**d, "method": cls.ALIASES[d["method"]]}
+        if d.get("method") == "mtp" and "num_speculative_tokens" not in d:
+            # vLLM's default for MTP: the checkpoint's num_nextn_predict_layers, 1 on V3 / R1
+            d = {**d, "num_speculative_tokens": 1}
         if d.get("method", "ngram") not in cls.METHODS:    # before the keys: an unknown method has its own
             raise ValueError(f"speculative_config.method must be one of {', '.join(cls.METHODS)}, got "
                              f"{d['method']!r}")

@@ -130,6 +130,7 @@ def test_config_names_and_refusals(tmp_path):
     spec = SpeculativeConfig.from_dict({"method": "deepseek_mtp", "num_speculative_tokens": 1})
     assert spec.method == "mtp" and spec.model is None
     assert SpeculativeConfig(method="deepseek_mtp").method == "mtp"
+    assert SpeculativeConfig.from_dict({"method": "mtp"}).num_speculative_tokens == 1     # vLLM's default
     assert SpeculativeConfig.from_dict({"method": "mtp", "model": "deepseek-ai/DeepSeek-V3"}).model
     with pytest.raises(ValueError, match="'mtp' with nnodes > 1"):
         EngineArgs(nnodes=2, speculative_config={"method": "mtp"})
