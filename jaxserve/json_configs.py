@@ -45,6 +45,7 @@ class SpeculativeConfig:
 
     METHODS = ("ngram", "suffix", "draft_model", "eagle3", "mtp")
     MODEL_METHODS = ("draft_model", "eagle3", "mtp")     # the methods whose drafts a model computes
+    MODEL_REQUIRED = ("draft_model", "eagle3")    # "mtp" defaults to the target's checkpoint
     ALIASES = {"deepseek_mtp": "mtp"}     # vLLM's older names
 
     @classmethod
@@ -88,7 +89,8 @@ class SpeculativeConfig:
         if self.num_speculative_tokens > 16:
             raise ValueError("speculative_config.num_speculative_tokens must be <= 16, got "
                              f"{self.num_speculative_tokens}")
-        if (self.method in self.MODEL_METHODS) != (self.model is not None) and self.method != "mtp":
+        if (self.method in self.MODEL_REQUIRED and self.model is None
+                or self.method not in self.MODEL_METHODS and self.model is not None):
             raise ValueError("speculative_config.model (a draft model or EAGLE-3 head path) is "
                              "required with methods 'draft_model' and 'eagle3' and only allowed "
                              f"with them and 'mtp', got method {self.method!r} and model {self.model!r}")

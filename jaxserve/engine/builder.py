@@ -336,9 +336,7 @@ def load_mtp_layer(args: EngineArgs, spec, cfg: ModelConfig, model_path: str, dt
     layer in spec.model (default: the target's checkpoint), placed on the target's mesh. Raises
     ValueError naming the field."""
     from jaxserve.models import mtp
-    if cfg.architecture not in mtp.ARCHITECTURES:
-        raise ValueError(f"speculative_config.method 'mtp': multi-token prediction runs on DeepSeek V3 / R1 "
-                         f"checkpoints ({', '.join(mtp.ARCHITECTURES)}); the target is {cfg.architecture}")
+    mtp.check_target(cfg)         # before the checkpoint's format is looked at
     tp = mesh.shape["tp"]
     if spec.draft_tensor_parallel_size not in (None, tp):
         raise ValueError(f"speculative_config.draft_tensor_parallel_size: the MTP layer runs split as the "

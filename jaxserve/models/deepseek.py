@@ -235,6 +235,11 @@ def decoder_layer(cfg: ModelConfig, backend: str, kv_quantize, plan: ShardingPla
     return (x, cache, cos, sin, meta), None
 
 
+def rope_tables(cfg: ModelConfig, positions: jax.Array):
+    """(cos, sin) of `positions` over MLA's rope dims (qk_rope_head_dim), YaRN included."""
+    return llama.rope_tables(dataclasses.replace(cfg, head_dim=cfg.mla.qk_rope_head_dim), positions)
+
+
 def forward(weights: Weights, cache: kvc.KVCache, tokens: jax.Array, positions: jax.Array,
             meta: attention.AttentionMetadata, *, cfg: ModelConfig, backend: str = "reference",
             kv_quantize=None, plan: ShardingPlan | None = None, each_layer=None):
@@ -243,7 +248,7 @@ def forward(weights: Weights, cache: kvc.KVCache, tokens: jax.Array, positions: 
     if not cache.latent:
         raise ValueError(f"{cfg.architecture} needs the latent KV cache layout (kv_cache.allocate(latent=True))")
     x = embed_lookup(plan, weights.embed, tokens).astype(weights.final_norm.dtype)
-    cos, sin = llama.rope_tables(dataclasses.replace(cfg, head_dim=cfg.mla.qk_rope_head_dim), positions)
+    cos, sin = rope_tables(cfg, positions)
     layers, stacks, xs = weights.layers, None, ()
     if layers.router is not None and layers.w_gate is not None:    # dense and MoE layers mixed
         if each_layer is not None:

@@ -70,14 +70,21 @@ class MtpWeights:
     embed: jax.Array | None = None  # always the target's table
 
 
+def check_target(target: ModelConfig, where: str = "speculative_config") -> None:
+    """ValueError naming `where` unless `target` is a family with an MTP layer."""
+    if target.architecture not in ARCHITECTURES:
+        raise ValueError(f"{where}.method 'mtp': multi-token prediction runs on DeepSeek V3 / R1 "
+                         f"checkpoints ({', '.join(ARCHITECTURES)}); the target is {target.architecture}")
+
+
 def config_of(hf: dict, target: ModelConfig, where: str = "speculative_config") -> MtpConfig:
     """The MTP layer's config from the checkpoint's config.json (dict); ValueError naming
     `where` when the checkpoint has none or does not fit the target."""
+    check_target(target, where)
     arch = (hf.get("architectures") or [""])[0]
-    if target.architecture not in ARCHITECTURES or arch not in ARCHITECTURES:
-        raise ValueError(f"{where}.method 'mtp': multi-token prediction runs on DeepSeek V3 / R1 "
-                         f"checkpoints ({', '.join(ARCHITECTURES)}); the target is "
-                         f"{target.architecture} and the checkpoint {arch or 'unnamed'}")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{where}.model: the MTP checkpoint is {arch or 'unnamed'}, not a DeepSeek V3 / R1 "
+                         f"one ({', '.join(ARCHITECTURES)})")
     n = hf.get("num_nextn_predict_layers") or 0
     if n < 1:
         raise ValueError(f"{where}.method 'mtp': the checkpoint has no multi-token prediction layer "
@@ -175,7 +182,7 @@ def forward(mcfg: MtpConfig, w: MtpWeights, cache, embeds: jax.Array, feature: j
     embeds = jnp.where((positions == 0)[:, None], 0, embeds)
     x = linear(jnp.concatenate([rms_norm(embeds, w.enorm, eps), rms_norm(feature, w.hnorm, eps)], axis=-1),
                w.eh_proj)
-    cos, sin = llama.rope_tables(dataclasses.replace(cfg, head_dim=cfg.mla.qk_rope_head_dim), positions)
+    cos, sin = deepseek.rope_tables(cfg, positions)
     body = partial(deepseek.decoder_layer, cfg, backend, kv_quantize, plan, None)
     x, cache = llama.run_layers(body, (x, cache, cos, sin, meta),
                                 (w.layer, jnp.zeros(1, jnp.int32)), 1)[:2]
