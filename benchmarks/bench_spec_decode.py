@@ -13,6 +13,8 @@ others are swapped in as the runner's draft model (each with its own KV pool). R
 the draft-model method switch the draft off, so they pay nothing for it. `--early-exit-layers
 N,...` only prints, for choosing N, how often the first-N-layer exit's argmax equals the full
 model's greedy token, teacher-forced along each prompt's greedy answer (no drafting).
+The speculative engine schedules asynchronously by default with ngram / suffix (steps without
+drafts run ahead; `--async-scheduling off`: every step synchronous, as before 2026-11-29).
 Workloads: "copy" (repeat a list, rewrite code with one change: the answer copies the prompt)
 and "open" (open-ended questions). Each (workload, batch, method) runs after a warm-up
 generate, alternating with the baseline, best of `--repeats`; tokens/s = generated tokens / wall
@@ -202,6 +204,9 @@ def main():
                     help="engine: an engine built without speculative_config (async scheduling, "
                          "the 1-token program: what a user without speculation runs); proposer: "
                          "the speculative engine with its proposer switched off")
+    ap.add_argument("--async-scheduling", choices=["default", "off"], default="default",
+                    help="the speculative engine's async scheduling: its default (on for ngram / "
+                         "suffix: steps without drafts run ahead) or off (every step synchronous)")
     ap.add_argument("--early-exit-layers", default="",
                     help="comma-separated N: print the early-exit agreement table and exit")
     a = ap.parse_args()
@@ -221,7 +226,8 @@ def main():
     spec = ({"model": paths[layers[0]], "num_speculative_tokens": a.k} if layers
             else {"method": "ngram", "num_speculative_tokens": a.k})
     llm = LLM(max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=max(batches),
-              num_gpu_blocks_override=512, enable_prefix_caching=False, speculative_config=spec)
+              num_gpu_blocks_override=512, enable_prefix_caching=False, speculative_config=spec,
+              async_scheduling=False if a.async_scheduling == "off" else None)
     DRAFTERS.update({f"draft-{n}": d for n, d in draft_runners(llm, paths, a.k).items()})
     off = llm if a.baseline == "proposer" else LLM(
         max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=max(batches),

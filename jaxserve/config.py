@@ -273,10 +273,9 @@ class EngineArgs:
     # vLLM's --gguf-file: the .gguf file inside `model` (a local directory or a Hub repo), the same
     # as naming `model` "DIR/FILE.gguf" or "org/name/FILE.gguf" (`model_location`).
     gguf_file: str | None = None
-    # The engine's own store of serialized step programs, one directory per key under this root
-    # (jaxserve.aot.store.open_cache): programs compiled once are loaded by later engines of the same
-    # model, flags, devices and jaxserve/jax versions, without touching jax.config. `LLM` passes
-    # DEFAULT_PROGRAM_CACHE_DIR unless told ("" or None: off); the CLI uses the compilation cache.
+    # The engine's own store of serialized step programs, a directory per key under this root
+    # (jaxserve.aot.store.open_cache), loaded by later engines of the same model, flags, devices and
+    # versions. `LLM` passes DEFAULT_PROGRAM_CACHE_DIR unless told ("" or None: off).
     program_cache_dir: str | None = None
     max_logprobs: int = 20
     # One answer per prompt whatever shares its step (vLLM's VLLM_BATCH_INVARIANT): on CPU every
@@ -284,10 +283,8 @@ class EngineArgs:
     # (`loader.cpu_matmuls_for`); refused, with the reason, where that cannot be (a GPU, dense
     # weights, several devices, an fp8 KV cache, ...).
     batch_invariant: bool = False
-    # vLLM's --async-scheduling: the engine launches step N + 1 before it reads step N's results,
-    # so the host's per-step work (collecting, stop checks, detokenising, scheduling) runs while
-    # the device computes (jaxserve/engine/llm_engine.py). None: on, except with speculative
-    # decoding (refused when asked for there: its drafts need the step's tokens on the host).
+    # vLLM's --async-scheduling: step N + 1 launched before step N's results are read, the host's
+    # work overlapping the device's (engine/llm_engine.py). None: on, but not with a model drafter.
     async_scheduling: bool | None = None
     # vLLM's structured_outputs_config.reasoning_parser (--reasoning-parser): a request's
     # structured output applies after its <think>...</think> reasoning (None: from its start).
@@ -430,11 +427,14 @@ class EngineArgs:
                                async_scheduling=self.uses_async_scheduling())
 
     def uses_async_scheduling(self) -> bool:
-        """`async_scheduling` resolved (None: on without speculative decoding)."""
-        if self.spec_config() is not None:
+        """`async_scheduling` resolved (None: on, except with a draft model, EAGLE-3 head or MTP
+        layer, whose drafts follow each step's tokens; with ngram / suffix see `LLMEngine.step`)."""
+        spec = self.spec_config()
+        if spec is not None and spec.method in spec.MODEL_METHODS:
             if self.async_scheduling:
-                raise ValueError("async_scheduling is not supported with speculative decoding (speculative_config): "
-                                 "the next step's drafts need this step's tokens on the host; leave it unset")
+                raise ValueError(f"async_scheduling is not supported with speculative_config method "
+                                 f"{spec.method!r}: its drafts need each step's tokens before the next "
+                                 "step is scheduled; leave it unset (ngram and suffix support it)")
             return False
         return self.async_scheduling is not False
 

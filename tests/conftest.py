@@ -84,6 +84,9 @@ def engine_variant(llm, *, enable_prefix_caching: bool | None = None,
     from changed configs; the original scheduler is restored afterwards. Yields the scheduler."""
     from jaxserve.core.scheduler import Scheduler
     engine = llm.llm_engine
+    # hands the finished ids to the worker, which drops them from its batch, and reads a step an
+    # async engine launched for a request that finished in the step before (its token dropped)
+    engine.step()
     assert not engine.has_unfinished_requests()
     cache_cfg, sched_cfg = engine.cache_config, engine.scheduler_config
     if enable_prefix_caching is not None:
@@ -97,7 +100,6 @@ def engine_variant(llm, *, enable_prefix_caching: bool | None = None,
     if async_scheduling is not None:
         sched_cfg = dataclasses.replace(sched_cfg, async_scheduling=async_scheduling)
     original = engine.scheduler
-    engine.step()   # hands the finished ids to the worker, which drops them from its batch
     engine.scheduler = Scheduler(sched_cfg, cache_cfg)
     try:
         yield engine.scheduler

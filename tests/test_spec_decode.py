@@ -102,17 +102,23 @@ def oracle(tokens):
     return (sum(tokens[-3:]) * 5 + len(tokens)) % VOCAB
 
 
-def test_rejected_drafts_roll_back_without_leaks_or_stale_kv():
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_rejected_drafts_roll_back_without_leaks_or_stale_kv(asynchronous):
     """A fake runner keeps a paged cache of tokens; every row's context is read back through its
     block table and must equal the request's known tokens. Drafts are right or wrong at random;
     outputs must equal plain decoding, prefix hits must only ever hit verified blocks, and the
-    pool must end empty."""
+    pool must end empty. Async scheduling as the engine runs it (`LLMEngine._waits_for`): a step
+    is scheduled while the one before is unapplied unless that one verified drafts or a request
+    has drafts proposed; its rows then carry placeholders for the tokens in flight."""
     from jaxserve.config import CacheConfig, SchedulerConfig
     from jaxserve.core.scheduler import Scheduler
+    from jaxserve.core.scheduler_output import PLACEHOLDER_TOKEN_ID
     rng = random.Random(0)
+    overlapped = 0
     for caching, num_blocks in ((True, 40), (False, 40), (True, 14)):
         sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24,
-                                          max_model_len=64, num_speculative_tokens=3),
+                                          max_model_len=64, num_speculative_tokens=3,
+                                          async_scheduling=asynchronous),
                           CacheConfig(block_size=4, enable_prefix_caching=caching),
                           num_blocks=num_blocks)
         cache = [None] * (num_blocks * 4)
@@ -127,21 +133,24 @@ def test_rejected_drafts_roll_back_without_leaks_or_stale_kv():
             expected[rid] = toks[len(prompt):]
             sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=20, ignore_eos=True),
                                       max_model_len=64))
-        done = {}
-        for _ in range(2000):
-            if not sched.has_unfinished_requests():
-                break
-            out = sched.schedule()
-            slot = lambda b, p: b[p // 4] * 4 + p % 4   # noqa: E731
-            for row in out.scheduled:
-                for i, tok in enumerate(row.token_ids):
-                    cache[slot(row.block_ids, row.num_computed_tokens + i)] = tok
+        truth = {rid: prompts[rid] + expected[rid] for rid in prompts}
+        done, in_flight = {}, None
+        slot = lambda b, p: b[p // 4] * 4 + p % 4   # noqa: E731
+        # the device's tokens: a placeholder is read from the cache slot its step wrote (the
+        # step's sampled token lands at the position after the row's last)
+        sampled_at = {}
+
+        def run(out):
             sampled = {}
             for row in out.scheduled:
-                req = sched.requests[row.request_id]
+                for i, tok in enumerate(row.token_ids):
+                    p = row.num_computed_tokens + i
+                    cache[slot(row.block_ids, p)] = (sampled_at[(row.request_id, p)]
+                                                     if tok == PLACEHOLDER_TOKEN_ID else tok)
+            for row in out.scheduled:
                 known = row.num_computed_tokens + len(row.token_ids) - len(row.spec_token_ids)
                 ctx = [cache[slot(row.block_ids, p)] for p in range(known)]
-                assert ctx == req.all_token_ids[:known]
+                assert ctx == truth[row.request_id][:known]     # placeholders' tokens included
                 if row.sample:
                     seq, new = list(ctx), []
                     for d in row.spec_token_ids + [None]:
@@ -150,19 +159,41 @@ def test_rejected_drafts_roll_back_without_leaks_or_stale_kv():
                             break
                         seq.append(d)
                     sampled[row.request_id] = new
-            for req in sched.update_from_output(out, sampled):
+                    sampled_at[(row.request_id, known + len(new) - 1)] = new[-1]
+            return out, sampled
+
+        def apply(step):
+            for req in sched.update_from_output(*step):
                 if req.is_finished():
                     done[req.request_id] = list(req.output_token_ids)
             for req in sched.running:      # propose: the right next tokens or junk
                 seq, drafts = list(req.all_token_ids), []
-                for _ in range(rng.randrange(0, 4)):
+                for _ in range(rng.randrange(0, 4) if rng.random() < 0.6 else 0):
                     drafts.append(oracle(seq) if rng.random() < 0.7 else rng.randrange(VOCAB))
                     seq.append(drafts[-1])
                 req.spec_token_ids = drafts
+
+        for _ in range(2000):
+            if not sched.has_unfinished_requests() and in_flight is None:
+                break
+            if in_flight is not None and (
+                    not asynchronous or any(r.spec_token_ids for r in sched.running)
+                    or any(row.spec_token_ids for row in in_flight[0].scheduled)):
+                apply(in_flight)
+                in_flight = None
+            step = run(sched.schedule())
+            if in_flight is not None:
+                overlapped += 1
+                apply(in_flight)
+            in_flight = step
+            if not asynchronous:
+                apply(in_flight)
+                in_flight = None
         assert done == expected
         assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks
         assert sched.spec_stats.num_accepted_tokens > 0
         assert sched.spec_stats.num_draft_tokens > sched.spec_stats.num_accepted_tokens
+    assert (overlapped > 0) == asynchronous
 
 
 # -- the engine on the default model ----------------------------------------------------------
@@ -260,6 +291,56 @@ def test_seeded_sampling_identical_with_speculation(spec_llm):
         assert a.keys() == b.keys()
         for tok in a:
             assert a[tok].logprob == pytest.approx(b[tok].logprob, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_async_scheduling_with_ngram_runs_ahead_only_where_nothing_drafts(spec_llm, variant):
+    """Async scheduling with a host proposer (on by default): outputs equal the synchronous
+    engine's (greedy, seeded with logprobs and a stop string, min_tokens), drafts are accepted,
+    and a step is launched while another is unread only when that one verified no drafts."""
+    runner = spec_llm.llm_engine.runner
+    params = [SamplingParams(temperature=0, max_tokens=40),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=32, logprobs=2, stop=["\n\n"]),
+              SamplingParams(temperature=0, max_tokens=24, min_tokens=24),
+              SamplingParams(temperature=0, max_tokens=24)]
+    prompts = COPY + OPEN
+
+    def run(asynchronous):
+        unread, ahead = {}, []
+        dispatch, collect = runner.dispatch, runner.collect
+
+        def dispatching(sched):
+            step = dispatch(sched)
+            if step is not None:
+                ahead.extend(s.scheduled for s in unread.values())
+                unread[id(step)] = sched
+            return step
+
+        def collecting(step):
+            unread.pop(id(step), None)
+            return collect(step)
+
+        runner.dispatch, runner.collect = dispatching, collecting
+        try:
+            with variant(spec_llm, async_scheduling=asynchronous) as sched:
+                outs = _chat(spec_llm, prompts, params, NGRAM)
+                accepted = sched.spec_stats.num_accepted_tokens
+        finally:
+            del runner.dispatch, runner.collect
+        return outs, accepted, ahead
+
+    sync, accepted_sync, ahead_sync = run(False)
+    asyn, accepted_async, ahead_async = run(True)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in asyn] == [
+        (o.token_ids, o.text, o.finish_reason) for o in sync]
+    # Same ids; values to bf16's precision: the two modes group the rows into steps differently,
+    # and on CPU a step of over 16 rows takes bf16 tiles where a smaller one takes the f32 kernel.
+    for a, b in zip(sync[1].logprobs, asyn[1].logprobs, strict=True):
+        assert a.keys() == b.keys()
+        assert all(a[t].logprob == pytest.approx(b[t].logprob, rel=1e-2, abs=2e-2) for t in a)
+    assert accepted_sync > 0 and accepted_async > 0
+    assert not ahead_sync and ahead_async       # async: some steps ran ahead ...
+    assert not any(row.spec_token_ids for rows in ahead_async for row in rows)  # ... never over drafts
 
 
 def test_spec_decode_counters_render_in_prometheus():

@@ -22,8 +22,12 @@ Contract with the engine:
   samples (token id PLACEHOLDER_TOKEN_ID; the worker takes it from that step's output on the
   device). A request whose in-flight tokens reach max_tokens / max_model_len is not scheduled
   again; one that stops one step late (EOS, stop ids, stop strings) has its extra row's token
-  dropped by `update_from_output` (the request is gone). Without it (synchronous steps, and
-  always with speculative decoding) `num_computed_tokens` advances in `update_from_output`.
+  dropped by `update_from_output` (the request is gone). Without it (synchronous steps)
+  `num_computed_tokens` advances in `update_from_output`. Drafts under async scheduling: a row
+  gets drafts only when none of its tokens is in flight (drafts proposed before that token would
+  be stale); its drafts count as computed at `schedule()` and the rejected ones roll back in
+  `update_from_output`, so the engine applies a step that verified drafts before it schedules
+  the next (`LLMEngine.step`).
 """
 
 from __future__ import annotations
@@ -176,7 +180,8 @@ class Scheduler:
         """The one place speculative tokens enter the budget: a row that samples this step
         (computes up to the last known token) carries the request's draft tokens, within what
         is left of the budget, of max_model_len and of max_tokens (the bonus token included)."""
-        if start + num_new < request.num_tokens or not request.spec_token_ids:
+        if (start + num_new < request.num_tokens or not request.spec_token_ids
+                or request.num_output_placeholders):     # a token in flight: proposed before it
             return []
         room = min(self.config.max_model_len - request.num_tokens,
                    request.max_tokens - request.num_output_tokens - 1)
@@ -410,6 +415,8 @@ class Scheduler:
             num_accepted = max(0, len(new_tokens) - 1) if num_drafts else 0
             if asynchronous:
                 request.num_output_placeholders = max(0, request.num_output_placeholders - row.sample)
+                if request.status == RequestStatus.RUNNING:     # (a preempted one restarts at 0)
+                    request.num_computed_tokens -= num_drafts - num_accepted
             else:
                 request.num_computed_tokens += len(row.token_ids) - num_drafts + num_accepted
             if num_drafts:

@@ -259,8 +259,7 @@ class LLMEngine:
         and launch step N + 1, then read step N's tokens and update while N + 1 runs (vLLM's
         async scheduler): each call returns the outputs of the step launched by the call before,
         so the device always has the next step queued while the host works. A step whose
-        schedule needs the tokens of the one in flight (a running request under a grammar: its
-        bitmask follows the last token) first waits for them.
+        schedule needs the tokens of the one in flight first waits for them (`_waits_for`).
 
         When the model step raises, only the requests of that step fail (finish_reason
         "error"); the engine keeps serving the rest. An error that leaves the runner unusable
@@ -271,8 +270,8 @@ class LLMEngine:
             self._publish_kv_events()
             return outputs
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and any(r.structured is not None for r in self.scheduler.running):
-            outputs = self._finish(*previous)       # the grammars need its tokens first
+        if previous is not None and self._waits_for(previous[0]):
+            outputs = self._finish(*previous)
             previous = None
         else:
             outputs = []
@@ -293,6 +292,15 @@ class LLMEngine:
             outputs, self._pending = self._pending + outputs, []
         self._publish_kv_events()
         return outputs
+
+    def _waits_for(self, in_flight: SchedulerOutput) -> bool:
+        """Whether the next schedule needs the tokens of the step in flight: a running request
+        under a grammar (its bitmask follows the last token); a row of that step verifying drafts
+        (how many are accepted sets where its request goes on); a request with drafts proposed
+        (from the tokens before that step's: it would verify them a token late). So with ngram
+        or suffix drafts the steps that draft run one at a time, and the others run ahead."""
+        return (any(r.structured is not None or r.spec_token_ids for r in self.scheduler.running)
+                or any(row.spec_token_ids for row in in_flight.scheduled))
 
     def _publish_kv_events(self) -> None:
         log = self.scheduler.kv_cache_manager.block_pool.event_log
