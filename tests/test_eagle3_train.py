@@ -22,6 +22,8 @@ def test_a_few_steps_lower_the_loss_and_write_a_loadable_head(llm, tmp_path):
     # the shared engine is intact: training donates the head's arrays, none of the target's
     assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(llm.llm_engine.runner.weights))
     assert report["sequences"] == 6 and report["answer_tokens"] > 40
+    # padded to the longest sequence (in 16s), within max_len
+    assert report["padded_len"] % 16 == 0 and report["padded_len"] <= 64
     assert len(log) >= 4 and log[-1]["loss"] < log[0]["loss"] - 0.5, log
     assert json.loads((out / "train_log.json").read_text())["log"] == log
     cfg = llm.llm_engine.runner.cfg

@@ -90,7 +90,10 @@ def generate_data(llm, prompts: list[str], aux_layer_ids: tuple[int, ...], *, ma
                                   backend=backend, aux_layers=aux_layer_ids)
         return aux.astype(jnp.float32), embed_rows(weights.embed, batch.tokens).astype(jnp.float32)
 
-    N, L, E = len(pairs), max_len, cfg.hidden_size
+    # Sequences padded only to the longest (rounded up to 16), not to max_len: training's cost
+    # grows with the padded length (its attention with its square).
+    N, E = len(pairs), cfg.hidden_size
+    L = min(max_len, -(-max(len(p) + len(a) for p, a in pairs) // 16) * 16)
     data = Eagle3Data(np.zeros((N, L), np.int32), np.zeros((N, L, len(aux_layer_ids) * E), np.float32),
                       np.zeros((N, L, E), np.float32), np.zeros((N, L), np.float32))
     for start in range(0, N, batch_size):
@@ -288,6 +291,7 @@ def train_head(out: str, model: str | None = None, *, prompts: list[str] | None 
                       steps=steps, seed=seed, time_limit_s=remaining)
     eagle3.save(out, ecfg, head)
     report = dict(model=model or "default", sequences=len(data), answer_tokens=int(data.answer.sum()),
+                  padded_len=int(data.tokens.shape[1]),
                   draft_vocab_size=ecfg.draft_vocab_size, aux_layer_ids=list(ecfg.aux_layer_ids),
                   data_seconds=round(t_data, 1), total_seconds=round(time.perf_counter() - t0, 1),
                   machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {jax.default_backend()}",
