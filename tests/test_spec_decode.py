@@ -102,6 +102,76 @@ def oracle(tokens):
     return (sum(tokens[-3:]) * 5 + len(tokens)) % VOCAB
 
 
+class _OracleRunner:
+    """The fake runner of the rollback test: a paged cache of tokens (block size 4); a row's
+    placeholder reads the token its request's step in flight sampled at that position; the
+    oracle samples, accepting drafts while they equal its tokens; after each applied step every
+    running request gets random drafts (the oracle's next tokens, or junk)."""
+
+    def __init__(self, sched, num_blocks: int, truth: dict, rng):
+        self.sched, self.truth, self.rng = sched, truth, rng
+        self.cache = [None] * (num_blocks * 4)
+        self.sampled_at, self.done = {}, {}
+
+    def run(self, out):
+        from jaxserve.core.scheduler_output import PLACEHOLDER_TOKEN_ID
+        slot = lambda b, p: b[p // 4] * 4 + p % 4   # noqa: E731
+        sampled = {}
+        for row in out.scheduled:
+            for i, tok in enumerate(row.token_ids):
+                p = row.num_computed_tokens + i
+                self.cache[slot(row.block_ids, p)] = (self.sampled_at[(row.request_id, p)]
+                                                      if tok == PLACEHOLDER_TOKEN_ID else tok)
+        for row in out.scheduled:
+            known = row.num_computed_tokens + len(row.token_ids) - len(row.spec_token_ids)
+            ctx = [self.cache[slot(row.block_ids, p)] for p in range(known)]
+            assert ctx == self.truth[row.request_id][:known]     # placeholders' tokens included
+            if row.sample:
+                seq, new = list(ctx), []
+                for d in row.spec_token_ids + [None]:
+                    new.append(oracle(seq))
+                    if d is None or new[-1] != d:
+                        break
+                    seq.append(d)
+                sampled[row.request_id] = new
+                self.sampled_at[(row.request_id, known + len(new) - 1)] = new[-1]
+        return out, sampled
+
+    def apply(self, step) -> None:
+        rng = self.rng
+        for req in self.sched.update_from_output(*step):
+            if req.is_finished():
+                self.done[req.request_id] = list(req.output_token_ids)
+        for req in self.sched.running:      # propose: the right next tokens or junk
+            seq, drafts = list(req.all_token_ids), []
+            for _ in range(rng.randrange(0, 4) if rng.random() < 0.6 else 0):
+                drafts.append(oracle(seq) if rng.random() < 0.7 else rng.randrange(VOCAB))
+                seq.append(drafts[-1])
+            req.spec_token_ids = drafts
+
+    def drive(self, asynchronous: bool) -> int:
+        """Run every request to the end as LLMEngine.step does; returns how many steps were
+        scheduled while the one before was unapplied."""
+        sched, in_flight, overlapped = self.sched, None, 0
+        for _ in range(2000):
+            if not sched.has_unfinished_requests() and in_flight is None:
+                break
+            if in_flight is not None and (
+                    not asynchronous or any(r.spec_token_ids for r in sched.running)
+                    or any(row.spec_token_ids for row in in_flight[0].scheduled)):
+                self.apply(in_flight)
+                in_flight = None
+            step = self.run(sched.schedule())
+            if in_flight is not None:
+                overlapped += 1
+                self.apply(in_flight)
+            in_flight = step
+            if not asynchronous:
+                self.apply(in_flight)
+                in_flight = None
+        return overlapped
+
+
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_rejected_drafts_roll_back_without_leaks_or_stale_kv(asynchronous):
     """A fake runner keeps a paged cache of tokens; every row's context is read back through its
@@ -112,7 +182,6 @@ def test_rejected_drafts_roll_back_without_leaks_or_stale_kv(asynchronous):
     has drafts proposed; its rows then carry placeholders for the tokens in flight."""
     from jaxserve.config import CacheConfig, SchedulerConfig
     from jaxserve.core.scheduler import Scheduler
-    from jaxserve.core.scheduler_output import PLACEHOLDER_TOKEN_ID
     rng = random.Random(0)
     overlapped = 0
     for caching, num_blocks in ((True, 40), (False, 40), (True, 14)):
@@ -121,7 +190,6 @@ def test_rejected_drafts_roll_back_without_leaks_or_stale_kv(asynchronous):
                                           async_scheduling=asynchronous),
                           CacheConfig(block_size=4, enable_prefix_caching=caching),
                           num_blocks=num_blocks)
-        cache = [None] * (num_blocks * 4)
         prompts = {f"r{i}": [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 12))]
                    for i in range(10)}
         prompts["dup"] = list(prompts["r0"])                       # a prefix-cache hit
@@ -133,62 +201,9 @@ def test_rejected_drafts_roll_back_without_leaks_or_stale_kv(asynchronous):
             expected[rid] = toks[len(prompt):]
             sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=20, ignore_eos=True),
                                       max_model_len=64))
-        truth = {rid: prompts[rid] + expected[rid] for rid in prompts}
-        done, in_flight = {}, None
-        slot = lambda b, p: b[p // 4] * 4 + p % 4   # noqa: E731
-        # the device's tokens: a placeholder is read from the cache slot its step wrote (the
-        # step's sampled token lands at the position after the row's last)
-        sampled_at = {}
-
-        def run(out):
-            sampled = {}
-            for row in out.scheduled:
-                for i, tok in enumerate(row.token_ids):
-                    p = row.num_computed_tokens + i
-                    cache[slot(row.block_ids, p)] = (sampled_at[(row.request_id, p)]
-                                                     if tok == PLACEHOLDER_TOKEN_ID else tok)
-            for row in out.scheduled:
-                known = row.num_computed_tokens + len(row.token_ids) - len(row.spec_token_ids)
-                ctx = [cache[slot(row.block_ids, p)] for p in range(known)]
-                assert ctx == truth[row.request_id][:known]     # placeholders' tokens included
-                if row.sample:
-                    seq, new = list(ctx), []
-                    for d in row.spec_token_ids + [None]:
-                        new.append(oracle(seq))
-                        if d is None or new[-1] != d:
-                            break
-                        seq.append(d)
-                    sampled[row.request_id] = new
-                    sampled_at[(row.request_id, known + len(new) - 1)] = new[-1]
-            return out, sampled
-
-        def apply(step):
-            for req in sched.update_from_output(*step):
-                if req.is_finished():
-                    done[req.request_id] = list(req.output_token_ids)
-            for req in sched.running:      # propose: the right next tokens or junk
-                seq, drafts = list(req.all_token_ids), []
-                for _ in range(rng.randrange(0, 4) if rng.random() < 0.6 else 0):
-                    drafts.append(oracle(seq) if rng.random() < 0.7 else rng.randrange(VOCAB))
-                    seq.append(drafts[-1])
-                req.spec_token_ids = drafts
-
-        for _ in range(2000):
-            if not sched.has_unfinished_requests() and in_flight is None:
-                break
-            if in_flight is not None and (
-                    not asynchronous or any(r.spec_token_ids for r in sched.running)
-                    or any(row.spec_token_ids for row in in_flight[0].scheduled)):
-                apply(in_flight)
-                in_flight = None
-            step = run(sched.schedule())
-            if in_flight is not None:
-                overlapped += 1
-                apply(in_flight)
-            in_flight = step
-            if not asynchronous:
-                apply(in_flight)
-                in_flight = None
+        runner = _OracleRunner(sched, num_blocks, {rid: prompts[rid] + expected[rid] for rid in prompts}, rng)
+        overlapped += runner.drive(asynchronous)
+        done = runner.done
         assert done == expected
         assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks
         assert sched.spec_stats.num_accepted_tokens > 0

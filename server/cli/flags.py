@@ -148,7 +148,7 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("async_scheduling", "SchedulerConfig", dict(action=argparse.BooleanOptionalAction,
                                                  help="Launch each step before the last one's tokens are read, so the "
                                                  "host's work overlaps the device's.",
-                                                 shown_default="on; off with speculative decoding")),
+                                                 shown_default="on; off with a draft model, EAGLE-3 or MTP")),
     ("tensor_parallel_size", "ParallelConfig", dict(type=int, help="Tensor-parallel devices.")),
     ("enable_expert_parallel", "ParallelConfig", dict(action=argparse.BooleanOptionalAction,
                                                       help="Expert parallelism for MoE layers.")),
