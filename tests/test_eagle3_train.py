@@ -44,3 +44,23 @@ def test_cli_refuses_bad_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train-eagle3", "--out", str(tmp_path / "h"), "--prompts", str(empty)])
     assert "holds no prompt" in capsys.readouterr().err
+    for flag, value, message in (("--num-prompts", "0", "--num-prompts must be >= 1"),
+                                 ("--time-limit", "-1", "--time-limit must be >= 0")):
+        with pytest.raises(SystemExit):
+            main(["train-eagle3", "--out", str(tmp_path / "h"), flag, value])
+        assert message in capsys.readouterr().err
+
+
+def test_built_in_prompts_are_distinct_and_spare_the_held_out_ones():
+    import sys
+    from pathlib import Path
+
+    from jaxserve.training.eagle3 import DEFAULT_NUM_PROMPTS, default_prompts
+    prompts = default_prompts()
+    assert len(prompts) == len(set(prompts)) == 2748 and default_prompts(DEFAULT_NUM_PROMPTS) == prompts[:1200]
+    # the first 240 as before (the notebook trains on the first topics and holds out later ones)
+    assert prompts[:2] == ["Explain the ocean in simple terms.", "Write a short paragraph about the ocean."]
+    assert prompts[239] == "Describe the brain to a child."
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from bench_eagle3 import HELD_OUT
+    assert not set(HELD_OUT) & set(prompts)

@@ -46,11 +46,46 @@ _TOPICS = ["the ocean", "volcanoes", "the moon", "bread baking", "honey bees", "
 _TEMPLATES = ["Explain {} in simple terms.", "Write a short paragraph about {}.",
               "Give three facts about {}.", "How does {} work?", "Why is {} important?",
               "Describe {} to a child."]
+_MORE_TOPICS = (
+    "tigers, elephants, whales, owls, spiders, ants, butterflies, wolves, dolphins, sharks, frogs, horses, cats, "
+    "dogs, rabbits, eagles, octopuses, jellyfish, coral reefs, rainforests, glaciers, tornadoes, hurricanes, "
+    "lightning, the sun, Mars, Jupiter, black holes, comets, stars, the Milky Way, telescopes, microscopes, "
+    "batteries, magnets, electricity, computers, smartphones, video games, social media, email, passwords, "
+    "cloud computing, artificial intelligence, databases, programming, the Python language, spreadsheets, "
+    "3D printing, drones, satellites, GPS, radio, television, cameras, movies, theater, painting, sculpture, "
+    "poetry, novels, jazz, rock music, the guitar, the violin, drums, opera, dance, photography, architecture, "
+    "bridges, skyscrapers, castles, pyramids, ancient Egypt, ancient Greece, the Vikings, the Middle Ages, "
+    "the Renaissance, the Industrial Revolution, democracy, elections, taxes, banks, money, inflation, "
+    "budgeting, saving money, credit cards, shopping, advertising, small businesses, job interviews, teamwork, "
+    "leadership, public speaking, time management, studying, exams, learning a language, reading, "
+    "writing essays, mathematics, fractions, geometry, algebra, statistics, probability, physics, chemistry, "
+    "biology, DNA, cells, bacteria, viruses, the immune system, nutrition, vitamins, exercise, running, "
+    "swimming, yoga, meditation, stress, happiness, gardening, houseplants, composting, farming, wheat, rice, "
+    "potatoes, apples, chocolate, pizza, soup, salad, cooking pasta, baking cookies, breakfast, camping, hiking, "
+    "fishing, sailing, travel, maps, hotels, airports, city life, village life, neighbors, parks, museums, zoos, "
+    "birthdays, holidays, weddings, grandparents, babies, teenagers, pets, kindness, honesty, patience, courage, "
+    "curiosity, habits, goals, weather, seasons, autumn, winter, spring, summer, water, air pollution, "
+    "climate change, wind power, nuclear power, oil, plastic, glass, paper, wood, steel, gold, diamonds, salt, "
+    "sugar").split(", ")
+_MORE_TEMPLATES = ["What are the pros and cons of {}?", "Tell me something surprising about {}.",
+                   "Write a short poem about {}.", "What should a beginner know about {}?",
+                   "Summarize the history of {}.", "Give me some tips related to {}."]
+# The prompts `jaxserve train-eagle3` trains on by default: 1,200 answers fill its ~10 minutes on
+# a 2-core CPU (5x the first 240 raised held-out acceptance 1.26 -> 1.41, benchmarks/RESULTS.md).
+DEFAULT_NUM_PROMPTS = 1200
 
 
-def default_prompts() -> list[str]:
-    """240 chat prompts (6 templates x 40 topics): the training set of `jaxserve train-eagle3`."""
-    return [t.format(topic) for topic in _TOPICS for t in _TEMPLATES]
+def default_prompts(n: int | None = None) -> list[str]:
+    """The built-in chat prompts (the first `n`; None: all 2,748): first the 240 of 6 templates x
+    40 topics, topic by topic, then every other pairing of 12 templates with 229 topics in a
+    fixed shuffled order (so any prefix spreads over them)."""
+    first = [t.format(topic) for topic in _TOPICS for t in _TEMPLATES]
+    rest = [t.format(topic) for topic in _TOPICS + _MORE_TOPICS for t in _TEMPLATES + _MORE_TEMPLATES]
+    seen = set(first)
+    rest = [p for p in rest if p not in seen]
+    np.random.default_rng(0).shuffle(rest)
+    prompts = first + rest
+    return prompts if n is None else prompts[:n]
 
 
 @dataclasses.dataclass
@@ -260,7 +295,7 @@ def train(ecfg: eagle3.Eagle3Config, head: eagle3.Eagle3Weights, data: Eagle3Dat
 
 
 def train_head(out: str, model: str | None = None, *, prompts: list[str] | None = None, max_tokens: int = 96,
-               max_len: int = 256, draft_vocab_size: int = 4096, epochs: int = 3, batch_size: int = 4,
+               max_len: int = 256, draft_vocab_size: int = 4096, epochs: int = 2, batch_size: int = 4,
                learning_rate: float = 1e-3, steps: int = 3, time_limit_s: float | None = None, seed: int = 0,
                llm=None) -> dict:
     """The whole recipe (module docstring): load `model` (None: the default one) or use `llm`,
@@ -281,7 +316,7 @@ def train_head(out: str, model: str | None = None, *, prompts: list[str] | None 
     engine = llm.llm_engine
     cfg, weights = engine.runner.cfg, engine.runner.weights
     ecfg = eagle3.config_for(cfg, draft_vocab_size=min(draft_vocab_size, cfg.vocab_size))
-    prompts = default_prompts() if prompts is None else prompts
+    prompts = default_prompts(DEFAULT_NUM_PROMPTS) if prompts is None else prompts
     data = generate_data(llm, prompts, ecfg.aux_layer_ids, max_tokens=max_tokens, max_len=max_len)
     t_data = time.perf_counter() - t0
     draft_ids = draft_vocabulary(data, ecfg.draft_vocab_size, cfg.vocab_size)
