@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import aiohttp
 
@@ -68,7 +69,7 @@ def wait_ready(url: str, proc: subprocess.Popen, log_path: str, timeout: float =
             except OSError:
                 pass
         if healthy:
-            text = open(log_path).read()
+            text = Path(log_path).read_text()
             if "building in the background" not in text or "background warm-up done" in text:
                 return
         time.sleep(1)
