@@ -30,6 +30,7 @@ from jaxserve.default_model import DEFAULT_MODEL_NAME, default_model_path
 from jaxserve.engine import multihost
 from jaxserve.engine.fallback import Choice, build_with_fallback, fallback_plan
 from jaxserve.engine.pooling import engine_args_for_pooling
+from jaxserve.layers import int4_cpu
 from jaxserve.layers.experts import ExpertWeight, default_layout, experts_read_in_place
 from jaxserve.layers.fp8 import Fp8Weight
 from jaxserve.layers.host_weights import offload_layer_weights
@@ -418,6 +419,9 @@ def _weight_kind(w) -> str:
     if isinstance(w, Int4Weight):
         kernel = (f"fused CPU kernel up to {w.fused_max_rows} rows, dequantised tiles above"
                   if w.fused_max_rows is not None else "dequantised tiles")
+        if w.amx_min_rows is not None:
+            kernel = (f"fused CPU kernel below {w.amx_min_rows} rows, AMX kernel up to {int4_cpu.AMX_MAX_ROWS}, "
+                      "dequantised tiles above")
         return f"int{w.bits} ({kernel})"
     if isinstance(w, DenseWeight):
         return f"dense {jax.numpy.dtype(w.w.dtype).name} (XLA dot)"

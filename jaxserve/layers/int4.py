@@ -62,6 +62,8 @@ class Int4Weight:
       dequantised to bf16 (f32 accumulation); None: tiles in the activation dtype (`with_bf16_tiles`).
     fused_max_rows: activations of at most this many rows take the fused CPU kernel
       (layers/int4_cpu.py) where it fits; None: always the tiles (`with_fused_kernel`).
+    amx_min_rows: activations of this many rows or more (to `int4_cpu.AMX_MAX_ROWS`) take the AMX
+      kernel where it fits (`int4_cpu.amx()`: the bf16 tiles' arithmetic, 3-6x faster); None: never.
     fused_int8_x: int4 matmuls in the fused kernel split their activations into two int8 parts per
       block of 32 inputs (to 1.6e-5 of the block's max) and sum integer dot products
       (`int4_cpu.int8_dot()`; the CPU's `--dtype auto`).
@@ -90,6 +92,7 @@ class Int4Weight:
     fused_int8_x: bool = False
     zero_point: int | None = None
     col_block: int = 0
+    amx_min_rows: int | None = None
 
     @property
     def pack(self) -> int:
@@ -120,7 +123,8 @@ class Int4Weight:
 
 jax.tree_util.register_dataclass(Int4Weight, data_fields=["q", "scale", "zero", "perm", "offset", "layer"],
                                  meta_fields=["group_size", "in_shards", "bits", "out_shards", "bf16_min_rows",
-                                              "fused_max_rows", "fused_int8_x", "zero_point", "col_block"])
+                                              "fused_max_rows", "fused_int8_x", "zero_point", "col_block",
+                                              "amx_min_rows"])
 
 
 def _is_int4(x) -> bool:
@@ -136,14 +140,18 @@ def with_bf16_tiles(weights, min_rows: int = BF16_MIN_ROWS):
                         weights, is_leaf=_is_int4)
 
 
-def with_fused_kernel(weights, max_rows: int = int4_cpu.FUSED_MAX_ROWS, int8_x: bool = False):
+def with_fused_kernel(weights, max_rows: int = int4_cpu.FUSED_MAX_ROWS, int8_x: bool = False,
+                      amx_min_rows: int | None = None):
     """`weights` (any pytree) with every `Int4Weight`'s matmul of at most `max_rows` rows taking the
-    fused CPU kernel where it fits (`Int4Weight.fused_max_rows`; call `int4_cpu.load()` first), and
+    fused CPU kernel where it fits (`Int4Weight.fused_max_rows`; call `int4_cpu.load()` first),
     with `int8_x` the int4 ones taking their activations as int8 parts (`Int4Weight.fused_int8_x`;
-    needs `int4_cpu.int8_dot()`)."""
+    needs `int4_cpu.int8_dot()`), and from `amx_min_rows` rows the AMX kernel (needs `int4_cpu.amx()`)."""
     if int8_x and int4_cpu.int8_dot() is None:
         raise ValueError("int8_x: the fused CPU kernel has no integer dot product here (int4_cpu.int8_dot())")
-    return jax.tree.map(lambda w: dataclasses.replace(w, fused_max_rows=max_rows, fused_int8_x=int8_x)
+    if amx_min_rows is not None and not int4_cpu.amx():
+        raise ValueError("amx_min_rows: the AMX kernel does not run here (int4_cpu.amx() is False)")
+    return jax.tree.map(lambda w: dataclasses.replace(w, fused_max_rows=max_rows, fused_int8_x=int8_x,
+                                                      amx_min_rows=amx_min_rows)
                         if isinstance(w, Int4Weight) else w, weights, is_leaf=_is_int4)
 
 
@@ -181,7 +189,7 @@ def _kept_whole(w) -> bool:
     """Stacks the layer scan hands to its body whole (their kernels read layer `layer` in place):
     an `Int4Weight` on the fused CPU kernel, and on a GPU dense experts (the grouped matmul)."""
     if _is_int4(w):
-        return w.fused_max_rows is not None and len(w.shape) == 3
+        return (w.fused_max_rows is not None or w.amx_min_rows is not None) and len(w.shape) == 3
     return isinstance(w, ExpertWeight) and experts_read_in_place(w)
 
 
@@ -325,8 +333,9 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
     `w.bf16_min_rows` says). Under tensor parallelism
     each device's block (`in_shards` slices of the rows, `out_shards` of the columns) is tiled on
     its own, so no tile straddles two devices; row-parallel partial sums are added once at the end.
-    Up to `w.fused_max_rows` rows go to the fused CPU kernel instead, where it takes the weight."""
-    if _fused(x, w):
+    Up to `w.fused_max_rows` rows go to the fused CPU kernel instead, where it takes the weight,
+    and from `w.amx_min_rows` rows the AMX kernel."""
+    if _amx(x, w) or _fused(x, w):
         return _fused_matmul(x, w).astype(out_dtype or x.dtype)
     layer = None                 # a stack in column blocks: the layer `cut` copies its tiles from
     if w.col_block and int4_cpu.load() is None:
@@ -405,11 +414,19 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
     return y.reshape(*lead, N).astype(out_dtype or x.dtype)
 
 
+def _kernel_takes(w: Int4Weight) -> bool:
+    return (w.in_shards == 1 and w.out_shards == 1 and
+            int4_cpu.fits(w.q, w.scale, w.zero, w.offset, w.group_size, w.bits, w.layer is not None, w.col_block))
+
+
 def _fused(x: jax.Array, w: Int4Weight) -> bool:
-    return (w.fused_max_rows is not None and 1 <= math.prod(x.shape[:-1]) <= w.fused_max_rows
-            and w.in_shards == 1 and w.out_shards == 1
-            and int4_cpu.fits(w.q, w.scale, w.zero, w.offset, w.group_size, w.bits, w.layer is not None,
-                              w.col_block))
+    return w.fused_max_rows is not None and 1 <= math.prod(x.shape[:-1]) <= w.fused_max_rows and _kernel_takes(w)
+
+
+def _amx(x: jax.Array, w: Int4Weight) -> bool:
+    rows = math.prod(x.shape[:-1])
+    return (w.amx_min_rows is not None and w.amx_min_rows <= rows and int4_cpu.amx_pays(rows)
+            and int4_cpu.amx_fits(w.shape[-2], w.bits) and _kernel_takes(w))
 
 
 def _int8_x(w: Int4Weight) -> bool:
@@ -418,14 +435,16 @@ def _int8_x(w: Int4Weight) -> bool:
 
 @jax.custom_vjp
 def _fused_matmul(x: jax.Array, w: Int4Weight) -> jax.Array:
-    """x [..., in] @ w through the fused CPU kernel -> [..., out] f32."""
+    """x [..., in] @ w through the fused CPU kernel (the AMX one where `_amx`) -> [..., out] f32."""
     K, N = w.shape
+    amx = _amx(x, w)
     lead = x.shape[:-1]
     if w.perm is not None:
         perm = w.perm if w.layer is None else jax.lax.dynamic_index_in_dim(w.perm, w.layer, keepdims=False)
         x = jnp.take(x, perm, axis=-1)
     y = int4_cpu.matmul(x.reshape(-1, K), w.q, w.scale, w.zero, w.offset, w.layer, w.group_size, w.bits,
-                        int8_x=_int8_x(w), zero_point=w.group_zero, col_block=w.col_block)
+                        int8_x=_int8_x(w) and not amx, zero_point=w.group_zero, col_block=w.col_block,
+                        amx=amx)
     return y.reshape(*lead, N)
 
 
@@ -437,7 +456,7 @@ def _fused_bwd(res, g):
     """Gradients through the tiles (the kernel has no transpose): the same matmul, differentiable."""
     x, w = res
     dx, dw = jax.vjp(lambda x, w: int4_linear(x, w, out_dtype=jnp.float32), x,
-                     dataclasses.replace(checkpoint_layout(w), fused_max_rows=None))[1](g)
+                     dataclasses.replace(checkpoint_layout(w), fused_max_rows=None, amx_min_rows=None))[1](g)
     if w.col_block:       # the cotangents back in column blocks (integer codes' are float0 zeros)
         def back(d, like):
             if d is None or d.dtype == jax.dtypes.float0:
@@ -445,7 +464,7 @@ def _fused_bwd(res, g):
             return _to_blocks(d, w.col_block)
         dw = dataclasses.replace(dw, q=back(dw.q, w.q), scale=back(dw.scale, w.scale), zero=back(dw.zero, w.zero),
                                  offset=back(dw.offset, w.offset), col_block=w.col_block)
-    return dx, dataclasses.replace(dw, fused_max_rows=w.fused_max_rows)
+    return dx, dataclasses.replace(dw, fused_max_rows=w.fused_max_rows, amx_min_rows=w.amx_min_rows)
 
 
 _fused_matmul.defvjp(_fused_fwd, _fused_bwd)

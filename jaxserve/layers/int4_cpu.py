@@ -60,7 +60,14 @@ ATTENTION_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cc"
 HEADERS = tuple(Path(__file__).with_name("csrc") / h for h in ("claims.h", "simd.h", "int8_dot.h"))   # included
 UNBLOCK_TARGET = "jaxserve_unblock"       # column blocks -> the checkpoint layout, for the tiles
 UNBLOCK_SOURCE = Path(__file__).with_name("csrc") / "unblock.cc"
-SOURCES = (SOURCE, ATTENTION_SOURCE, UNBLOCK_SOURCE)
+# many rows on Intel AMX's bf16 tiles (csrc/amx_matmul.cc): where this build and process have them
+AMX_TARGET = "jaxserve_amx_matmul"
+# Past this many rows XLA's bf16 tiles (dequantised once a tile) are as fast: the kernel dequantises
+# the weight again for every 64 rows (this model's matrices: 0.5-1x the tiles' time at 256 rows,
+# 1.1-1.2x at 512, 2-3x at 2,048; 0.2-0.3x at 16-64). Prefill beyond it keeps the tiles.
+AMX_MAX_ROWS = 256
+AMX_SOURCE = Path(__file__).with_name("csrc") / "amx_matmul.cc"
+SOURCES = (SOURCE, ATTENTION_SOURCE, UNBLOCK_SOURCE, AMX_SOURCE)
 
 
 def _compiler() -> str | None:
@@ -156,6 +163,8 @@ def load() -> str | None:
         return "no C++ compiler found (set CXX)"
     try:
         _INT8_DOT[0] = register(build(cxx), TARGET, ATTENTION_TARGET)
+        if os.environ.get("JAXSERVE_CPU_AMX", "1") == "0":
+            _AMX[0] = False
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return f"the kernel did not build: {e}"
     return None
@@ -163,6 +172,7 @@ def load() -> str | None:
 
 _INT8_DOTS = {1: "AVX512-VNNI", 2: "AVX2"}
 _INT8_DOT: list[str | None] = [None]
+_AMX: list[bool] = [False]
 
 
 def register(library: Path, target: str, attention_target: str | None = None) -> str | None:
@@ -173,6 +183,9 @@ def register(library: Path, target: str, attention_target: str | None = None) ->
     if attention_target is not None:
         jax.ffi.register_ffi_target(attention_target, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
         jax.ffi.register_ffi_target(UNBLOCK_TARGET, jax.ffi.pycapsule(lib.JaxserveUnblock), platform="cpu")
+        _AMX[0] = bool(lib.JaxserveAmx())      # asks Linux for the tile registers (once a process)
+        if _AMX[0]:
+            jax.ffi.register_ffi_target(AMX_TARGET, jax.ffi.pycapsule(lib.JaxserveAmxMatmul), platform="cpu")
     return _INT8_DOTS.get(lib.JaxserveInt4Int8Dot())
 
 
@@ -180,6 +193,23 @@ def int8_dot() -> str | None:
     """The integer dot product the loaded kernel runs `int8_x` matmuls on (\"AVX512-VNNI\" or
     \"AVX2\"), or None: not loaded, or no such instructions in this build (then `int8_x` is refused)."""
     return _INT8_DOT[0] if load() is None else None
+
+
+def amx() -> bool:
+    """Whether the many-row AMX kernel (csrc/amx_matmul.cc: bf16 tiles, the arithmetic of the
+    engine's bf16 tiles) runs here: built for AMX-BF16, the process granted the tile registers, and
+    not turned off (`JAXSERVE_CPU_AMX=0`)."""
+    return load() is None and _AMX[0]
+
+
+def amx_fits(K: int, bits: int) -> bool:
+    """Whether the AMX kernel takes a weight of K input rows (a `fits` one): chunks of 32 inputs."""
+    return K % 32 == 0 and bits in (4, 8)
+
+
+def amx_pays(rows: int) -> bool:
+    """Whether the AMX kernel beats the tiles at this many rows (`AMX_MAX_ROWS`)."""
+    return rows <= AMX_MAX_ROWS
 
 
 def _columns(scale, col_block: int) -> int:
@@ -199,24 +229,32 @@ def fits(q, scale, zero, offset, group_size: int, bits: int, stacked: bool, col_
 
 def matmul(x: jax.Array, q, scale, zero, offset, layer, group_size: int, bits: int,
            int8_x: bool = False, target: str = TARGET, zero_point: int | None = None,
-           col_block: int = 0) -> jax.Array:
+           col_block: int = 0, amx: bool = False) -> jax.Array:
     """x [M, K] f32 (MAX_ROWS rows a pass over the weight) @ the quantized [K, N] weight (the `layer` slice of a
     [L, ...] stack when `layer` is an index, else 2-D arrays) -> [M, N] f32. `load()` first (or
     `register` a build as `target`). `int8_x` (int4 codes, a build with an integer dot product):
     x as two int8 parts per block of 32 inputs. `zero_point`: the groups' zero point without a
     `zero` array (default 8 for int4, 0 for int8, as `layers.int4.zero_point_of`); `col_block`:
-    the arrays are column blocks [(L,) N / col_block, rows, col_block] (`Int4Weight.col_block`)."""
+    the arrays are column blocks [(L,) N / col_block, rows, col_block] (`Int4Weight.col_block`).
+    `amx`: the AMX kernel instead (any rows; x and the dequantised weight rounded to bf16, f32
+    sums; `amx()` first, K a multiple of 32)."""
     M = x.shape[0]
+    if amx:
+        if int8_x or not amx_fits(x.shape[1], bits) or (target == TARGET and not _AMX[0]):
+            raise ValueError(f"the AMX kernel takes f32 x with K a multiple of 32 where amx() is True "
+                             f"(int8_x={int8_x}, K={x.shape[1]}, bits={bits}, amx()={_AMX[0]})")
+        target = AMX_TARGET
     if int8_x and (bits != 4 or (target == TARGET and int8_dot() is None)):
         raise ValueError("int8_x needs int4 codes and a kernel built with an integer dot product "
                          f"(bits={bits}, int8_dot()={int8_dot()})")
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, _columns(scale, col_block)), jnp.float32),
                             vmap_method="sequential")
+    more = {} if amx else {"int8_x": bool(int8_x)}
     return call(x.astype(jnp.float32), q, scale,
                 jnp.zeros((0,), jnp.uint8) if zero is None else zero,
                 jnp.zeros((0,), scale.dtype) if offset is None else offset,
                 jnp.asarray(0 if layer is None else layer, jnp.int32),
-                group_size=np.int64(group_size), bits=np.int64(bits), int8_x=bool(int8_x),
+                group_size=np.int64(group_size), bits=np.int64(bits), **more,
                 zero_point=np.int64((8 if bits == 4 else 0) if zero_point is None else zero_point),
                 col_block=np.int64(col_block))
 

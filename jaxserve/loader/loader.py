@@ -24,7 +24,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.host_memory import release_freed_host_memory
 from jaxserve.layers import int4_cpu
-from jaxserve.layers.int4 import Int4Weight, with_bf16_tiles, with_fused_kernel
+from jaxserve.layers.int4 import BF16_MIN_ROWS, Int4Weight, with_bf16_tiles, with_fused_kernel
 from jaxserve.layers.int4_layout import with_cpu_layout
 from jaxserve.loader.hf_overrides import apply_hf_overrides
 from jaxserve.models.registry import get_model
@@ -90,7 +90,9 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
     bf16 tiles where they pay (`bf16_tiles_pay`; `layers.int4.with_bf16_tiles`) and, on
     one device, steps of at most `int4_cpu.FUSED_MAX_ROWS` rows through the fused CPU kernel
     (`layers.int4.with_fused_kernel`) when it builds here, the weights laid out for it
-    (`layers.int4_layout.with_cpu_layout`: column blocks, f16 scales where exact). An explicit
+    (`layers.int4_layout.with_cpu_layout`: column blocks, f16 scales where exact), and where the
+    CPU has Intel AMX (`int4_cpu.amx()`) the bf16 tiles' steps through the AMX kernel instead (the
+    same bf16 arithmetic, 3-6x faster on this model's matrices at 16-64 rows). An explicit
     "float32" keeps f32 tiles at every row count (close across batch sizes, 1e-5 on the default
     model, yet not bit for bit: XLA's dot blocks by rows).
     `batch_invariant`: every quantized matmul takes the fused kernel (its rows are independent) at
@@ -114,7 +116,11 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
             logger.info("quantized matmuls of up to %d rows use the fused CPU kernel%s", int4_cpu.FUSED_MAX_ROWS,
                         f", int4 ones with int8 activations ({dot})" if dot else
                         " (f32 activations: this build has no integer dot product)")
-            return with_cpu_layout(with_fused_kernel(weights, int8_x=dot is not None))
+            amx = BF16_MIN_ROWS if int4_cpu.amx() and bf16_tiles_pay() else None
+            if amx:
+                logger.info("quantized matmuls of %d to %d rows use the AMX kernel (the bf16 tiles' arithmetic)",
+                            amx, int4_cpu.AMX_MAX_ROWS)
+            return with_cpu_layout(with_fused_kernel(weights, int8_x=dot is not None, amx_min_rows=amx))
         logger.info("quantized matmuls of few rows use XLA's tiles, not the fused CPU kernel: %s", why)
     return weights
 

@@ -1,0 +1,293 @@
+// y [M, N] = x [M, K] @ W [K, N] for many rows x (batched decode) and a group-quantized weight W
+// (layers/int4.py's Int4Weight: int4 codes packed 8 per int32 word along the input rows, or int8
+// codes), on Intel AMX's bf16 tile multiply: the same arithmetic as the engine's bf16 tiles (x and
+// the dequantised weight rounded to bf16 (nearest even), f32 sums), without writing the
+// dequantised weight to memory.
+//
+// XLA's tiles dequantise a tile of W into memory and run a dot on it: on this model's matrices at
+// 32-64 rows that costs about as much as 40 rows through the fused int8 kernel (int4_matvec.cc),
+// whose cost grows with the rows. Here a thread takes 16 output columns at a time and walks K in
+// chunks of 32 inputs: it dequantises the chunk (code * scale + offset, in AVX-512 registers, into
+// one 1 KiB tile of bf16 pairs), then every 16 rows of x (a tile each) multiply it into their
+// accumulator tile (TDPBF16PS: 16 x 16 x 32 products an instruction), up to 64 rows a pass. The
+// accumulators stay in tile registers through K; the dequantising is done once per pass, whatever
+// the rows.
+//
+// Built with the other CPU kernels (layers/int4_cpu.py, -march=native); the code is here only where
+// the compiler targets AMX-BF16 and AVX512-BF16 (Sapphire Rapids and later), and Linux hands a
+// process the tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM): `JaxserveAmx()`
+// asks and says whether this build and this process can use them (1) or not (0).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "claims.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__linux__)
+#define JAXSERVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define JAXSERVE_AMX 0
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if JAXSERVE_AMX
+constexpr int64_t NB = 64;       // output columns per block a thread claims at a time
+constexpr int64_t KC = 32;       // inputs per chunk (one bf16 tile row: 32 values)
+constexpr int64_t ROWS = 64;     // rows per pass: four accumulator tiles of 16
+
+// The tile configuration (palette 1): tile 0 the weight chunk (16 rows of 16 bf16 pairs), tiles 1
+// and 6 chunks of x (r rows of 32 bf16), tiles 2-5 the accumulators (r rows of 16 f32).
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+TileConfig config(int64_t r) {
+  TileConfig c;
+  c.colsb[0] = 64, c.rows[0] = 16;
+  for (int t = 1; t < 7; ++t) c.colsb[t] = 64, c.rows[t] = static_cast<uint8_t>(r);
+  return c;
+}
+
+struct Problem {
+  const void* q;          // int32 [K/8, N] (bits 4) or int8 [K, N] (bits 8); column blocks: [N / cb, rows, cb]
+  const void* scale;      // [G, N] f32 or f16 (`half`), same layout
+  const uint8_t* zero;    // [G, N] or null
+  const void* offset;     // [G, N] or null
+  const uint16_t* xb;     // [K / 32, Mp, 32] bf16: x rounded (`round_x`), rows past M zero
+  float* y;               // [M, N]
+  int64_t M, Mp, K, N, g, bits, cb;
+  float sym;              // the zero point where `zero` is null
+  bool half;
+};
+
+inline __m512 load16(const Problem& p, const void* a, int64_t i) {
+  if (!p.half) return _mm512_loadu_ps(static_cast<const float*>(a) + i);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(a) + i)));
+}
+
+// Columns [n, n + 16) of every array: element (r, n) of a [rows, N] one is at base + r * stride
+// (column blocks: the block's rows are cb apart; the checkpoint layout: N apart). Worked out once
+// per 16 columns (a division), not per row.
+struct Column {
+  int64_t n, stride, q0, s0;    // q0: codes' (r, n) with rows K / 8 (K for int8); s0: groups' (0, n)
+};
+
+inline Column column(const Problem& p, int64_t n) {
+  if (p.cb == p.N) return {n, p.N, n, n};
+  const int64_t blk = n / p.cb, col = n % p.cb;
+  return {n, p.cb, blk * (p.bits == 4 ? p.K / 8 : p.K) * p.cb + col, blk * (p.K / p.g) * p.cb + col};
+}
+
+// Group gi's scale and bias (offset - zero point * scale) of the column's 16.
+inline void scale_bias(const Problem& p, const Column& c, int64_t gi, __m512& s, __m512& b) {
+  const int64_t i = c.s0 + gi * c.stride;
+  s = load16(p, p.scale, i);
+  const __m512 zp = p.zero ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.zero + i))))
+                           : _mm512_set1_ps(p.sym);
+  b = _mm512_fnmadd_ps(zp, s, p.offset ? load16(p, p.offset, i) : _mm512_setzero_ps());
+}
+
+// One row of the weight tile: inputs k, k + 1 of 16 columns as bf16 pairs (column c's two values
+// at 2c, 2c + 1), from their codes as int32 lanes.
+inline void pair(__m512i even, __m512i odd, __m512 s, __m512 b, __m512i interleave, uint16_t* out) {
+  const __m512 fe = _mm512_fmadd_ps(_mm512_cvtepi32_ps(even), s, b);
+  const __m512 fo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), s, b);
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(fo, fe);        // fe's 16 values, then fo's
+  _mm512_storeu_si512(out, _mm512_permutexvar_epi16(interleave, both));
+}
+
+// The weight tile of inputs [k0, k0 + 32) of the column's 16: 16 rows of 64 bytes.
+inline void dequantize(const Problem& p, const Column& c, int64_t k0, __m512i interleave, uint16_t* tile) {
+  __m512 s, b;
+  if (p.bits == 4) {
+    const int32_t* q = static_cast<const int32_t*>(p.q) + c.q0;
+    const __m512i nibble = _mm512_set1_epi32(0xF);
+    for (int64_t w = 0; w < KC / 8; ++w) {          // word rows: 8 inputs each, within one group
+      const int64_t r = k0 / 8 + w;
+      if (w == 0 || (8 * r) % p.g == 0) scale_bias(p, c, 8 * r / p.g, s, b);
+      const __m512i word = _mm512_loadu_si512(q + r * c.stride);
+      for (int i = 0; i < 4; ++i) {                 // nibbles 2i, 2i + 1: inputs 8r + 2i, + 1
+        const __m512i e = _mm512_and_si512(_mm512_srli_epi32(word, 8 * i), nibble);
+        const __m512i o = _mm512_and_si512(_mm512_srli_epi32(word, 8 * i + 4), nibble);
+        pair(e, o, s, b, interleave, tile + 32 * (4 * w + i));
+      }
+    }
+  } else {
+    const int8_t* q = static_cast<const int8_t*>(p.q) + c.q0;
+    for (int64_t k = k0; k < k0 + KC; k += 2) {
+      if (k == k0 || k % p.g == 0) scale_bias(p, c, k / p.g, s, b);
+      const __m512i e = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * c.stride)));
+      const __m512i o = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (k + 1) * c.stride)));
+      pair(e, o, s, b, interleave, tile + 32 * ((k - k0) / 2));
+    }
+  }
+}
+
+// Rows [m0, m0 + 16 T) of y's columns [n, n + 16): T accumulator tiles through all of K. The
+// weight tile of the next chunk is written before this chunk's is loaded (two buffers), so a tile
+// load never waits for the stores just before it.
+template <int T>
+void pass(const Problem& p, const Column& col, int64_t m0, __m512i interleave, uint16_t (*tiles)[16 * 32]) {
+  const int64_t n = col.n;
+  _tile_zero(2);
+  if constexpr (T > 1) _tile_zero(3);
+  if constexpr (T > 2) _tile_zero(4);
+  if constexpr (T > 3) _tile_zero(5);
+  dequantize(p, col, 0, interleave, tiles[0]);
+  for (int64_t k0 = 0, c = 0; k0 < p.K; k0 += KC, c ^= 1) {
+    if (k0 + KC < p.K) dequantize(p, col, k0 + KC, interleave, tiles[c ^ 1]);
+    _tile_loadd(0, tiles[c], 64);
+    const uint16_t* x = p.xb + (k0 / KC * p.Mp + m0) * KC;    // 16 rows of x: 1 KiB in a row
+    _tile_loadd(1, x, 64);
+    _tile_dpbf16ps(2, 1, 0);
+    if constexpr (T > 1) {              // x's next 16 rows into another tile: no wait for the multiply
+      _tile_loadd(6, x + 16 * KC, 64);  // that still reads tile 1 (tiles are not renamed)
+      _tile_dpbf16ps(3, 6, 0);
+    }
+    if constexpr (T > 2) {
+      _tile_loadd(1, x + 32 * KC, 64);
+      _tile_dpbf16ps(4, 1, 0);
+    }
+    if constexpr (T > 3) {
+      _tile_loadd(6, x + 48 * KC, 64);
+      _tile_dpbf16ps(5, 6, 0);
+    }
+  }
+  // the accumulators out: straight into y where all their rows are y's, else through a buffer
+  alignas(64) float acc[4][16 * 16];
+  const int64_t ys = p.N * 4;
+  const bool whole = m0 + 16 * T <= p.M;
+  float* y = p.y + m0 * p.N + n;
+  _tile_stored(2, whole ? y : acc[0], whole ? ys : 64);
+  if constexpr (T > 1) _tile_stored(3, whole ? y + 16 * p.N : acc[1], whole ? ys : 64);
+  if constexpr (T > 2) _tile_stored(4, whole ? y + 32 * p.N : acc[2], whole ? ys : 64);
+  if constexpr (T > 3) _tile_stored(5, whole ? y + 48 * p.N : acc[3], whole ? ys : 64);
+  if (!whole)
+    for (int64_t m = m0; m < std::min(p.M, m0 + 16 * T); ++m)
+      std::memcpy(p.y + m * p.N + n, acc[(m - m0) / 16] + 16 * ((m - m0) % 16), 64);
+}
+
+// Columns [c0, c1) of y, every row.
+void run(const Problem& p, int64_t c0, int64_t c1) {
+  const TileConfig cfg = config(std::min<int64_t>(16, p.Mp));
+  _tile_loadconfig(&cfg);
+  alignas(64) uint16_t tiles[2][16 * 32];
+  alignas(64) uint16_t order[32];
+  for (int c = 0; c < 16; ++c) order[2 * c] = c, order[2 * c + 1] = 16 + c;
+  const __m512i interleave = _mm512_load_si512(order);
+  for (int64_t n = c0; n < c1; n += 16) {
+    const Column col = column(p, n);
+    for (int64_t m0 = 0; m0 < p.Mp; m0 += ROWS) {
+      switch (std::min<int64_t>(4, (p.Mp - m0) / 16 + ((p.Mp - m0) % 16 != 0))) {
+        case 1: pass<1>(p, col, m0, interleave, tiles); break;
+        case 2: pass<2>(p, col, m0, interleave, tiles); break;
+        case 3: pass<3>(p, col, m0, interleave, tiles); break;
+        default: pass<4>(p, col, m0, interleave, tiles); break;
+      }
+    }
+  }
+  _tile_release();
+}
+
+// x [M, K] f32 -> bf16 (nearest even) in chunks of 32 inputs, [K / 32, Mp, 32]: each tile of 16
+// rows one KiB in a row. Rows past M zero.
+void round_x(const float* x, int64_t M, int64_t Mp, int64_t K, uint16_t* xb) {
+  for (int64_t c = 0; c < K / KC; ++c) {
+    uint16_t* out = xb + c * Mp * KC;
+    for (int64_t m = 0; m < M; ++m)
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * KC + 16 * h),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + m * K + c * KC + 16 * h)));
+    std::memset(out + M * KC, 0, (Mp - M) * KC * sizeof(uint16_t));
+  }
+}
+
+bool permitted() {
+  // Linux: a process may use the tile data registers once it has asked (once per process)
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  static const bool ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return ok;
+}
+#endif
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale,
+                ffi::Buffer<ffi::U8> zero, ffi::AnyBuffer offset, ffi::Buffer<ffi::S32> layer,
+                ffi::ResultBuffer<ffi::F32> y, int64_t group_size, int64_t bits, int64_t zero_point,
+                int64_t col_block) {
+#if JAXSERVE_AMX
+  if (!permitted()) return ffi::Error::Internal("amx_matmul: the kernel refused this process the AMX tile registers");
+  auto xd = x.dimensions();
+  auto sd = scale.dimensions();
+  auto qd = q.dimensions();
+  const size_t rank = sd.size(), blocked = col_block ? 1 : 0;
+  if (xd.size() != 2 || rank < 2 + blocked || rank > 3 + blocked || qd.size() != rank)
+    return ffi::Error::InvalidArgument("amx_matmul: x must be [M, K], the weight [(L,) rows, N] or [(L,) N / cb, rows, cb]");
+  const int64_t M = xd[0], K = xd[1], G = sd[rank - 2];
+  const int64_t N = blocked ? sd[rank - 3] * col_block : sd[rank - 1];
+  const int64_t L = rank == 3 + blocked ? sd[0] : 1;
+  const int64_t pack = bits == 4 ? 8 : 1;
+  const auto st = scale.element_type();
+  if (M < 1 || K % KC || K != G * group_size || N % 16 || group_size % 8 || (bits != 4 && bits != 8) ||
+      qd[rank - 2] * pack != K || qd[rank - 1] != sd[rank - 1] ||
+      (blocked && (col_block % 64 || sd[rank - 1] != col_block || qd[rank - 3] != sd[rank - 3])) ||
+      (bits == 4 && q.element_type() != ffi::S32) || (bits == 8 && q.element_type() != ffi::S8) ||
+      (st != ffi::F32 && st != ffi::F16) || (offset.element_count() && offset.element_type() != st))
+    return ffi::Error::InvalidArgument("amx_matmul: unsupported shape, code or scale type");
+  const int64_t l = rank == 3 + blocked ? layer.typed_data()[0] : 0;
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("amx_matmul: layer index out of range");
+  const size_t ss = st == ffi::F16 ? 2 : 4;
+  const int64_t codes = K / pack * N, groups = G * N;
+  const int64_t Mp = M <= 16 ? M : (M + 15) / 16 * 16;
+  std::unique_ptr<uint16_t[]> xb(new uint16_t[Mp * K]);
+  round_x(x.typed_data(), M, Mp, K, xb.get());
+  const Problem p{static_cast<const char*>(q.untyped_data()) + l * codes * (bits == 4 ? 4 : 1),
+                  static_cast<const char*>(scale.untyped_data()) + l * groups * ss,
+                  zero.element_count() ? zero.typed_data() + l * groups : nullptr,
+                  offset.element_count() ? static_cast<const char*>(offset.untyped_data()) + l * groups * ss : nullptr,
+                  xb.get(), y->typed_data(), M, Mp, K, N, group_size, bits, blocked ? col_block : N,
+                  static_cast<float>(zero_point), st == ffi::F16};
+  jaxserve::run_claims(pool, (N + NB - 1) / NB, true, 1,
+                       [&p](int64_t b0, int64_t b1) { run(p, b0 * NB, std::min(p.N, b1 * NB)); });
+  return ffi::Error::Success();
+#else
+  return ffi::Error::InvalidArgument("amx_matmul: this build has no AMX (JaxserveAmx() is 0)");
+#endif
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAmxMatmul, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("zero_point")
+                                  .Attr<int64_t>("col_block"));
+
+// 1: this build has the AMX kernel and this process may use the tile registers; 0: not.
+extern "C" int JaxserveAmx() {
+#if JAXSERVE_AMX
+  return permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
