@@ -149,7 +149,9 @@ def test_the_engine_takes_the_kernel_where_the_cpu_has_amx(monkeypatch):
     for has in (True, False):
         monkeypatch.setattr(int4_cpu, "_AMX", [has])
         on = cpu_matmuls_for(w, "auto", 1, platform="cpu")["w"]
-        assert on.amx_min_rows == (int4_layer.BF16_MIN_ROWS if has else None)
+        # from where the tiles took over (past the fused kernel's rows): the same numbers as before
+        assert on.amx_min_rows == (int4_cpu.FUSED_MAX_ROWS + 1 if has else None)
+        assert on.fused_max_rows == int4_cpu.FUSED_MAX_ROWS and int4_layer.BF16_MIN_ROWS <= int4_cpu.FUSED_MAX_ROWS + 1
         assert cpu_matmuls_for(w, "float32", 1, platform="cpu")["w"].amx_min_rows is None
         assert cpu_matmuls_for(w, "auto", 2, platform="cpu")["w"].amx_min_rows is None
     with pytest.raises(ValueError, match="AMX"):
@@ -166,7 +168,7 @@ def test_the_default_model_on_the_kernel_generates_what_the_tiles_do():
     cfg, weights = load_model(default_model_path(), "float32", quantization="gguf")
     on = cpu_matmuls_for(weights, "auto", 1, platform="cpu")
     layers = on.layers
-    assert layers.w_up.amx_min_rows == BF16_MIN_ROWS
+    assert layers.w_up.amx_min_rows == int4_cpu.FUSED_MAX_ROWS + 1
     off = jax.tree.map(lambda w: dataclasses.replace(w, amx_min_rows=None) if isinstance(w, Int4Weight) else w,
                        layers, is_leaf=lambda x: isinstance(x, Int4Weight))
     rng = np.random.default_rng(6)

@@ -291,14 +291,8 @@ def test_the_default_model_on_the_kernel_generates_what_the_float32_tiles_do(llm
             a = fast.generate(prompts, params, use_tqdm=False)
         finally:
             del runner.dispatch
-        b = llm.generate(prompts, dataclasses.replace(params, logprobs=2), use_tqdm=False)
-        for fa, fb in zip(a, b):
-            # the same tokens up to a near tie (a top-2 gap under 0.05 nats), which the prefill's
-            # bf16 arithmetic (a 16-row step: bf16 tiles, or the AMX kernel) may break either way
-            ta, tb = fa.outputs[0].token_ids, fb.outputs[0].token_ids
-            gaps = [abs(float(np.subtract(*[v.logprob for v in list(d.values())[:2]]))) for d in fb.outputs[0].logprobs]
-            tie = next((i for i, gap in enumerate(gaps) if gap < 0.05), len(tb))
-            assert ta[:tie + 1] == tb[:tie + 1] or (ta[:tie] == tb[:tie] and ta[tie] in fb.outputs[0].logprobs[tie])
+        b = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
         assert seen.count(3) >= 20 and runner.bucket_for(3) == 4 and runner.bucket_for(5) == 8
     finally:
         fast.shutdown()

@@ -91,8 +91,9 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
     one device, steps of at most `int4_cpu.FUSED_MAX_ROWS` rows through the fused CPU kernel
     (`layers.int4.with_fused_kernel`) when it builds here, the weights laid out for it
     (`layers.int4_layout.with_cpu_layout`: column blocks, f16 scales where exact), and where the
-    CPU has Intel AMX (`int4_cpu.amx()`) the bf16 tiles' steps through the AMX kernel instead (the
-    same bf16 arithmetic, 3-6x faster on this model's matrices at 16-64 rows). An explicit
+    CPU has Intel AMX (`int4_cpu.amx()`) the bf16 tiles' steps (past the fused kernel's rows, up to
+    `int4_cpu.AMX_MAX_ROWS`) through the AMX kernel instead (the same bf16 arithmetic, 3-5x faster
+    on this model's matrices at 32-64 rows). An explicit
     "float32" keeps f32 tiles at every row count (close across batch sizes, 1e-5 on the default
     model, yet not bit for bit: XLA's dot blocks by rows).
     `batch_invariant`: every quantized matmul takes the fused kernel (its rows are independent) at
@@ -116,7 +117,8 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
             logger.info("quantized matmuls of up to %d rows use the fused CPU kernel%s", int4_cpu.FUSED_MAX_ROWS,
                         f", int4 ones with int8 activations ({dot})" if dot else
                         " (f32 activations: this build has no integer dot product)")
-            amx = BF16_MIN_ROWS if int4_cpu.amx() and bf16_tiles_pay() else None
+            # AMX where the bf16 tiles ran (past the fused kernel's rows): the same numbers
+            amx = max(BF16_MIN_ROWS, int4_cpu.FUSED_MAX_ROWS + 1) if int4_cpu.amx() and bf16_tiles_pay() else None
             if amx:
                 logger.info("quantized matmuls of %d to %d rows use the AMX kernel (the bf16 tiles' arithmetic)",
                             amx, int4_cpu.AMX_MAX_ROWS)
