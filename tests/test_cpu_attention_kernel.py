@@ -41,8 +41,27 @@ def test_every_kernel_case_matches_the_oracle(name):
     got, want, text, meta = _run(case, seed=sum(map(ord, name)))
     assert max_err(got, want) <= TOL[case.dtype], name
     assert not np.asarray(got[int(meta.cu_q_lens[-1]):]).any()       # padding tokens stay zero
-    f32_pages = case.kv == "auto" and case.dtype == "float32"
-    assert (int4_cpu.ATTENTION_TARGET in text) == f32_pages, "the kernel takes f32 K/V pages only"
+    takes = case.kv == "int8" or (case.kv == "auto" and case.dtype == "float32")
+    assert (int4_cpu.ATTENTION_TARGET in text) == takes, "the kernel takes f32 or int8 K/V pages only"
+
+
+INT8_CASES = {
+    "decode": Case(q_lens=(1, 1, 1, 1), ctx=(5, 40, 16, 99), T=8, S=6, kv="int8"),
+    "prefill_chunk_on_prefix": Case(q_lens=(24,), ctx=(45,), T=32, S=2, kv="int8"),
+    "window_and_cap_gqa3": Case(q_lens=(1, 6, 1), ctx=(60, 11, 90), T=16, S=3, K=2, G=3, window=33,
+                                soft_cap=5.0, kv="int8"),
+    "mqa_d128_b32": Case(q_lens=(3, 1), ctx=(50, 70), T=8, S=2, K=1, G=4, D=128, B=32, M=4, kv="int8"),
+    "head_dim_40": Case(q_lens=(1, 5), ctx=(9, 30), T=8, S=2, K=1, G=2, D=40, kv="int8"),    # no whole vector
+}
+
+
+@pytest.mark.parametrize("name", list(INT8_CASES))
+def test_int8_pages_match_the_oracle(name):
+    """An int8 KV cache (`--kv-cache-dtype int8`: codes and a scale per token and kv head) read by
+    the kernel: the oracle's numbers (which dequantise the pages first) to f32 rounding."""
+    got, want, text, meta = _run(INT8_CASES[name], seed=sum(map(ord, name)))
+    assert int4_cpu.ATTENTION_TARGET in text
+    assert max_err(got, want) <= TOL["float32"], name
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +114,13 @@ def test_sinks_and_a_per_layer_window():
         assert max_err(got, want) <= 1e-5
 
 
-def test_auto_picks_the_kernel_on_cpu_with_f32_pages_only():
+def test_auto_picks_the_kernel_on_cpu_with_f32_or_int8_pages_only():
     from jaxserve.attention import cpu_kernel
     assert cpu_kernel.problem(jnp.float32, False, "cpu") is None
+    assert cpu_kernel.problem(jnp.int8, False, "cpu") is None
     assert "latent" in cpu_kernel.problem(jnp.float32, True, "cpu")
-    assert "f32 KV pages" in cpu_kernel.problem(jnp.bfloat16, False, "cpu")
+    assert "f32 or int8 KV pages" in cpu_kernel.problem(jnp.bfloat16, False, "cpu")
+    assert "f32 or int8 KV pages" in cpu_kernel.problem(jnp.float8_e4m3fn, False, "cpu")
     assert "CPU only" in cpu_kernel.problem(jnp.float32, False, "gpu")
 
 
@@ -108,7 +129,7 @@ def test_selection_by_name_and_by_the_engine():
     case = AttentionCase(jnp.float32, jnp.float32, 9, 3, 64, 16)
     cpu = Platform("cpu")
     assert select_backend("cpu", case, cpu) == "cpu" and FALLBACK["cpu"] == ("reference",)
-    with pytest.raises(ValueError, match="f32 KV pages"):
+    with pytest.raises(ValueError, match="f32 or int8 KV pages"):
         select_backend("cpu", dataclasses.replace(case, kv_dtype=jnp.uint8), cpu)
     with pytest.raises(ValueError, match="CPU only"):
         select_backend("cpu", case, Platform("gpu", "9.0"))

@@ -184,7 +184,7 @@ def _kernel(backend: str):
 def cpu_backend(selected: str, asked: str, dtype: str, devices: int, case: AttentionCase) -> str:
     """The engine's attention backend: `selected` (select_backend's answer to `asked`), except
     that "auto" on one CPU device with `--dtype auto` runs attention through the CPU kernel ("cpu")
-    where it serves the case (f32 KV pages, no latent cache) and builds here; `--dtype float32`
+    where it serves the case (f32 or int8 KV pages, no latent cache) and builds here; `--dtype float32`
     keeps the reference path's numbers, and models with attention sinks (gpt-oss) keep it too
     (the kernel applies sinks, `--attention-backend cpu`, but auto has not been measured there)."""
     if selected == "cpu" and devices != 1:

@@ -8,7 +8,9 @@ most of it per-op overhead (benchmarks/RESULTS.md). Every token is attended alik
 chunk, so a prompt gets the same numbers prefilled whole, in chunks or after a prefix-cache hit
 (the engine's greedy outputs with and without speculation or the prefix cache stay identical).
 
-f32 pages only: fp8 / int8 KV caches and the latent cache (no V pages) stay on the reference path.
+f32 pages, or an int8 KV cache (`--kv-cache-dtype int8`: codes with a scale per token and kv head,
+a quarter of the bytes decode attention reads); fp8 KV caches and the latent cache (no V pages)
+stay on the reference path.
 """
 
 from __future__ import annotations
@@ -27,17 +29,19 @@ def problem(kv_dtype, latent: bool, platform: str) -> str | None:
         return f"it runs on CPU only (this is {platform})"
     if latent:
         return "it has no latent-cache (multi-head latent attention) layout"
-    if kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.float32:
-        return f"it reads f32 KV pages only (the cache is {jnp.dtype(kv_dtype).name})"
+    if kv_dtype is not None and jnp.dtype(kv_dtype) not in (jnp.float32, jnp.int8):
+        return f"it reads f32 or int8 KV pages (the cache is {jnp.dtype(kv_dtype).name})"
     return int4_cpu.load()
 
 
 def paged_attention(qf: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array,
                     meta: AttentionMetadata, *, window, soft_cap: float | None,
-                    sinks: jax.Array | None) -> jax.Array:
-    """qf [T, K, G, D] f32 (scaled), pages [R, B, K, D] f32, tables [S, M] (offset to the layer's
-    rows) -> [T, K, G, D]: every real token attended, padding tokens zeros. `window`: a static
-    int, a [1] int32 array (this layer's), or None; `sinks` [K, G] f32 or None."""
+                    sinks: jax.Array | None, k_scale: jax.Array | None = None,
+                    v_scale: jax.Array | None = None) -> jax.Array:
+    """qf [T, K, G, D] f32 (scaled), pages [R, B, K, D] f32 (or int8 with `k_scale`, `v_scale`
+    [R, B, K] f32), tables [S, M] (offset to the layer's rows) -> [T, K, G, D]: every real token
+    attended, padding tokens zeros. `window`: a static int, a [1] int32 array (this layer's), or
+    None; `sinks` [K, G] f32 or None."""
     why = int4_cpu.load()
     if why is not None:
         raise RuntimeError(f"attention backend 'cpu': the CPU kernel library is not available: {why}")
@@ -47,4 +51,5 @@ def paged_attention(qf: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table
     return call(qf, k_pages, v_pages, tables.astype(jnp.int32), meta.kv_lens.astype(jnp.int32),
                 meta.cu_q_lens.astype(jnp.int32), meta.num_seqs.astype(jnp.int32).reshape(-1)[:1], win,
                 jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
+                *(jnp.zeros((0,), jnp.float32) if x is None else x.astype(jnp.float32) for x in (k_scale, v_scale)),
                 soft_cap=np.float32(soft_cap or 0.0))

@@ -170,7 +170,7 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
     pages: tokens of short chunks (decodes) one per row, sorted by context length; longer chunks
     (prefill) in rows of `_TILE` tokens, so a context is gathered once per tile, not per token.
     `cpu_kernel` (attention backend "cpu"): every token goes to the CPU kernel instead
-    (attention/cpu_kernel.py; f32 pages with K and V only, else this path as usual).
+    (attention/cpu_kernel.py; f32 or int8 pages with K and V, else this path as usual).
     """
     T, H, D = q.shape
     B, K = k_pages.shape[1], k_pages.shape[2]
@@ -185,10 +185,11 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
         sinks = sinks.astype(jnp.float32).reshape(K, H // K)
     opts = dict(chunk=chunk, sliding_window=sliding_window, soft_cap=soft_cap, page_codes=page_codes,
                 sinks=sinks)
-    if (cpu_kernel and page_codes is None and k_scale is None and v_pages is not None
-            and k_pages.dtype == v_pages.dtype == jnp.float32):
+    if (cpu_kernel and page_codes is None and v_pages is not None
+            and (k_pages.dtype == v_pages.dtype == jnp.float32 and k_scale is None
+                 or k_pages.dtype == v_pages.dtype == jnp.int8 and k_scale is not None and v_scale is not None)):
         out = cpu_paged_attention(qf, k_pages, v_pages, tables, meta, window=sliding_window, soft_cap=soft_cap,
-                                  sinks=sinks)
+                                  sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     else:
         out, pages = _attend_rows(qf, out, pages, tables, _token_rows(meta, T),
                                   rows_per_step=min(_TOKEN_ROWS, T), **opts)

@@ -183,6 +183,7 @@ def register(library: Path, target: str, attention_target: str | None = None) ->
     if attention_target is not None:
         jax.ffi.register_ffi_target(attention_target, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
         jax.ffi.register_ffi_target(UNBLOCK_TARGET, jax.ffi.pycapsule(lib.JaxserveUnblock), platform="cpu")
+    if target == TARGET:       # the process's own build (not a test's narrower one)
         _AMX[0] = bool(lib.JaxserveAmx())      # asks Linux for the tile registers (once a process)
         if _AMX[0]:
             jax.ffi.register_ffi_target(AMX_TARGET, jax.ffi.pycapsule(lib.JaxserveAmxMatmul), platform="cpu")

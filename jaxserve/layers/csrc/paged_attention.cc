@@ -10,14 +10,20 @@
 // a prompt computed in one chunk, in several, or after a prefix-cache hit gets the same numbers.
 //
 // q is scaled already (sm_scale); the pages are f32 [R, B, K, D] (the layer's rows of the stacked
-// cache; the tables are offset to them). Sliding window (a token sees itself and window - 1
-// earlier tokens; 0: none), soft cap (cap * tanh(s / cap); 0: none) and sinks (a logit per head in
+// cache; the tables are offset to them), or int8 codes with a f32 scale per row and kv head
+// ([R, B, K]; `--kv-cache-dtype int8`, attention/kv_quant.py): a quarter of the bytes to read,
+// which is what decode attention costs here (a batch-64 step read ~147 MB of f32 pages).
+// Sliding window (a token sees itself and window - 1 earlier tokens; 0: none), soft cap (cap * tanh(s / cap); 0: none) and sinks (a logit per head in
 // the softmax denominator, no value) as the reference path applies them.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "claims.h"
 #include "simd.h"
@@ -29,8 +35,10 @@ namespace {
 
 struct Attn {
   const float* q;       // [T, K, G, D]
-  const float* k;       // [R, B, K, D]
-  const float* v;
+  const void* k;        // [R, B, K, D] f32, or int8 with scales
+  const void* v;
+  const float* k_scale;  // [R, B, K]: an int8 page row's scale (kv_quant.py: x = code * scale), or null
+  const float* v_scale;
   const int32_t* tables;  // [S, M]
   const float* sinks;   // [K, G] or null
   float* out;           // [T, K, G, D]
@@ -40,10 +48,11 @@ struct Attn {
   std::vector<int64_t> seq, first, last;
 };
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+template <typename E>
+inline float dot(const float* __restrict a, const E* __restrict b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
   return s;
 }
 
@@ -77,6 +86,21 @@ inline vf load(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+
+// L values of a K or V row as f32: f32 pages, or int8 codes (their row's scale applied after)
+inline vf load_row(const float* p) { return load(p); }
+inline vf load_row(const int8_t* p) {
+#if defined(__AVX512F__) && JAXSERVE_LANES == 16
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__) && JAXSERVE_LANES == 8
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  typedef int32_t vi __attribute__((vector_size(4 * L)));
+  vi w;
+  for (int i = 0; i < L; ++i) w[i] = p[i];
+  return __builtin_convertvector(w, vf);
+#endif
 }
 
 // r[m] = the sum of v[m]'s L lanes, for L vectors at once: a tree of shuffles and adds that
@@ -113,17 +137,20 @@ inline vf reduce(const vf* v) {
 
 // Scores of query q [D] against L K rows: each a product per lane over D / L chunks, then one
 // reduce (D a multiple of L). Rows past the context are a row of zeros.
-inline vf scores(const float* q, const float* const* rows, int64_t D) {
+template <typename E>
+inline vf scores(const float* q, const E* const* rows, int64_t D) {
   vf acc[L];
   for (int m = 0; m < L; ++m) {
-    vf a = load(q) * load(rows[m]);
-    for (int64_t c = L; c < D; c += L) a += load(q + c) * load(rows[m] + c);
+    vf a = load(q) * load_row(rows[m]);
+    for (int64_t c = L; c < D; c += L) a += load(q + c) * load_row(rows[m] + c);
     acc[m] = a;
   }
   return reduce(acc);
 }
 
-// One token's one kv head: scores of its G query heads over the context, softmax, values.
+// One token's one kv head: scores of its G query heads over the context, softmax, values. E: the
+// pages' element (f32, or int8 codes scaled per row).
+template <typename E>
 void attend(const Attn& a, int64_t t, int64_t kh, std::vector<float>& s) {
   const int64_t G = a.G, D = a.D, K = a.K;
   float* out = a.out + (t * K + kh) * G * D;
@@ -136,32 +163,37 @@ void attend(const Attn& a, int64_t t, int64_t kh, std::vector<float>& s) {
   float* denom = s.data() + G * n;
   // the context page by page: K (then V) rows of one page are contiguous but for the heads
   const int64_t B = a.B, stride = K * D;
-  auto for_rows = [&](const float* pages, auto&& fn) {
+  // fn(i, row, scale): position i's row of the pages, and its scale (1 for f32 pages)
+  auto for_rows = [&](const void* pages, const float* scales, auto&& fn) {
     for (int64_t blk = p0 / B; blk <= a.last[t] / B; ++blk) {
-      const float* base = pages + (table[blk] * B * K + kh) * D;
+      const E* base = static_cast<const E*>(pages) + (table[blk] * B * K + kh) * D;
+      const float* sc = scales ? scales + table[blk] * B * K + kh : nullptr;
       const int64_t i0 = std::max(p0, blk * B), i1 = std::min(a.last[t] + 1, (blk + 1) * B);
-      for (int64_t i = i0; i < i1; ++i) fn(i - p0, base + (i - blk * B) * stride);
+      for (int64_t i = i0; i < i1; ++i)
+        fn(i - p0, base + (i - blk * B) * stride, sc ? sc[(i - blk * B) * K] : 1.f);
     }
   };
   if (D % L == 0) {
     // L positions at a time (their row pointers gathered by the page walk)
-    static const std::vector<float> zeros(1024);
-    std::vector<float> pad;
-    const float* zero = zeros.data();
-    if (D > 1024) pad.assign(D, 0.f), zero = pad.data();
-    const float* rows[L];
+    static const std::vector<E> zeros(1024);
+    std::vector<E> pad;
+    const E* zero = zeros.data();
+    if (D > 1024) pad.assign(D, E(0)), zero = pad.data();
+    const E* rows[L];
+    float row_scale[L];
     int filled = 0;
     int64_t start = 0;
     auto flush = [&]() {
       for (int m = filled; m < L; ++m) rows[m] = zero;
       for (int64_t g = 0; g < G; ++g) {
         const vf sc = scores(q + g * D, rows, D);
-        for (int m = 0; m < filled; ++m) s[g * n + start + m] = sc[m];
+        for (int m = 0; m < filled; ++m) s[g * n + start + m] = sc[m] * row_scale[m];
       }
       start += filled;
       filled = 0;
     };
-    for_rows(a.k, [&](int64_t, const float* kr) {
+    for_rows(a.k, a.k_scale, [&](int64_t, const E* kr, float scale) {
+      row_scale[filled] = scale;
       rows[filled++] = kr;
       if (filled == L) flush();
     });
@@ -169,9 +201,9 @@ void attend(const Attn& a, int64_t t, int64_t kh, std::vector<float>& s) {
     if (a.soft_cap > 0.f)
       for (int64_t i = 0; i < G * n; ++i) s[i] = a.soft_cap * std::tanh(s[i] / a.soft_cap);
   } else {
-    for_rows(a.k, [&](int64_t i, const float* kr) {
+    for_rows(a.k, a.k_scale, [&](int64_t i, const E* kr, float scale) {
       for (int64_t g = 0; g < G; ++g) {
-        float x = dot(q + g * D, kr, D);
+        float x = dot(q + g * D, kr, D) * scale;
         if (a.soft_cap > 0.f) x = a.soft_cap * std::tanh(x / a.soft_cap);
         s[g * n + i] = x;
       }
@@ -198,19 +230,19 @@ void attend(const Attn& a, int64_t t, int64_t kh, std::vector<float>& s) {
       for (int64_t c = 0; c < D; c += VC * L) {
         vf acc[VC] = {};
         const float* sg = s.data() + g * n;
-        for_rows(a.v, [&](int64_t i, const float* vr) {
-          const float p = sg[i];
-          for (int j = 0; j < VC; ++j) acc[j] += p * load(vr + c + j * L);
+        for_rows(a.v, a.v_scale, [&](int64_t i, const E* vr, float scale) {
+          const float p = sg[i] * scale;
+          for (int j = 0; j < VC; ++j) acc[j] += p * load_row(vr + c + j * L);
         });
         std::memcpy(out + g * D + c, acc, sizeof(acc));
       }
   } else {
-    for_rows(a.v, [&](int64_t i, const float* __restrict vr) {
+    for_rows(a.v, a.v_scale, [&](int64_t i, const E* __restrict vr, float scale) {
       for (int64_t g = 0; g < G; ++g) {
-        const float p = s[g * n + i];
+        const float p = s[g * n + i] * scale;
         float* __restrict o = out + g * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] += p * vr[d];
+        for (int64_t d = 0; d < D; ++d) o[d] += p * static_cast<float>(vr[d]);
       }
     });
   }
@@ -220,11 +252,11 @@ void attend(const Attn& a, int64_t t, int64_t kh, std::vector<float>& s) {
   }
 }
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> kv_lens,
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                ffi::AnyBuffer v, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> kv_lens,
                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> sinks,
-                ffi::ResultBuffer<ffi::F32> out, float soft_cap) {
+                ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::F32> k_scale,
+                ffi::Buffer<ffi::F32> v_scale, ffi::ResultBuffer<ffi::F32> out, float soft_cap) {
   auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || v.dimensions().size() != 4)
     return ffi::Error::InvalidArgument("paged_attention: q [T, K, G, D], pages [R, B, K, D], tables [S, M]");
@@ -234,7 +266,13 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   if (kd[2] != a.K || kd[3] != a.D || kv_lens.element_count() != S || cu_q_lens.element_count() != S + 1 ||
       (sinks.element_count() && sinks.element_count() != a.K * a.G))
     return ffi::Error::InvalidArgument("paged_attention: mismatched shapes");
-  a.q = q.typed_data(), a.k = k.typed_data(), a.v = v.typed_data(), a.tables = tables.typed_data();
+  const bool int8 = k.element_type() == ffi::S8;
+  if (k.element_type() != v.element_type() || (!int8 && k.element_type() != ffi::F32) ||
+      (int8 ? (k_scale.element_count() != a.R * a.B * a.K || v_scale.element_count() != a.R * a.B * a.K)
+            : (k_scale.element_count() || v_scale.element_count())))
+    return ffi::Error::InvalidArgument("paged_attention: pages f32, or int8 with [R, B, K] scales each");
+  a.q = q.typed_data(), a.k = k.untyped_data(), a.v = v.untyped_data(), a.tables = tables.typed_data();
+  a.k_scale = int8 ? k_scale.typed_data() : nullptr, a.v_scale = int8 ? v_scale.typed_data() : nullptr;
   a.sinks = sinks.element_count() ? sinks.typed_data() : nullptr;
   a.out = out->typed_data();
   a.soft_cap = soft_cap;
@@ -264,9 +302,14 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
     }
   }
   // (token, kv head) units, four claims per thread
-  jaxserve::run_claims(pool, a.T * a.K, total * a.K * a.G * a.D >= (1 << 16), 4, [&a](int64_t u0, int64_t u1) {
+  jaxserve::run_claims(pool, a.T * a.K, total * a.K * a.G * a.D >= (1 << 16), 4, [&a, int8](int64_t u0, int64_t u1) {
     std::vector<float> s;
-    for (int64_t u = u0; u < u1; ++u) attend(a, u / a.K, u % a.K, s);
+    for (int64_t u = u0; u < u1; ++u) {
+      if (int8)
+        attend<int8_t>(a, u / a.K, u % a.K, s);
+      else
+        attend<float>(a, u / a.K, u % a.K, s);
+    }
   });
   return ffi::Error::Success();
 }
@@ -277,13 +320,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("soft_cap"));
