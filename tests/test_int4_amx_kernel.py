@@ -55,13 +55,14 @@ def _near(y, ref):
 @pytest.mark.parametrize("k,n,g", [(576, 1536, 32), (1536, 576, 32), (256, 48, 128), (64, 208, 64)])
 def test_kernel_matches_the_bf16_reference(kind, k, n, g):
     """Row counts in one tile (1, 5, 16), tiles of a pass partly filled (17, 33, 70), whole passes
-    of 64 and several passes (130); both layouts (the kernel's column blocks with f16 scales)."""
+    of 64, several passes over one dequantised strip (130), and two row blocks of x, the second
+    partly filled (300); both layouts (the kernel's column blocks with f16 scales)."""
     rng = np.random.default_rng(k + n + g)
     w = _weight(rng, k, n, g, kind)
     for layout in (w, cpu_layout(w)):
         call = jax.jit(lambda x, w: int4_cpu.matmul(x, w.q, w.scale, w.zero, w.offset, None, w.group_size, w.bits,
                                                     zero_point=w.group_zero, col_block=w.col_block, amx=True))
-        for rows in (1, 5, 16, 17, 33, 64, 70, 130):
+        for rows in (1, 5, 16, 17, 33, 64, 70, 130, 300):
             x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
             _near(call(x, layout), _bf16_reference(x, w))
 
