@@ -26,6 +26,7 @@
 #include <memory>
 
 #include "claims.h"
+#include "quant_weight.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
@@ -261,27 +262,12 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                 int64_t col_block) {
 #if JAXSERVE_AMX
   if (!permitted()) return ffi::Error::Internal("amx_matmul: the kernel refused this process the AMX tile registers");
-  auto xd = x.dimensions();
-  auto sd = scale.dimensions();
-  auto qd = q.dimensions();
-  const size_t rank = sd.size(), blocked = col_block ? 1 : 0;
-  if (xd.size() != 2 || rank < 2 + blocked || rank > 3 + blocked || qd.size() != rank)
-    return ffi::Error::InvalidArgument("amx_matmul: x must be [M, K], the weight [(L,) rows, N] or [(L,) N / cb, rows, cb]");
-  const int64_t M = xd[0], K = xd[1], G = sd[rank - 2];
-  const int64_t N = blocked ? sd[rank - 3] * col_block : sd[rank - 1];
-  const int64_t L = rank == 3 + blocked ? sd[0] : 1;
-  const int64_t pack = bits == 4 ? 8 : 1;
-  const auto st = scale.element_type();
-  if (M < 1 || K % KC || K != G * group_size || N % 16 || group_size % 8 || (bits != 4 && bits != 8) ||
-      qd[rank - 2] * pack != K || qd[rank - 1] != sd[rank - 1] ||
-      (blocked && (col_block % 64 || sd[rank - 1] != col_block || qd[rank - 3] != sd[rank - 3])) ||
-      (bits == 4 && q.element_type() != ffi::S32) || (bits == 8 && q.element_type() != ffi::S8) ||
-      (st != ffi::F32 && st != ffi::F16) || (offset.element_count() && offset.element_type() != st))
-    return ffi::Error::InvalidArgument("amx_matmul: unsupported shape, code or scale type");
-  const int64_t l = rank == 3 + blocked ? layer.typed_data()[0] : 0;
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("amx_matmul: layer index out of range");
-  const size_t ss = st == ffi::F16 ? 2 : 4;
-  const int64_t codes = K / pack * N, groups = G * N;
+  jaxserve::QuantWeight w;
+  if (auto err = jaxserve::check_weight("amx_matmul", x, q, scale, zero, offset, layer, group_size, bits, col_block, w);
+      err.failure())
+    return err;
+  if (w.K % KC) return ffi::Error::InvalidArgument("amx_matmul: K must be a multiple of 32");
+  const int64_t M = w.M, K = w.K, N = w.N;
   const int64_t Mp = M <= 16 ? M : (M + 15) / 16 * 16;
   // 64-byte aligned: a tile row that straddles two cache lines makes every tile load of x split
   // (measured: 1.2x the kernel's time at 32 rows, 1.35x at 64)
@@ -289,12 +275,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
       static_cast<uint16_t*>(std::aligned_alloc(64, (Mp * K * sizeof(uint16_t) + 63) / 64 * 64)), &std::free);
   if (!xb) return ffi::Error::Internal("amx_matmul: out of memory");
   round_x(x.typed_data(), M, Mp, K, xb.get());
-  const Problem p{static_cast<const char*>(q.untyped_data()) + l * codes * (bits == 4 ? 4 : 1),
-                  static_cast<const char*>(scale.untyped_data()) + l * groups * ss,
-                  zero.element_count() ? zero.typed_data() + l * groups : nullptr,
-                  offset.element_count() ? static_cast<const char*>(offset.untyped_data()) + l * groups * ss : nullptr,
-                  xb.get(), y->typed_data(), M, Mp, K, N, group_size, bits, blocked ? col_block : N,
-                  static_cast<float>(zero_point), st == ffi::F16};
+  const Problem p{w.q, w.scale, w.zero, w.offset, xb.get(), y->typed_data(), M, Mp, K, N, group_size, bits, w.cb,
+                  static_cast<float>(zero_point), w.half};
   // Units: (row block, column block) pairs, row blocks outer: a thread's units share its row
   // blocks of x (at most RB rows: in its core's L2), which every column of the block reads.
   const int64_t nrb = (Mp + RB - 1) / RB, ncb = (N + NB - 1) / NB;

@@ -42,6 +42,7 @@
 #endif
 
 #include "claims.h"
+#include "quant_weight.h"
 #include "int8_dot.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -381,31 +382,13 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                 ffi::AnyBuffer scale, ffi::Buffer<ffi::U8> zero, ffi::AnyBuffer offset,
                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t group_size,
                 int64_t bits, bool int8_x, int64_t zero_point, int64_t col_block) {
-  auto xd = x.dimensions();
-  auto sd = scale.dimensions();
-  auto qd = q.dimensions();
-  const size_t rank = sd.size(), blocked = col_block ? 1 : 0;    // rank: (L,) (N / cb,) rows, N or cb
-  if (xd.size() != 2 || rank < 2 + blocked || rank > 3 + blocked || qd.size() != rank)
-    return ffi::Error::InvalidArgument(
-        "int4_matvec: x must be [M, K], the weight [(L,) rows, N] or [(L,) N / cb, rows, cb]");
-  const int64_t M = xd[0], K = xd[1], G = sd[rank - 2];
-  const int64_t N = blocked ? sd[rank - 3] * col_block : sd[rank - 1];
-  const int64_t L = rank == 3 + blocked ? sd[0] : 1;
-  const int64_t pack = bits == 4 ? 8 : 1;
-  const auto st = scale.element_type();
-  if (M < 1 || K != G * group_size || N % 16 || group_size % 8 ||
-      (bits != 4 && bits != 8) || qd[rank - 2] * pack != K || qd[rank - 1] != sd[rank - 1] ||
-      (blocked && (col_block % 64 || sd[rank - 1] != col_block || qd[rank - 3] != sd[rank - 3])) ||
-      (bits == 4 && q.element_type() != ffi::S32) || (bits == 8 && q.element_type() != ffi::S8) ||
-      (st != ffi::F32 && st != ffi::F16) || (offset.element_count() && offset.element_type() != st))
-    return ffi::Error::InvalidArgument("int4_matvec: unsupported shape, code or scale type");
+  jaxserve::QuantWeight w;
+  if (auto err = jaxserve::check_weight("int4_matvec", x, q, scale, zero, offset, layer, group_size, bits, col_block, w);
+      err.failure())
+    return err;
   if (int8_x && (bits != 4 || !JAXSERVE_INT8_DOT))
     return ffi::Error::InvalidArgument("int4_matvec: int8_x needs int4 codes and a build with an int8 dot product");
-  const int64_t l = rank == 3 + blocked ? layer.typed_data()[0] : 0;
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("int4_matvec: layer index out of range");
-  const int64_t codes = K / pack * N;  // q elements per layer
-  const int64_t groups = G * N;        // scale (zero, offset) elements per layer
-  const size_t ss = st == ffi::F16 ? 2 : 4;
+  const int64_t M = w.M, K = w.K, N = w.N, G = w.G;
   const int64_t qb = group_size % 32 == 0 ? 32 : group_size % 16 == 0 ? 16 : 8;
   const int64_t MC = std::min(M, MAX_ROWS);
   std::unique_ptr<float[]> xsum(new float[MC * G]);
@@ -417,9 +400,6 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
   } else {
     xq.reset(new float[MC * K]);
   }
-  const void* qp = static_cast<const char*>(q.untyped_data()) + l * codes * (bits == 4 ? 4 : 1);
-  const char* sp = static_cast<const char*>(scale.untyped_data()) + l * groups * ss;
-  const char* op = static_cast<const char*>(offset.untyped_data()) + l * groups * ss;
   // rows MAX_ROWS at a time (the accumulators are templated on the rows), the weight read once a
   // chunk. The engine sends at most 4 rows: 64 took 1.3x the time of XLA's bf16 tiles.
   for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
@@ -429,10 +409,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
       prepare_int8(xd0, Mc, K, qb, G, group_size, xdq.get(), xi.get(), xsum.get());
     else
       prepare_f32(xd0, Mc, K, G, group_size, bits, xq.get(), xsum.get());
-    const Problem p{qp, sp, zero.element_count() ? zero.typed_data() + l * groups : nullptr,
-                    offset.element_count() ? op : nullptr, y->typed_data() + m0 * N, Mc, K, N, group_size, bits,
-                    static_cast<float>(zero_point), blocked ? col_block : N, st == ffi::F16,
-                    xsum.get(), xq.get(), xi.get(), xdq.get(), qb};
+    const Problem p{w.q, w.scale, w.zero, w.offset, y->typed_data() + m0 * N, Mc, K, N, group_size, bits,
+                    static_cast<float>(zero_point), w.cb, w.half, xsum.get(), xq.get(), xi.get(), xdq.get(), qb};
     // blocks of NB columns, each thread one contiguous range of them (a claim per thread)
     jaxserve::run_claims(pool, (N + NB - 1) / NB, K * N >= (1 << 15), 1,
                          [&p](int64_t b0, int64_t b1) { run(p, b0, b1); });
