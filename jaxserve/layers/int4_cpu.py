@@ -57,7 +57,8 @@ SOURCE = Path(__file__).with_name("csrc") / "int4_matvec.cc"
 # built into the same library: the decode attention kernel (attention/cpu_kernel.py wraps it)
 ATTENTION_TARGET = "jaxserve_paged_attention"
 ATTENTION_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cc"
-HEADERS = tuple(Path(__file__).with_name("csrc") / h for h in ("claims.h", "simd.h", "int8_dot.h", "quant_weight.h"))   # included
+HEADERS = tuple(Path(__file__).with_name("csrc") / h                  # included
+                for h in ("claims.h", "simd.h", "int8_dot.h", "quant_weight.h"))
 UNBLOCK_TARGET = "jaxserve_unblock"       # column blocks -> the checkpoint layout, for the tiles
 UNBLOCK_SOURCE = Path(__file__).with_name("csrc") / "unblock.cc"
 # many rows on Intel AMX's bf16 tiles (csrc/amx_matmul.cc): where this build and process have them
