@@ -263,7 +263,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
 #if JAXSERVE_AMX
   if (!permitted()) return ffi::Error::Internal("amx_matmul: the kernel refused this process the AMX tile registers");
   jaxserve::QuantWeight w;
-  if (auto err = jaxserve::check_weight("amx_matmul", x, q, scale, zero, offset, layer, group_size, bits, col_block, w);
+  if (auto err = jaxserve::check_weight("amx_matmul", x, q, scale, zero, offset, layer, group_size, bits,
+                                          col_block, w);
       err.failure())
     return err;
   if (w.K % KC) return ffi::Error::InvalidArgument("amx_matmul: K must be a multiple of 32");

@@ -42,8 +42,8 @@
 #endif
 
 #include "claims.h"
-#include "quant_weight.h"
 #include "int8_dot.h"
+#include "quant_weight.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -383,7 +383,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t group_size,
                 int64_t bits, bool int8_x, int64_t zero_point, int64_t col_block) {
   jaxserve::QuantWeight w;
-  if (auto err = jaxserve::check_weight("int4_matvec", x, q, scale, zero, offset, layer, group_size, bits, col_block, w);
+  if (auto err = jaxserve::check_weight("int4_matvec", x, q, scale, zero, offset, layer, group_size, bits,
+                                          col_block, w);
       err.failure())
     return err;
   if (int8_x && (bits != 4 || !JAXSERVE_INT8_DOT))

@@ -13,8 +13,9 @@
 // cache; the tables are offset to them), or int8 codes with a f32 scale per row and kv head
 // ([R, B, K]; `--kv-cache-dtype int8`, attention/kv_quant.py): a quarter of the bytes to read,
 // which is what decode attention costs here (a batch-64 step read ~147 MB of f32 pages).
-// Sliding window (a token sees itself and window - 1 earlier tokens; 0: none), soft cap (cap * tanh(s / cap); 0: none) and sinks (a logit per head in
-// the softmax denominator, no value) as the reference path applies them.
+// Sliding window (a token sees itself and window - 1 earlier tokens; 0: none), soft cap
+// (cap * tanh(s / cap); 0: none) and sinks (a logit per head in the softmax denominator, no value)
+// as the reference path applies them.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
