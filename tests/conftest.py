@@ -31,6 +31,25 @@ SHARED_LLM_KWARGS = dict(max_model_len=512, max_num_batched_tokens=128, max_num_
                          num_gpu_blocks_override=1024, seed=0, dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def server():
+    """A real `jaxserve serve` of the default model with small engine settings
+    (server_fixtures.ServerProcess), one per module that asks; a module that needs other flags
+    defines its own `server`."""
+    from server_fixtures import ServerProcess
+    srv = ServerProcess().start()
+    yield srv
+    code = srv.stop()
+    assert code == 0, srv.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on `server`."""
+    import openai
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
 def pytest_collection_modifyitems(config, items):
     if not any(item.get_closest_marker("gpu") for item in items):
         return

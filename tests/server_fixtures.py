@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+MODEL = "SmolLM2-135M-Instruct"     # the default model's served name
 # Small engine settings: the default model runs on 2 shared CPU cores.
 SMALL_ENGINE = ["--max-model-len", "512", "--max-num-batched-tokens", "128",
                 "--max-num-seqs", "64", "--num-gpu-blocks-override", "512"]
@@ -32,6 +33,23 @@ def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def post(server, path, body=None, *, raw=None, headers=None):
+    """POST `body` as JSON (or the bytes `raw`) to the server's `path` -> the httpx response."""
+    try:                     # the openai client's HTTP library (httpx2 in openai >= 3)
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
+    headers = headers or {"Content-Type": "application/json"}
+    return httpx.post(server.base_url + path, content=raw if raw is not None else json.dumps(body),
+                      headers=headers, timeout=120)
+
+
+def assert_still_serves(client):
+    """A short completion through the openai `client` still comes back."""
+    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+    assert out.choices[0].finish_reason == "length"
 
 
 def greedy_texts(base_url: str, prompts: list, max_tokens: int) -> list[str]:
