@@ -256,16 +256,27 @@ def test_200_concurrent_streams_with_a_quarter_disconnecting(server, client):
     assert_still_serves(client)
 
 
-def test_metrics_have_vllm_names_with_prefix(server):
-    text = httpx.get(server.base_url + "/metrics").text
+def test_metrics_have_vllm_names_with_prefix(server, client):
+    # Its own finishes: one by length, and an abort, a long stream closed after its first token
+    # (the quarter that disconnect above may finish their 8 tokens before the server sees them go).
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    with client.completions.create(model=MODEL, prompt="Count to a thousand:", max_tokens=500,
+                                   temperature=0, stream=True) as stream:
+        next(iter(stream))
+    pattern = r'^jaxserve:request_success_total\{.*finished_reason="abort".*\} [1-9]'
+    deadline = time.monotonic() + 60
+    while True:
+        text = httpx.get(server.base_url + "/metrics").text
+        if re.search(pattern, text, re.M) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert re.search(pattern, text, re.M)
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
                  "prefix_cache_queries_total", "prefix_cache_hits_total"):
         assert metric(text, name) >= 0
     assert metric(text, "generation_tokens_total") > 0
     assert re.search(r'^jaxserve:request_success_total\{.*finished_reason="length".*\} [1-9]',
-                     text, re.M)
-    assert re.search(r'^jaxserve:request_success_total\{.*finished_reason="abort".*\} [1-9]',
                      text, re.M)
     for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "request_queue_time_seconds"):
