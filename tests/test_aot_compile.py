@@ -197,13 +197,20 @@ def test_the_compile_gate_fails_on_a_host_sync_or_bytes_over_target():
     assert len(check_targets({"llama-3.1-70b-tp8": report(0, 1.0, 1.2)})) == 1
 
 
-def test_h100_every_program_prompt_logprobs_variants_included_has_no_host_sync(tmp_path):
-    """0 host synchronisation points in every step program for an H100 on the kernel path (the
-    tiny model's head dim 64 would take the reference attention, whose loops still sync), the
-    prompt-logprobs variants too (their chunk loop has a static trip count on a GPU)."""
+@pytest.mark.parametrize("backend", ["pallas", "reference"])
+def test_h100_every_program_prompt_logprobs_variants_included_has_no_host_sync(tmp_path, backend):
+    """0 host synchronisation points in every step program for an H100, on the kernel path and on
+    the reference path (its GPU form: loops of static trip count), the prompt-logprobs variants too
+    (their chunk loop has a static trip count on a GPU)."""
     _h100_or_skip()
-    report = _compile(tmp_path, "h100", ["--programs", "all"], attention_backend="pallas")
+    # the reference path at max_model_len 2048: its steps compiled for block tables 512 and 2048
+    # tokens wide (KV width buckets, worker/buckets.kv_widths)
+    extra = {"max_model_len": 2048} if backend == "reference" else {}
+    report = _compile(tmp_path, "h100", ["--programs", "all"], attention_backend=backend, **extra)
     assert any(p["prompt_logprobs"] for p in report["programs"])
+    if backend == "reference":
+        widths = {p["kv_width_tokens"] for p in report["programs"]}
+        assert widths == {512, 2048} and any(p["name"].endswith("_kv32blocks") for p in report["programs"])
     for p in report["programs"]:
         assert p["compiled"], p["error"]
         assert p["host_syncs"] == 0, (p["name"], p["host_sync_points"])

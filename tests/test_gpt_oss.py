@@ -123,14 +123,15 @@ def test_a_broken_mxfp4_tensor_is_refused_naming_it(tmp_path):
         load_model(tmp_path / "mx", "float32")
 
 
+@pytest.mark.parametrize("static", [False, True])       # True: the GPU form (no dynamic loops)
 @pytest.mark.parametrize("name", ["sliding_window", "mixed_empty_rows_padding_gqa8", "prefill_chunk_on_prefix"])
-def test_reference_attention_with_sinks_equals_dense_softmax_with_a_sink_column(name):
+def test_reference_attention_with_sinks_equals_dense_softmax_with_a_sink_column(name, static):
     case = CASES[name]
     q, k, v, meta, _, _ = make_batch(case, seed=3)
     sinks = np.random.default_rng(1).normal(0, 2, q.shape[1]).astype(np.float32)
     sm = 1.0 / np.sqrt(case.D)
     got = ragged_paged_attention_ref(q, k, v, meta, sm_scale=sm, sliding_window=case.window,
-                                     sinks=jnp.asarray(sinks))
+                                     sinks=jnp.asarray(sinks), static=static)
     want = naive_attention(q, k, v, meta, sm_scale=sm, window=case.window, sinks=sinks)
     assert max_err(got, want) <= 1e-5
     assert max_err(got, naive_attention(q, k, v, meta, sm_scale=sm, window=case.window)) > 1e-2

@@ -460,3 +460,47 @@ def test_engine_reference_path_row_batches(name, monkeypatch):
     want = ref_ragged_paged_attention(q, k, v, meta, **args)
     assert max_err(got, want) <= TOL[case.dtype]
     assert not np.asarray(got[int(meta.cu_q_lens[-1]):]).any()   # padding tokens stay zero
+
+
+@pytest.mark.parametrize("gather_bytes", [1, 1 << 30])
+@pytest.mark.parametrize("name", list(CASES) + list(MANY_ROWS))
+def test_engine_reference_path_static_form_matches_oracle(name, gather_bytes, monkeypatch):
+    """The reference path's GPU form (`static=True`: one group of rows, the KV loop over the block
+    tables' whole width, masked) against the dense oracle: with the smallest KV chunk (one block,
+    many loop steps) and the largest."""
+    from jaxserve.attention import reference as attention
+    monkeypatch.setattr(attention, "_STATIC_GATHER_BYTES", gather_bytes)
+    case = CASES.get(name) or MANY_ROWS[name]
+    q, k, v, meta, ks, vs = make_batch(case)
+    args = dict(sm_scale=1.0 / np.sqrt(case.D), sliding_window=case.window,
+                soft_cap=case.soft_cap, k_scale=ks, v_scale=vs)
+    got = attention.ragged_paged_attention_ref(q, k, v, meta, **args, static=True)
+    want = ref_ragged_paged_attention(q, k, v, meta, **args)
+    assert max_err(got, want) <= TOL[case.dtype]
+    assert not np.asarray(got[int(meta.cu_q_lens[-1]):]).any()   # padding tokens stay zero
+
+
+def test_engine_reference_path_static_form_has_no_data_dependent_loop():
+    """On a GPU target the reference path is traced without `while` loops of data-dependent trip
+    count or `cond`s (XLA:GPU syncs with the host for each); the CPU form keeps its dynamic loops."""
+    from jaxserve.attention import ragged_paged_attention_ref
+    case = MANY_ROWS["mixed_window_cap_int8"]
+    q, k, v, meta, ks, vs = make_batch(case)
+    args = dict(sm_scale=0.125, sliding_window=case.window, soft_cap=case.soft_cap, k_scale=ks, v_scale=vs)
+
+    def jaxpr(static):
+        return str(jax.make_jaxpr(lambda q, k, v, meta: ragged_paged_attention_ref(
+            q, k, v, meta, **args, static=static))(q, k, v, meta))
+    assert " while[" in jaxpr(False)
+    static = jaxpr(True)
+    assert " while[" not in static and " cond[" not in static and " scan[" in static
+
+
+def test_engine_reference_path_static_form_on_latent_pages_equals_the_loops():
+    """A latent cache (no value pages: the key pages are the values, DeepSeek's MLA): the GPU
+    form equals the CPU form's dynamic loops."""
+    from jaxserve.attention import ragged_paged_attention_ref
+    case = MANY_ROWS["tiles_over_batches"]
+    q, k, _, meta, _, _ = make_batch(case)
+    got, want = (ragged_paged_attention_ref(q, k, None, meta, sm_scale=0.125, static=s) for s in (True, False))
+    assert max_err(got, want) <= 1e-5

@@ -36,6 +36,8 @@ MAX_MODEL_LEN = 8192
 CONFIGURATIONS = {
     "llama-3.1-8b-bf16": ("llama-3.1-8b", {}),
     "llama-3.1-8b-fp8": ("llama-3.1-8b", {"quantization": "fp8"}),
+    # the XLA reference attention (the fallback: gpt-oss, MLA, head dims the kernels do not take)
+    "llama-3.1-8b-reference": ("llama-3.1-8b", {"attention_backend": "reference"}),
     "llama-3.1-8b-awq": ("llama-3.1-8b-awq", {}),
     # --cpu-offload-gb: the MLP stacks in host memory, each layer's copied in a layer ahead
     "llama-3.1-8b-offload8": ("llama-3.1-8b", {"cpu_offload_gb": 8.0}),

@@ -203,7 +203,14 @@ def compile_engine(args: EngineArgs, target: str | Target, out_dir: str | os.Pat
     return report
 
 
-def ci_keys(runner: ModelRunner) -> list[tuple[int, bool]]:
-    """The smallest and largest decode buckets (max_num_seqs tokens) and the largest bucket."""
+def ci_keys(runner: ModelRunner) -> list[tuple]:
+    """The smallest and largest decode buckets (max_num_seqs tokens) and the largest bucket, each
+    at the block-table width its report scenario needs (`report.CONTEXT` tokens of context for a
+    decode, its own tokens for the prefill chunk; the same program where there is one width)."""
     decode = [b for b in runner.buckets if b <= max(runner.max_seqs, 1)] or runner.buckets[:1]
-    return list(dict.fromkeys([(decode[0], False), (decode[-1], False), (runner.buckets[-1], False)]))
+
+    def at(T: int, tokens: int) -> tuple:
+        need = -(-tokens // runner.block_size)
+        return runner.step_key(T, False, next((w for w in runner.kv_widths if w >= need), None))
+    ctx = report_lib.CONTEXT
+    return list(dict.fromkeys([at(decode[0], ctx), at(decode[-1], ctx), at(runner.buckets[-1], runner.buckets[-1])]))

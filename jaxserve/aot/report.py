@@ -144,6 +144,7 @@ def program_row(name, key, exe, text: str, s, runner, seconds: float) -> dict:
     floor = min_bytes(s, runner, T)
     return {
         "name": name, "tokens": T, "prompt_logprobs": key[1], "compiled": True, "error": None,
+        "kv_width_tokens": (key[2] if len(key) > 2 else runner.kv_widths[-1]) * runner.block_size,
         "seconds": round(seconds, 1),
         "memory": {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
                    "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes},

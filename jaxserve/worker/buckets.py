@@ -34,3 +34,25 @@ def pow2_at_least(n: int, smallest: int = 16) -> int:
     while b < n:
         b *= 2
     return b
+
+
+# KV width buckets (runners whose attention loops have static trip counts: the reference path on
+# a GPU): block-table widths a step program is compiled for, each a quarter of the next, from
+# max_model_len down to no fewer than this many tokens, at most KV_WIDTHS of them.
+KV_WIDTH_MIN_TOKENS = 512
+KV_WIDTH_STEP = 4
+KV_WIDTHS = 4
+
+
+def kv_widths(max_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Block-table widths (in blocks), ascending, the last `max_blocks`: a step runs at the
+    smallest that holds every scheduled sequence's blocks, so attention whose loops run over the
+    table's whole width reads at most ~KV_WIDTH_STEP x the longest context, not max_model_len
+    (max_model_len 8,192: 512, 2,048 and 8,192 tokens; 131,072: 2,048 up to 131,072)."""
+    widths, w = [max_blocks], max_blocks
+    while len(widths) < KV_WIDTHS:
+        w = -(-w // KV_WIDTH_STEP)
+        if w * block_size < KV_WIDTH_MIN_TOKENS or w == widths[-1]:
+            break
+        widths.append(w)
+    return tuple(sorted(widths))

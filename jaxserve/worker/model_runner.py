@@ -31,13 +31,14 @@ import jax
 import numpy as np
 
 from jaxserve.attention import kv_cache as kvc
+from jaxserve.attention import reference
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.layers.int4 import fused_kernel_rows
 from jaxserve.models import get_model
 from jaxserve.sample import penalties
 from jaxserve.sample.rejection import accept
 from jaxserve.sharding.plan import ShardingPlan, put, single_device_plan
-from jaxserve.worker.buckets import pow2_at_least, token_buckets
+from jaxserve.worker.buckets import kv_widths, pow2_at_least, token_buckets
 from jaxserve.worker.compile_cache import step_compiler_options
 from jaxserve.worker.compile_queue import BackgroundCompiler
 from jaxserve.worker.input_batch import InputBatch
@@ -134,6 +135,10 @@ class ModelRunner(StepPrograms):
         model = get_model(model_config.architecture)
         self._model = model
         self.backend = backend          # the attention backend the step programs use
+        # Block-table widths (blocks) the step programs are compiled for, ascending: one
+        # (max_model_len) unless attention loops over the table's whole width (`_width_buckets`).
+        self.kv_widths = (kv_widths(self.max_blocks_per_seq, self.block_size)
+                          if self._width_buckets(backend, drafter) else (self.max_blocks_per_seq,))
         # An EAGLE-3 head reads the target's residual stream at a few layers, an MTP layer its
         # final hidden states: the step returns them.
         aux_layers = tuple(getattr(drafter, "aux_layers", ()))
@@ -176,6 +181,21 @@ class ModelRunner(StepPrograms):
     def _seq_bucket(self, token_bucket: int) -> int:
         return min(token_bucket, pow2_at_least(self.max_seqs, 1))
 
+    def _width_buckets(self, backend: str, drafter) -> bool:
+        """Whether a step chooses its block-table width from `kv_widths`: where attention has
+        static loops over the table's width (the reference path on a GPU, `reference.static_form`)
+        and no drafter reads the step's tables (its programs are built for one width)."""
+        platform = self.plan.mesh.devices.flat[0].platform
+        return backend == "reference" and drafter is None and reference.static_form(platform)
+
+    def kv_width(self, scheduled, with_prompt_logprobs: bool) -> int:
+        """The block-table width (blocks) a step runs at: the smallest of `kv_widths` that holds
+        every scheduled sequence's blocks (prompt-logprobs programs: the widest, the one compiled)."""
+        if with_prompt_logprobs:
+            return self.kv_widths[-1]
+        need = max((len(s.block_ids) for s in scheduled), default=0)
+        return next((w for w in self.kv_widths if w >= need), self.kv_widths[-1])
+
     # -- the step -----------------------------------------------------------------------------
     def prepare(self, scheduled, with_prompt_logprobs: bool):
         """Host arrays for one step -> (StepInputs, StepLayout)."""
@@ -197,11 +217,15 @@ class ModelRunner(StepPrograms):
         S = self._seq_bucket(token_bucket)
         return min(token_bucket, S * (self.num_spec + 1)) if self.num_spec else S
 
-    def _build(self, scheduled, num_tokens: int, with_prompt_logprobs: bool):
+    def _build(self, scheduled, num_tokens: int, with_prompt_logprobs: bool, width: int | None = None):
+        """Host inputs of a step at `num_tokens` tokens and block tables `width` blocks wide
+        (None: `kv_width`'s choice)."""
+        if width is None:
+            width = self.kv_width(scheduled, with_prompt_logprobs)
         inputs, layout = build_inputs(scheduled, self.input_batch, num_tokens=num_tokens,
                                       num_seqs=self._seq_bucket(num_tokens),
                                       num_blocks=self.num_blocks, block_size=self.block_size,
-                                      max_blocks_per_seq=self.max_blocks_per_seq,
+                                      max_blocks_per_seq=width,
                                       with_prompt_logprobs=with_prompt_logprobs,
                                       num_sample_rows=self._sample_rows(num_tokens),
                                       speculative=self.num_spec > 0,
@@ -222,7 +246,7 @@ class ModelRunner(StepPrograms):
     def run_model(self, inputs: StepInputs):
         """Run the compiled step (cache and penalty state replaced by the donated results);
         returns the device (SamplerOutput, prompt scores or None)."""
-        exe = self._executable(len(inputs.tokens), inputs.prompt_targets is not None)
+        exe = self._executable(*self.step_key_of(inputs))
         out, scores, self.cache, self.penalties, *aux = exe(self.weights, self.cache, self.penalties,
                                                             *self.device_inputs(inputs))
         self.aux_hidden = aux[0] if aux else None     # EAGLE-3's or MTP's features, for the drafter
@@ -239,7 +263,7 @@ class ModelRunner(StepPrograms):
 
     def _packing(self, x: StepInputs) -> Packing:
         """How the inputs of x's program pack (fixed by the program: planned once, kept)."""
-        key = (len(x.tokens), x.prompt_targets is not None)
+        key = self.step_key_of(x)
         packing = self._packings.get(key)
         if packing is None:
             packing = self._packings[key] = Packing.of(x)
@@ -284,7 +308,7 @@ class ModelRunner(StepPrograms):
         if grammar is not None and grammar.request_ids:
             inputs.bitmask = step_bitmask(grammar, layout.sample_rows, len(inputs.logit_rows), self.mask_words,
                                           {r: len(d) for r, d in drafts.items()})
-        timed = (len(inputs.tokens), want_prompt_lp) in self._executables and not want_prompt_lp
+        timed = self.step_key_of(inputs) in self._executables and not want_prompt_lp
         out, scores = self.run_model(inputs)
         if self.drafter is not None:        # the draft's K/V for the same tokens (async)
             self.drafter.catch_up(inputs, self.aux_hidden)
@@ -384,7 +408,7 @@ class ModelRunner(StepPrograms):
         by shape, so the device's peak memory is what a real step of that bucket needs."""
         T = self.buckets[-1]
         for with_prompt_logprobs in (False, True):
-            x, _ = self._build([], T, with_prompt_logprobs)
+            x, _ = self._build([], T, with_prompt_logprobs, self.kv_widths[-1])
             jax.block_until_ready(self.run_model(x))
 
     def release(self) -> None:

@@ -49,6 +49,9 @@ class PoolingRunner(ModelRunner):
         # first token's state)
         self._partial: dict[str, np.ndarray] = {}
 
+    def _width_buckets(self, backend: str, drafter) -> bool:
+        return False        # one width: the pooling step's programs are keyed by tokens alone
+
     def run_model(self, inputs: StepInputs) -> jax.Array:
         """Run the compiled pooling step; returns the device [S, E] pooled rows."""
         exe = self._executable(len(inputs.tokens), False)

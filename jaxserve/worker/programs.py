@@ -32,10 +32,22 @@ class StepPrograms:
     """The program half of `ModelRunner` (a base class: it reads the runner's jitted step, state,
     buckets and build methods): `_executables` by (token bucket, with prompt logprobs)."""
 
-    def _program_spec(self, num_tokens: int, with_prompt_logprobs: bool) -> tuple:
+    def step_key(self, num_tokens: int, with_prompt_logprobs: bool, width: int | None = None) -> tuple:
+        """A step program's key: (token bucket, with prompt logprobs), and its block tables' width
+        in blocks where that is not the widest (`kv_widths`; None: the widest)."""
+        if width is None or width == self.kv_widths[-1]:
+            return (num_tokens, with_prompt_logprobs)
+        return (num_tokens, with_prompt_logprobs, width)
+
+    def step_key_of(self, x) -> tuple:
+        """The key of the program that runs the step inputs x."""
+        return self.step_key(len(x.tokens), x.prompt_targets is not None, x.meta.block_tables.shape[1])
+
+    def _program_spec(self, num_tokens: int, with_prompt_logprobs: bool, width: int | None = None) -> tuple:
         """(packed inputs, bitmask, Packing) of one program, as shapes (built from an empty batch:
         call it on the engine's thread, the input batch is not the compiler thread's to read)."""
-        x, _ = self._build([], num_tokens, with_prompt_logprobs)   # shapes only
+        x, _ = self._build([], num_tokens, with_prompt_logprobs,
+                           self.kv_widths[-1] if width is None else width)      # shapes only
         packing = self._packing(x)
         # Inputs are replicated (an abstract runner's devices may be compile-only ones).
         rep = self.plan.replicated
@@ -63,30 +75,35 @@ class StepPrograms:
             self._from_cache += int(from_cache is True)
             self._from_dir += int(isinstance(from_cache, str))
             n = len(self._executables)
-        logger.info("step program %d: %d tokens%s, %s (%.1f s)%s", n, key[0],
-                    ", prompt logprobs" if key[1] else "", how_obtained(from_cache),
+        logger.info("step program %d: %d tokens%s%s, %s (%.1f s)%s", n, key[0],
+                    ", prompt logprobs" if key[1] else "",
+                    f", KV {key[2] * self.block_size} tokens wide" if len(key) > 2 else "",
+                    how_obtained(from_cache),
                     time.perf_counter() - t0,
                     " (background)" if threading.current_thread().name.startswith("jaxserve-compile")
                     else "")
         return exe
 
-    def _executable(self, num_tokens: int, with_prompt_logprobs: bool):
-        """The compiled step for one token bucket and variant: built at warm-up, or (a background
-        warm-up) waited for from the compiler thread, or (no warm-up) compiled on first use."""
-        key = (num_tokens, with_prompt_logprobs)
+    def _executable(self, num_tokens: int, with_prompt_logprobs: bool, width: int | None = None):
+        """The compiled step for one token bucket, variant and block-table width (None: the
+        widest): built at warm-up, or (a background warm-up) waited for from the compiler
+        thread, or (no warm-up) compiled on first use."""
+        key = self.step_key(num_tokens, with_prompt_logprobs, width)
         exe = self._executables.get(key)
         if exe is None:
             exe = self._compiler.get(key) if self._compiler is not None else self._compile(key)
         return exe
 
     @staticmethod
-    def program_name(key: tuple[int, bool]) -> str:
-        """A step program's file name in a compiled directory: "step_16", "step_64_prompt_logprobs"."""
-        return f"step_{key[0]}" + ("_prompt_logprobs" if key[1] else "")
+    def program_name(key: tuple) -> str:
+        """A step program's file name in a compiled directory: "step_16", "step_64_prompt_logprobs",
+        "step_16_kv32blocks" (block tables 32 blocks wide, not the widest)."""
+        width = f"_kv{key[2]}blocks" if len(key) > 2 else ""
+        return f"step_{key[0]}" + ("_prompt_logprobs" if key[1] else "") + width
 
     @property
-    def compiled_programs(self) -> list[tuple[int, bool]]:
-        """(token bucket, with prompt logprobs) of every compiled step program."""
+    def compiled_programs(self) -> list[tuple]:
+        """The keys (`step_key`) of every compiled step program."""
         with self._lock:
             return sorted(self._executables)
 
@@ -121,10 +138,11 @@ class StepPrograms:
             self.programs.save(name, exe)
         return exe, from_cache
 
-    def warmup_keys(self) -> list[tuple[int, bool]]:
+    def warmup_keys(self) -> list[tuple]:
         """Every step program a step can need, in the order warm-up builds them: the plain
-        programs by token bucket, smallest first, then the prompt-logprobs variants (rare)."""
-        keys = [(T, False) for T in self.buckets]
+        programs by token bucket, smallest first (each block-table width of a bucket, widest
+        first), then the prompt-logprobs variants (rare; the widest tables only)."""
+        keys = [self.step_key(T, False, w) for T in self.buckets for w in reversed(self.kv_widths)]
         keys += [(self._variant_bucket(T, True), True) for T in self.buckets]
         return list(dict.fromkeys(keys))
 
@@ -179,7 +197,7 @@ class StepPrograms:
             return None
         budget = None
         for T in self.buckets:
-            if (T, False) not in self._executables:
+            if any(self.step_key(T, False, w) not in self._executables for w in self.kv_widths):
                 break
             budget = T
         return budget
