@@ -40,6 +40,12 @@ def static_form(platform: str | None = None) -> bool:
     return (platform or target_platform()) == "gpu"
 
 
+def _static_dot_dtype(k_pages, k_scale, page_codes):
+    """The static form's dot dtype: 16-bit float pages as they are (no scales, no fp8 codes), else f32."""
+    half = page_codes is None and k_scale is None and k_pages.dtype in (jnp.bfloat16, jnp.float16)
+    return k_pages.dtype if half else jnp.float32
+
+
 @dataclasses.dataclass
 class _Rows:
     """Query rows: `tile` consecutive tokens of one sequence each, real rows first.
@@ -115,8 +121,7 @@ def _attend_rows(qf, out, pages, tables, rows: _Rows, *, rows_per_step: int, chu
     heads = jnp.arange(K, dtype=jnp.int32)[:, None, None]
 
     k_pages, k_scale = pages[0], pages[2]
-    half = static and page_codes is None and k_scale is None and k_pages.dtype in (jnp.bfloat16, jnp.float16)
-    dot = k_pages.dtype if half else jnp.float32
+    dot = _static_dot_dtype(k_pages, k_scale, page_codes) if static else jnp.float32
 
     def gather(x, scale, ids):
         # [K, W, C, D]: the kv head leads, so neither dot below transposes the gathered K/V
@@ -219,7 +224,7 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
         tile = 1 if T <= S else min(_STATIC_TILE, T)
         rows = _tile_rows(meta, T, tile, min_len=1)
         R = rows.seq.shape[0]
-        item = 2 if k_pages.dtype in (jnp.bfloat16, jnp.float16) and k_scale is None and page_codes is None else 4
+        item = jnp.dtype(_static_dot_dtype(k_pages, k_scale, page_codes)).itemsize
         fits = _STATIC_GATHER_BYTES // max(1, item * K * R * D * (1 if v_pages is None else 2))
         chunk = B * max(1, min(fits // B, 512 // B, meta.block_tables.shape[1]))
     else:
