@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_paged_attention_kernel import CASES, MANY_ROWS, SMALL_ROWS, TOL, Case, make_batch, max_err, naive_attention
+from test_paged_attention_kernel import CASES, TOL, Case, make_batch, max_err, naive_attention
+from test_reference_attention import MANY_ROWS, SMALL_ROWS
 
 from jaxserve.attention import reference
 from jaxserve.layers import int4_cpu
