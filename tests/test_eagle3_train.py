@@ -45,7 +45,8 @@ def test_cli_refuses_bad_arguments(tmp_path, capsys):
         main(["train-eagle3", "--out", str(tmp_path / "h"), "--prompts", str(empty)])
     assert "holds no prompt" in capsys.readouterr().err
     for flag, value, message in (("--num-prompts", "0", "--num-prompts must be >= 1"),
-                                 ("--time-limit", "-1", "--time-limit must be >= 0")):
+                                 ("--time-limit", "-1", "--time-limit must be >= 0"),
+                                 ("--distill-top-k", "-1", "--distill-top-k must be >= 0")):
         with pytest.raises(SystemExit):
             main(["train-eagle3", "--out", str(tmp_path / "h"), flag, value])
         assert message in capsys.readouterr().err
@@ -64,3 +65,54 @@ def test_built_in_prompts_are_distinct_and_spare_the_held_out_ones():
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     from bench_eagle3 import HELD_OUT
     assert not set(HELD_OUT) & set(prompts)
+
+
+def test_distillation_labels_and_the_acceptance_they_train_for(llm):
+    """generate_data's soft labels are the target's own top-k next tokens (their first is the
+    greedy answer's next token); with all the mass on the token that followed, the distillation
+    loss is the hard one; `acceptance` counts leading correct drafts at every answer position
+    and rises with training."""
+    import dataclasses
+
+    from jaxserve.models import eagle3, get_model
+    from jaxserve.training.eagle3 import (
+        acceptance,
+        default_prompts,
+        draft_vocabulary,
+        generate_data,
+        new_head,
+        target_to_draft,
+        train,
+        ttt_loss,
+    )
+    cfg, weights = llm.llm_engine.runner.cfg, llm.llm_engine.runner.weights
+    ecfg = eagle3.config_for(cfg, draft_vocab_size=512)
+    data = generate_data(llm, default_prompts()[:4], ecfg.aux_layer_ids, max_tokens=12, max_len=64, soft_top_k=4)
+    assert data.soft_ids.shape == data.tokens.shape + (4,)
+    agree = []
+    for s in range(len(data)):
+        ans = np.flatnonzero(data.answer[s])
+        # the target answered greedily: its top-1 before each answer token is that token (the
+        # answer came from decode steps, the labels from one prefill: a near tie may differ)
+        agree += list(data.soft_ids[s, ans - 1, 0] == data.tokens[s, ans])
+        assert (np.diff(data.soft_logp[s, ans], axis=-1) <= 0).all()
+    assert np.mean(agree) >= 0.9, np.mean(agree)
+    ids = draft_vocabulary(data, 512, cfg.vocab_size)
+    head = new_head(ecfg, weights, get_model(cfg.architecture), ids, jax.random.key(0))
+    t2d = jnp.asarray(target_to_draft(head, cfg.vocab_size))
+    one_hot_ids = np.zeros_like(data.soft_ids)
+    one_hot_ids[:, :-1, 0] = data.tokens[:, 1:]
+    one_hot_lp = np.full(data.soft_logp.shape, -1e9, np.float32)
+    one_hot_lp[..., 0] = 0.0
+    row = (data.tokens[0], data.features[0], data.embeds[0], data.answer[0], t2d)
+    hard = ttt_loss(head, *row, ecfg=ecfg, steps=3)
+    soft = ttt_loss(head, *row, one_hot_ids[0], one_hot_lp[0], ecfg=ecfg, steps=3)
+    np.testing.assert_allclose(np.asarray(soft[:2]), np.asarray(hard[:2]), rtol=1e-5)
+    before = acceptance(head, data, t2d, ecfg=ecfg)
+    answers = int(sum(max(0, int(a.sum()) - 1) for a in data.answer))
+    assert before["anchors"] == answers     # the anchors whose next two tokens are answer tokens
+    head, _ = train(ecfg, head, dataclasses.replace(data), epochs=15, batch_size=4, learning_rate=3e-3)
+    after = acceptance(head, data, t2d, ecfg=ecfg)
+    per = after["per_position"]
+    assert per[0] >= per[1] >= per[2] and after["mean_acceptance_length"] == pytest.approx(1 + sum(per))
+    assert after["mean_acceptance_length"] > before["mean_acceptance_length"] + 0.2, (before, after)

@@ -96,15 +96,24 @@ class Eagle3Data:
     features: np.ndarray
     embeds: np.ndarray
     answer: np.ndarray
+    soft_ids: np.ndarray | None = None      # [N, L, k] the target's top-k next tokens at each position
+    soft_logp: np.ndarray | None = None     # [N, L, k] their log-probabilities
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def rows(self, sel) -> tuple:
+        """The arrays the train step takes, for sequences `sel`."""
+        soft = () if self.soft_ids is None else (self.soft_ids[sel], self.soft_logp[sel])
+        return (self.tokens[sel], self.features[sel], self.embeds[sel], self.answer[sel], *soft)
+
 
 def generate_data(llm, prompts: list[str], aux_layer_ids: tuple[int, ...], *, max_tokens: int = 96,
-                  max_len: int = 256, batch_size: int = 8) -> Eagle3Data:
+                  max_len: int = 256, batch_size: int = 8, soft_top_k: int = 0) -> Eagle3Data:
     """The target (`llm`, an LLM) answers each chat prompt greedily; its features at
-    `aux_layer_ids` and token embeddings for every (prompt, answer) token, cut to `max_len`."""
+    `aux_layer_ids` and token embeddings for every (prompt, answer) token, cut to `max_len`;
+    with `soft_top_k`, also its top-k next tokens and their log-probabilities (the labels of
+    distillation)."""
     from jaxserve.sampling_params import SamplingParams
     from jaxserve.training.batch import make_batch
     engine = llm.llm_engine
@@ -121,9 +130,13 @@ def generate_data(llm, prompts: list[str], aux_layer_ids: tuple[int, ...], *, ma
     def features(weights, batch):
         cache = kvc.allocate(cfg.num_layers, batch.num_blocks, batch.block_size, cfg.num_kv_heads,
                              cfg.head_dim, jnp.float32)
-        _, _, aux = model.forward(weights, cache, batch.tokens, batch.positions, batch.meta, cfg=cfg,
-                                  backend=backend, aux_layers=aux_layer_ids)
-        return aux.astype(jnp.float32), embed_rows(weights.embed, batch.tokens).astype(jnp.float32)
+        hidden, _, aux = model.forward(weights, cache, batch.tokens, batch.positions, batch.meta, cfg=cfg,
+                                       backend=backend, aux_layers=aux_layer_ids)
+        soft = ()
+        if soft_top_k:
+            logp, ids = jax.lax.top_k(jax.nn.log_softmax(model.compute_logits(weights, hidden)), soft_top_k)
+            soft = (ids, logp)
+        return aux.astype(jnp.float32), embed_rows(weights.embed, batch.tokens).astype(jnp.float32), *soft
 
     # Sequences padded only to the longest (rounded up to 16), not to max_len: training's cost
     # grows with the padded length (its attention with its square).
@@ -131,10 +144,13 @@ def generate_data(llm, prompts: list[str], aux_layer_ids: tuple[int, ...], *, ma
     L = min(max_len, -(-max(len(p) + len(a) for p, a in pairs) // 16) * 16)
     data = Eagle3Data(np.zeros((N, L), np.int32), np.zeros((N, L, len(aux_layer_ids) * E), np.float32),
                       np.zeros((N, L, E), np.float32), np.zeros((N, L), np.float32))
+    if soft_top_k:
+        data.soft_ids = np.zeros((N, L, soft_top_k), np.int32)
+        data.soft_logp = np.full((N, L, soft_top_k), -1e9, np.float32)
     for start in range(0, N, batch_size):
         chunk = pairs[start:start + batch_size]
         batch = make_batch(chunk, num_seqs=batch_size, max_len=L, max_targets=batch_size * L)
-        aux, emb = jax.device_get(features(weights, batch))
+        aux, emb, *soft = jax.device_get(features(weights, batch))
         cu = batch.meta.cu_q_lens
         for i, (prompt, _) in enumerate(chunk):
             a, b = int(cu[i]), int(cu[i + 1])
@@ -143,6 +159,9 @@ def generate_data(llm, prompts: list[str], aux_layer_ids: tuple[int, ...], *, ma
             data.features[start + i, :n] = aux[a:b]
             data.embeds[start + i, :n] = emb[a:b]
             data.answer[start + i, len(prompt):n] = 1.0
+            if soft:
+                data.soft_ids[start + i, :n] = soft[0][a:b]
+                data.soft_logp[start + i, :n] = soft[1][a:b]
     return data
 
 
@@ -187,24 +206,20 @@ def _attention(cfg, q, k_ctx, v_ctx, k_own, v_own):
     return out.reshape(L, H * D).astype(q.dtype)
 
 
-def ttt_loss(w: eagle3.Eagle3Weights, tokens, features, embeds, answer, t2d, *, ecfg: eagle3.Eagle3Config,
-             steps: int):
-    """Mean weighted cross-entropy of one sequence ([L] tokens, [L, n*E] features, [L, E]
-    embeddings, [L] answer mask; t2d [V] the draft id of each target id, -1 none) over `steps`
-    chained drafts. Returns (loss sum, weight sum, correct first-step predictions, their count)."""
+def _chained_logits(w: eagle3.Eagle3Weights, features, embeds, *, ecfg: eagle3.Eagle3Config, steps: int):
+    """The head's draft logits [L, Vd] at every anchor of one sequence ([L, n*E] features, [L, E]
+    embeddings), for each of `steps` chained drafts (module docstring, 3.): step j at anchor p is
+    fed token p + j and predicts token p + j + 1."""
     cfg = ecfg.model
-    L = tokens.shape[0]
+    L = features.shape[0]
     H, K, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
     feat = eagle3.project(w, features)
     anchors = jnp.arange(L)
     k_ctx = v_ctx = None
-    own_k, own_v = [], []
-    total = weight = correct = counted = 0.0
+    own_k, own_v, out = [], [], []
     for j in range(1, steps + 1):
-        idx = jnp.minimum(anchors + j, L - 1)                   # the token fed at step j
-        emb = embeds[idx]
-        pos = anchors + j - 1
-        cos, sin = rope_tables(cfg, pos)
+        emb = embeds[jnp.minimum(anchors + j, L - 1)]           # the token fed at step j
+        cos, sin = rope_tables(cfg, anchors + j - 1)
         h = jnp.concatenate([rms_norm(emb, w.layer.attn_norm, eps), rms_norm(feat, w.hidden_norm, eps)], -1)
         q = apply_rope(linear(h, w.layer.wq).reshape(L, H, D), cos, sin)
         k = apply_rope(linear(h, w.layer.wk).reshape(L, K, D), cos, sin)
@@ -219,36 +234,92 @@ def ttt_loss(w: eagle3.Eagle3Weights, tokens, features, embeds, answer, t2d, *, 
             o = _attention(cfg, q, k_ctx, v_ctx, jnp.stack(own_k), jnp.stack(own_v))
         residual = feat + linear(o, w.layer.wo)
         residual = residual + mlp(cfg, None, w.layer, rms_norm(residual, w.layer.mlp_norm, eps))
-        logits = eagle3.draft_logits(w, rms_norm(residual, w.final_norm, eps))      # [L, Vd]
+        out.append(eagle3.draft_logits(w, rms_norm(residual, w.final_norm, eps)))
+        feat = residual
+    return out
+
+
+def ttt_loss(w: eagle3.Eagle3Weights, tokens, features, embeds, answer, t2d, soft_ids=None, soft_logp=None, *,
+             ecfg: eagle3.Eagle3Config, steps: int):
+    """Mean weighted cross-entropy of one sequence ([L] tokens, [L, n*E] features, [L, E]
+    embeddings, [L] answer mask; t2d [V] the draft id of each target id, -1 none) over `steps`
+    chained drafts. With `soft_ids` / `soft_logp` ([L, k]: the target's own top-k next tokens and
+    log-probabilities at each position) the label of a draft is the target's distribution there
+    (distillation: the mass outside the draft vocabulary is dropped), else the token that
+    followed. Returns (loss sum, weight sum, correct first-step predictions, their count)."""
+    L = tokens.shape[0]
+    anchors = jnp.arange(L)
+    total = weight = correct = counted = 0.0
+    for j, logits in enumerate(_chained_logits(w, features, embeds, ecfg=ecfg, steps=steps), 1):
         tgt_at = anchors + j + 1
-        tgt = tokens[jnp.minimum(tgt_at, L - 1)]
-        draft = t2d[tgt]
-        valid = (tgt_at < L) & (answer[jnp.minimum(tgt_at, L - 1)] > 0) & (draft >= 0)
-        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.maximum(draft, 0)[:, None], 1)[:, 0]
+        at = jnp.minimum(tgt_at, L - 1)
+        draft = t2d[tokens[at]]
+        valid = (tgt_at < L) & (answer[at] > 0) & (draft >= 0)
+        logq = jax.nn.log_softmax(logits)
+        if soft_ids is None:
+            nll = -jnp.take_along_axis(logq, jnp.maximum(draft, 0)[:, None], 1)[:, 0]
+        else:       # the target's distribution for token tgt_at is its output at tgt_at - 1
+            sd = t2d[soft_ids[at - 1]]                                               # [L, k]
+            p = jnp.where(sd >= 0, jnp.exp(soft_logp[at - 1]), 0.0)
+            p = p / jnp.maximum(jnp.sum(p, -1, keepdims=True), 1e-9)
+            nll = -jnp.sum(p * jnp.take_along_axis(logq, jnp.maximum(sd, 0), 1), -1)
         wj = 0.8 ** (j - 1)
         total += wj * jnp.sum(jnp.where(valid, nll, 0.0))
         weight += wj * jnp.sum(valid)
         if j == 1:
             correct = jnp.sum(valid & (jnp.argmax(logits, -1) == draft))
             counted = jnp.sum(valid)
-        feat = residual
     return total, weight, correct, counted
+
+
+def acceptance(w: eagle3.Eagle3Weights, data: Eagle3Data, t2d, *, ecfg: eagle3.Eagle3Config, steps: int = 3,
+               batch_size: int = 8) -> dict:
+    """Greedy acceptance of `steps` chained drafts at every answer position of `data`, as a
+    verification step would count it: at anchor p (token p + 1 the target's own), the drafts are
+    accepted up to the first that differs from the target's token. -> {mean_acceptance_length,
+    per_position (accepted fraction at draft 1..steps), anchors}."""
+    @jax.jit
+    def leading(w, tokens, features, embeds, answer):
+        def one(tokens, features, embeds, answer):
+            L = tokens.shape[0]
+            anchors = jnp.arange(L)
+            ok = jnp.ones(L, bool)
+            run = []
+            for j, logits in enumerate(_chained_logits(w, features, embeds, ecfg=ecfg, steps=steps), 1):
+                at = jnp.minimum(anchors + j + 1, L - 1)
+                ok = ok & (anchors + j + 1 < L) & (answer[at] > 0) & (jnp.argmax(logits, -1) == t2d[tokens[at]])
+                run.append(ok)
+            # an anchor counts if the token it is fed first and the next are the target's
+            real = (anchors + 2 < L) & (answer[jnp.minimum(anchors + 1, L - 1)] > 0) & (
+                answer[jnp.minimum(anchors + 2, L - 1)] > 0)
+            return jnp.stack(run, -1) & real[:, None], real
+        return jax.vmap(one)(tokens, features, embeds, answer)
+
+    t2d = jnp.asarray(t2d)
+    hits, n = np.zeros(steps), 0
+    for s in range(0, len(data), batch_size):
+        sel = slice(s, s + batch_size)
+        run, real = jax.device_get(leading(w, data.tokens[sel], data.features[sel], data.embeds[sel], data.answer[sel]))
+        hits += run.reshape(-1, steps).sum(0)
+        n += int(real.sum())
+    per = hits / max(n, 1)
+    return dict(mean_acceptance_length=float(1 + per.sum()), per_position=[float(x) for x in per], anchors=n)
 
 
 def make_train_step(ecfg: eagle3.Eagle3Config, optimizer, steps: int):
     """step(head, opt_state, batch of sequences, t2d) -> (head, opt_state, loss, first-step accuracy)."""
     per_seq = partial(ttt_loss, ecfg=ecfg, steps=steps)
 
-    def loss_fn(w, tokens, features, embeds, answer, t2d):
-        total, weight, correct, counted = jax.vmap(per_seq, in_axes=(None, 0, 0, 0, 0, None))(
-            w, tokens, features, embeds, answer, t2d)
+    def loss_fn(w, t2d, tokens, features, embeds, answer, *soft):
+        total, weight, correct, counted = jax.vmap(per_seq, in_axes=(None, 0, 0, 0, 0, None) + (0,) * len(soft))(
+            w, tokens, features, embeds, answer, t2d, *soft)
         return jnp.sum(total) / jnp.maximum(jnp.sum(weight), 1.0), jnp.sum(correct) / jnp.maximum(jnp.sum(counted), 1.0)
 
     @partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, d2t, tokens, features, embeds, answer, t2d):
-        # params: the head without its (integer) d2t, which is not trained
+    def step(params, opt_state, d2t, t2d, *rows):
+        # params: the head without its (integer) d2t, which is not trained; rows: Eagle3Data.rows
         def of(p):
-            return loss_fn(dataclasses.replace(p, d2t=d2t), tokens, features, embeds, answer, t2d)
+            return loss_fn(dataclasses.replace(p, d2t=d2t), t2d, *rows)
         (loss, acc), grads = jax.value_and_grad(of, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, acc
@@ -256,14 +327,19 @@ def make_train_step(ecfg: eagle3.Eagle3Config, optimizer, steps: int):
     return step
 
 
+def target_to_draft(head: eagle3.Eagle3Weights, vocab_size: int) -> np.ndarray:
+    """[V] the draft id of each target id (-1: not in the draft vocabulary)."""
+    d2t = np.asarray(head.d2t)
+    t2d = np.full(vocab_size, -1, np.int32)
+    t2d[np.arange(len(d2t)) + d2t] = np.arange(len(d2t))
+    return t2d
+
+
 def train(ecfg: eagle3.Eagle3Config, head: eagle3.Eagle3Weights, data: Eagle3Data, *, epochs: int = 3,
           batch_size: int = 4, learning_rate: float = 1e-3, steps: int = 3, seed: int = 0,
           log_every: int | None = None, time_limit_s: float | None = None) -> tuple[eagle3.Eagle3Weights, list[dict]]:
     """Train `head` on `data` -> (trained head, a log of {step, loss, accuracy, seconds})."""
-    V = ecfg.model.vocab_size
-    d2t = np.asarray(head.d2t)
-    t2d = np.full(V, -1, np.int32)
-    t2d[np.arange(len(d2t)) + d2t] = np.arange(len(d2t))
+    t2d = target_to_draft(head, ecfg.model.vocab_size)
     n_batches = max(1, len(data) // batch_size)
     total_steps = epochs * n_batches
     log_every = log_every or max(1, total_steps // 20)
@@ -280,8 +356,7 @@ def train(ecfg: eagle3.Eagle3Config, head: eagle3.Eagle3Weights, data: Eagle3Dat
         order = rng.permutation(len(data))
         for b in range(n_batches):
             sel = order[b * batch_size:(b + 1) * batch_size]
-            params, opt_state, loss, acc = step_fn(params, opt_state, d2t_dev, data.tokens[sel],
-                                                   data.features[sel], data.embeds[sel], data.answer[sel], t2d)
+            params, opt_state, loss, acc = step_fn(params, opt_state, d2t_dev, t2d, *data.rows(sel))
             n += 1
             if n % log_every == 0 or n == total_steps:
                 log.append(dict(step=n, loss=float(loss), accuracy=float(acc),
@@ -297,10 +372,11 @@ def train(ecfg: eagle3.Eagle3Config, head: eagle3.Eagle3Weights, data: Eagle3Dat
 def train_head(out: str, model: str | None = None, *, prompts: list[str] | None = None, max_tokens: int = 96,
                max_len: int = 256, draft_vocab_size: int = 4096, epochs: int = 2, batch_size: int = 4,
                learning_rate: float = 1e-3, steps: int = 3, time_limit_s: float | None = None, seed: int = 0,
-               llm=None) -> dict:
+               distill_top_k: int = 0, llm=None) -> dict:
     """The whole recipe (module docstring): load `model` (None: the default one) or use `llm`,
     make the data, train, write the head to `out` with `train_log.json` beside it. Returns that
-    log: timings, data size, the loss and first-draft accuracy curve."""
+    log: timings, data size, the loss and first-draft accuracy curve. `distill_top_k` > 0: the
+    labels are the target's top-k distributions (`ttt_loss`), not its tokens."""
     import json
     import os
     import platform
@@ -309,6 +385,8 @@ def train_head(out: str, model: str | None = None, *, prompts: list[str] | None 
     from jaxserve.models import get_model
     if draft_vocab_size < 1:
         raise ValueError(f"draft_vocab_size must be >= 1, got {draft_vocab_size}")
+    if distill_top_k < 0:
+        raise ValueError(f"distill_top_k must be >= 0 (0: the target's tokens as labels), got {distill_top_k}")
     t0 = time.perf_counter()
     if llm is None:
         from jaxserve import LLM
@@ -317,7 +395,8 @@ def train_head(out: str, model: str | None = None, *, prompts: list[str] | None 
     cfg, weights = engine.runner.cfg, engine.runner.weights
     ecfg = eagle3.config_for(cfg, draft_vocab_size=min(draft_vocab_size, cfg.vocab_size))
     prompts = default_prompts(DEFAULT_NUM_PROMPTS) if prompts is None else prompts
-    data = generate_data(llm, prompts, ecfg.aux_layer_ids, max_tokens=max_tokens, max_len=max_len)
+    data = generate_data(llm, prompts, ecfg.aux_layer_ids, max_tokens=max_tokens, max_len=max_len,
+                         soft_top_k=min(distill_top_k, cfg.vocab_size))
     t_data = time.perf_counter() - t0
     draft_ids = draft_vocabulary(data, ecfg.draft_vocab_size, cfg.vocab_size)
     head = new_head(ecfg, weights, get_model(cfg.architecture), draft_ids, jax.random.key(seed))
@@ -328,6 +407,7 @@ def train_head(out: str, model: str | None = None, *, prompts: list[str] | None 
     report = dict(model=model or "default", sequences=len(data), answer_tokens=int(data.answer.sum()),
                   padded_len=int(data.tokens.shape[1]),
                   draft_vocab_size=ecfg.draft_vocab_size, aux_layer_ids=list(ecfg.aux_layer_ids),
+                  distill_top_k=distill_top_k,
                   data_seconds=round(t_data, 1), total_seconds=round(time.perf_counter() - t0, 1),
                   machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {jax.default_backend()}",
                   log=log)

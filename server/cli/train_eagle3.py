@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=float, default=570,
                    help="stop training once this many seconds have passed in all, data included (the "
                         "head so far is written; default 570, 0: no limit)")
+    p.add_argument("--distill-top-k", type=int, default=0,
+                   help="label each draft with the target's top-k next-token distribution instead of its "
+                        "token (distillation; 0, the default: its tokens)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -44,6 +47,8 @@ def run(ns: argparse.Namespace) -> int:
     for name in ("max_tokens", "max_len", "epochs", "batch_size", "ttt_steps", "num_prompts"):
         if getattr(ns, name) is not None and getattr(ns, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    if ns.distill_top_k < 0:
+        raise ValueError(f"--distill-top-k must be >= 0 (0: the target's tokens as labels), got {ns.distill_top_k}")
     if ns.time_limit < 0:
         raise ValueError(f"--time-limit must be >= 0 (0: no limit), got {ns.time_limit}")
     if ns.num_prompts is not None:
@@ -52,7 +57,7 @@ def run(ns: argparse.Namespace) -> int:
     report = train_head(ns.out, ns.model, prompts=prompts, max_tokens=ns.max_tokens, max_len=ns.max_len,
                         draft_vocab_size=ns.draft_vocab_size, epochs=ns.epochs, batch_size=ns.batch_size,
                         learning_rate=ns.learning_rate, steps=ns.ttt_steps, time_limit_s=ns.time_limit or None,
-                        seed=ns.seed)
+                        seed=ns.seed, distill_top_k=ns.distill_top_k)
     last = report["log"][-1] if report["log"] else {}
     print(json.dumps(dict(out=ns.out, seconds=report["total_seconds"], sequences=report["sequences"],
                           loss=last.get("loss"), first_draft_accuracy=last.get("accuracy"))))
