@@ -2,6 +2,7 @@
 
     python benchmarks/bench_server.py                 # 64 streamed completions x 64 tokens, concurrency 32
     python benchmarks/bench_server.py --rounds 3 --append
+    python benchmarks/bench_server.py --stream-interval 4     # and a server with --stream-interval 4
 
 The default model (SmolLM2-135M GGUF, `--dtype auto`). Two `jaxserve serve` processes are
 started, one with async scheduling (the default) and one with `--no-async-scheduling`, and an
@@ -43,13 +44,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(asynchronous: bool, log_path: str) -> tuple[subprocess.Popen, str]:
+def start_server(asynchronous: bool, log_path: str, stream_interval: int = 1) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "jaxserve.server.cli", "serve", "--port", str(port),
            "--max-model-len", str(ENGINE_FLAGS["max_model_len"]), "--max-num-seqs", str(ENGINE_FLAGS["max_num_seqs"]),
            "--seed", str(ENGINE_FLAGS["seed"]), "--disable-log-requests"]
     if not asynchronous:
         cmd.append("--no-async-scheduling")
+    if stream_interval > 1:
+        cmd += ["--stream-interval", str(stream_interval)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     return proc, f"http://127.0.0.1:{port}"
@@ -109,6 +112,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--append", action="store_true")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="N > 1: a third server, async with --stream-interval N, in the rotation")
     args = ap.parse_args()
     from jaxserve import LLM
     from jaxserve.default_model import DEFAULT_MODEL_NAME
@@ -120,23 +125,28 @@ def main() -> int:
     requests = random_requests(load_tokenizer(DEFAULT_MODEL_NAME), args.num_prompts, args.input_len,
                                args.output_len, seed=0)
     logs = tempfile.TemporaryDirectory()
-    servers = {mode: start_server(mode, os.path.join(logs.name, f"{mode}.log")) for mode in (True, False)}
+    modes = {"async": (True, 1), "sync": (False, 1)}
+    if args.stream_interval > 1:
+        modes["interval"] = (True, args.stream_interval)
+    servers = {name: start_server(asynchronous, os.path.join(logs.name, f"{name}.log"), interval)
+               for name, (asynchronous, interval) in modes.items()}
     try:
-        for mode, (proc, url) in servers.items():
-            wait_ready(url, proc, os.path.join(logs.name, f"{mode}.log"))
+        for name, (proc, url) in servers.items():
+            wait_ready(url, proc, os.path.join(logs.name, f"{name}.log"))
         llm = LLM(**ENGINE_FLAGS, program_cache_dir="")
         capped = LLM(**dict(ENGINE_FLAGS, max_num_seqs=args.concurrency), program_cache_dir="")
         offline_round(llm, requests[:4])            # warm
         offline_round(capped, requests[:4])
         for _, url in servers.values():
             asyncio.run(serve_round(url, requests[:4], args.concurrency))
-        got = {"async": [], "sync": [], "offline": [], "capped": []}
+        order = ["async", "offline", "sync", "capped"] + (["interval"] if "interval" in servers else [])
+        got = {name: [] for name in order}
         for r in range(args.rounds):
-            for name in ("async", "offline", "sync", "capped"):
+            for name in order:
                 if name in ("offline", "capped"):
                     tps = offline_round(llm if name == "offline" else capped, requests)
                 else:
-                    tps = asyncio.run(serve_round(servers[name == "async"][1], requests, args.concurrency))
+                    tps = asyncio.run(serve_round(servers[name][1], requests, args.concurrency))
                 got[name].append(tps)
                 print(f"round {r}: {name} {tps:.1f} tok/s", flush=True)
         llm.shutdown()
@@ -161,8 +171,12 @@ def main() -> int:
         f"| server, async scheduling (default), concurrency {args.concurrency} | {best['async']:.1f} | "
         f"{best['async'] / best['offline']:.2f}x |",
         f"| server, `--no-async-scheduling`, concurrency {args.concurrency} | {best['sync']:.1f} | "
-        f"{best['sync'] / best['offline']:.2f}x |", "",
-        f"Server (async) / offline at the same batch: {best['async'] / best['capped']:.2f}x."]) + "\n"
+        f"{best['sync'] / best['offline']:.2f}x |"]
+        + ([f"| server, async, `--stream-interval {args.stream_interval}`, concurrency {args.concurrency} | "
+            f"{best['interval']:.1f} | {best['interval'] / best['offline']:.2f}x |"] if "interval" in best else [])
+        + ["", f"Server (async) / offline at the same batch: {best['async'] / best['capped']:.2f}x"
+           + (f"; with `--stream-interval {args.stream_interval}`: {best['interval'] / best['capped']:.2f}x."
+              if "interval" in best else ".")]) + "\n"
     print(table)
     if args.append:
         with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as f:

@@ -286,6 +286,10 @@ class EngineArgs:
     # vLLM's --async-scheduling: step N + 1 launched before step N's results are read, the host's
     # work overlapping the device's (engine/llm_engine.py). None: on, but not with a model drafter.
     async_scheduling: bool | None = None
+    # vLLM's --stream-interval: a streamed (DELTA) request's output is handed over once it has this
+    # many tokens not yet sent (its first token and its finish at once), so the server writes a
+    # chunk per N tokens: less host work per token for a burstier stream.
+    stream_interval: int = 1
     # vLLM's structured_outputs_config.reasoning_parser (--reasoning-parser): a request's
     # structured output applies after its <think>...</think> reasoning (None: from its start).
     reasoning_parser: str | None = None
@@ -333,6 +337,8 @@ class EngineArgs:
                              f"got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {self.stream_interval!r}")
         if not isinstance(self.nnodes, int) or self.nnodes < 1:
             raise ValueError(f"nnodes must be a positive integer, got {self.nnodes!r}")
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:

@@ -64,7 +64,10 @@ def test_built_in_prompts_are_distinct_and_spare_the_held_out_ones():
     assert prompts[239] == "Describe the brain to a child."
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     from bench_eagle3 import HELD_OUT
+    from bench_eagle3_labels import HELD_OUT as MORE_HELD_OUT
     assert not set(HELD_OUT) & set(prompts)
+    assert len(set(MORE_HELD_OUT)) == 40 and set(HELD_OUT) < set(MORE_HELD_OUT)
+    assert not set(MORE_HELD_OUT) & set(prompts)
 
 
 def test_distillation_labels_and_the_acceptance_they_train_for(llm):

@@ -82,7 +82,7 @@ class LLMEngine:
             setattr(self, f.name, getattr(parts, f.name))
         args, cfg, spec = self.args, self.model_config, self.args.spec_config()
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
-        self.processor = OutputProcessor(self.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer, stream_interval=args.stream_interval)
         so_config = args.structured_config()
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
                                                   self._eos_token_ids(cfg),

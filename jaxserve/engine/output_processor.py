@@ -43,8 +43,11 @@ class _Parent:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, stream_interval: int = 1):
+        """stream_interval (vLLM's --stream-interval): a DELTA output is made once one of its
+        children has that many tokens not yet sent, its first, or its finish."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}   # child request id -> both
 
@@ -190,6 +193,11 @@ class OutputProcessor:
             return None
         delta = kind == RequestOutputKind.DELTA
         moved = [self._child_of[r.request_id][1] for r in reqs if r.request_id in self._child_of]
+        if delta and moved and not finished and self.stream_interval > 1:
+            moved = [c for c in moved if c.finish_reason is not None or c.sent_tokens == 0
+                     or c.num_tokens - c.sent_tokens >= self.stream_interval]
+            if not moved:
+                return None         # the tokens wait in the children for the next output
         if delta and moved:
             # Stream only the children that moved this step (vLLM's n > 1 delta behaviour);
             # every one of them, so no child's delta or finish is dropped.

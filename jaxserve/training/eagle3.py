@@ -11,9 +11,12 @@
    (feature of the target at p, token p + 1, predicts token p + 2); step j > 1 feeds step j - 1's
    pre-norm output with token p + j at position p + j - 1 and attends to step 1's keys at
    positions <= p plus its own earlier steps' keys of the same anchor — exactly what the chained
-   drafts see at inference. Cross-entropy over the draft vocabulary on answer tokens, step j
-   weighted 0.8^(j-1), AdamW with warm-up and cosine decay.
+   drafts see at inference. Cross-entropy over the draft vocabulary on answer tokens (against
+   the token that followed, or with `soft_top_k` data the target's own top-k distribution there:
+   distillation), step j weighted 0.8^(j-1), AdamW with warm-up and cosine decay.
 4. `eagle3.save`: the published format, which `serve` loads like a downloaded head.
+5. `acceptance`: a head judged without an engine, on data of held-out prompts: its chained
+   drafts at every answer position, accepted up to the first that differs from the target's.
 """
 
 from __future__ import annotations

@@ -149,6 +149,10 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                                  help="Launch each step before the last one's tokens are read, so the "
                                                  "host's work overlaps the device's.",
                                                  shown_default="on; off with a draft model, EAGLE-3 or MTP")),
+    ("stream_interval", "SchedulerConfig", dict(type=int, help="Tokens a streamed request gathers "
+                                                "before its next chunk is sent (its first token and "
+                                                "its end go at once): fewer, larger chunks, less host "
+                                                "work per token.", shown_default="1: every token")),
     ("tensor_parallel_size", "ParallelConfig", dict(type=int, help="Tensor-parallel devices.")),
     ("enable_expert_parallel", "ParallelConfig", dict(action=argparse.BooleanOptionalAction,
                                                       help="Expert parallelism for MoE layers.")),
