@@ -310,7 +310,8 @@ def acceptance(w: eagle3.Eagle3Weights, data: Eagle3Data, t2d, *, ecfg: eagle3.E
 
 
 def make_train_step(ecfg: eagle3.Eagle3Config, optimizer, steps: int):
-    """step(head, opt_state, batch of sequences, t2d) -> (head, opt_state, loss, first-step accuracy)."""
+    """step(params, opt_state, d2t, t2d, *Eagle3Data.rows(batch)) -> (params, opt_state, loss,
+    first-step accuracy); params: the head without its d2t."""
     per_seq = partial(ttt_loss, ecfg=ecfg, steps=steps)
 
     def loss_fn(w, t2d, tokens, features, embeds, answer, *soft):
