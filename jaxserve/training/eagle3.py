@@ -242,6 +242,17 @@ def _chained_logits(w: eagle3.Eagle3Weights, features, embeds, *, ecfg: eagle3.E
     return out
 
 
+def _draft_labels(tokens, answer, t2d, j: int):
+    """Draft j at every anchor p of one sequence predicts token p + j + 1: -> (its index,
+    clipped into the sequence; its draft id, -1 outside the draft vocabulary; whether it is
+    one, i.e. in the sequence, the target's own and in the draft vocabulary)."""
+    L = tokens.shape[0]
+    tgt_at = jnp.arange(L) + j + 1
+    at = jnp.minimum(tgt_at, L - 1)
+    draft = t2d[tokens[at]]
+    return at, draft, (tgt_at < L) & (answer[at] > 0) & (draft >= 0)
+
+
 def ttt_loss(w: eagle3.Eagle3Weights, tokens, features, embeds, answer, t2d, soft_ids=None, soft_logp=None, *,
              ecfg: eagle3.Eagle3Config, steps: int):
     """Mean weighted cross-entropy of one sequence ([L] tokens, [L, n*E] features, [L, E]
@@ -250,18 +261,13 @@ def ttt_loss(w: eagle3.Eagle3Weights, tokens, features, embeds, answer, t2d, sof
     log-probabilities at each position) the label of a draft is the target's distribution there
     (distillation: the mass outside the draft vocabulary is dropped), else the token that
     followed. Returns (loss sum, weight sum, correct first-step predictions, their count)."""
-    L = tokens.shape[0]
-    anchors = jnp.arange(L)
     total = weight = correct = counted = 0.0
     for j, logits in enumerate(_chained_logits(w, features, embeds, ecfg=ecfg, steps=steps), 1):
-        tgt_at = anchors + j + 1
-        at = jnp.minimum(tgt_at, L - 1)
-        draft = t2d[tokens[at]]
-        valid = (tgt_at < L) & (answer[at] > 0) & (draft >= 0)
+        at, draft, valid = _draft_labels(tokens, answer, t2d, j)
         logq = jax.nn.log_softmax(logits)
         if soft_ids is None:
             nll = -jnp.take_along_axis(logq, jnp.maximum(draft, 0)[:, None], 1)[:, 0]
-        else:       # the target's distribution for token tgt_at is its output at tgt_at - 1
+        else:       # the target's distribution for the token at `at` is its output at at - 1
             sd = t2d[soft_ids[at - 1]]                                               # [L, k]
             p = jnp.where(sd >= 0, jnp.exp(soft_logp[at - 1]), 0.0)
             p = p / jnp.maximum(jnp.sum(p, -1, keepdims=True), 1e-9)
@@ -289,8 +295,8 @@ def acceptance(w: eagle3.Eagle3Weights, data: Eagle3Data, t2d, *, ecfg: eagle3.E
             ok = jnp.ones(L, bool)
             run = []
             for j, logits in enumerate(_chained_logits(w, features, embeds, ecfg=ecfg, steps=steps), 1):
-                at = jnp.minimum(anchors + j + 1, L - 1)
-                ok = ok & (anchors + j + 1 < L) & (answer[at] > 0) & (jnp.argmax(logits, -1) == t2d[tokens[at]])
+                _, draft, valid = _draft_labels(tokens, answer, t2d, j)
+                ok = ok & valid & (jnp.argmax(logits, -1) == draft)
                 run.append(ok)
             # an anchor counts if the token it is fed first and the next are the target's
             real = (anchors + 2 < L) & (answer[jnp.minimum(anchors + 1, L - 1)] > 0) & (
