@@ -161,7 +161,8 @@ def main() -> int:
     table = "\n".join([
         f"### Server vs offline engine, same prompts ({date})", "",
         f"`python benchmarks/bench_server.py --num-prompts {args.num_prompts} --input-len {args.input_len} "
-        f"--output-len {args.output_len} --concurrency {args.concurrency} --rounds {args.rounds}` on "
+        f"--output-len {args.output_len} --concurrency {args.concurrency} --rounds {args.rounds}"
+        f"{f' --stream-interval {args.stream_interval}' if args.stream_interval > 1 else ''}` on "
         f"{platform.machine()} ({os.cpu_count()} cores); default model, greedy, ignore_eos; best of the rounds, "
         "A B C in turn.", "",
         "| what | output tok/s | / offline |", "|---|---|---|",
