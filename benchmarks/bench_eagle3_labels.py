@@ -4,6 +4,8 @@
 
     python benchmarks/bench_eagle3_labels.py [--cache DIR] [--seconds 290]
         [--variants tokens,distill,distill-8192,tokens-lr2e-3]
+    python benchmarks/bench_eagle3_labels.py --variants tokens --epochs 6 --seconds 0 \
+        --eval-at 300,600,900,1200,1500,1800      # held-out acceptance as training goes on
 
 The data is made once and kept in DIR (default /tmp/jaxserve-eagle3-labels): the first 1,200
 built-in prompts' greedy answers (96 tokens) with the target's top-16 at every position, and the
@@ -11,7 +13,8 @@ same for HELD_OUT, 40 hand-written chat prompts unlike the built-in templates (n
 among the training prompts; `bench_eagle3.HELD_OUT` among them). Each variant then starts a head
 from the target and trains it for `--seconds` (batch 4, 2 epochs' cosine schedule), and its mean
 acceptance length with 3 chained drafts is measured on the held-out data and on 48 training
-sequences. Prints a Markdown table and one JSON line per variant.
+sequences. Prints a Markdown table and one JSON line per variant (and one per `--eval-at` step:
+the held-out acceptance of the head so far; `--seconds 0`: no time limit).
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ def main() -> None:
     ap.add_argument("--cache", default="/tmp/jaxserve-eagle3-labels")
     ap.add_argument("--seconds", type=float, default=290)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--epochs", type=int, default=2, help="the cosine schedule's length (default 2)")
+    ap.add_argument("--eval-at", default="", help="steps (comma-separated) at which to measure held-out acceptance")
     a = ap.parse_args()
     names = a.variants.split(",")
     for n in names:
@@ -97,7 +102,15 @@ def main() -> None:
                           T.draft_vocabulary(data, vocab, cfg.vocab_size), jax.random.key(0))
         t2d = T.target_to_draft(head, cfg.vocab_size)
         coverage = float((t2d[held.tokens[held.answer > 0]] >= 0).mean())
-        head, log = T.train(ecfg, head, data, epochs=2, batch_size=4, learning_rate=lr, time_limit_s=a.seconds)
+        eval_at = {int(x) for x in a.eval_at.split(",") if x}
+
+        def on_step(n, h, name=name, ecfg=ecfg, t2d=t2d, eval_at=eval_at):
+            if n in eval_at:
+                m = T.acceptance(h, held, t2d, ecfg=ecfg)
+                print(json.dumps(dict(variant=name, step=n, held_out_mal=round(m["mean_acceptance_length"], 3),
+                                      per_position=[round(x, 3) for x in m["per_position"]])), flush=True)
+        head, log = T.train(ecfg, head, data, epochs=a.epochs, batch_size=4, learning_rate=lr,
+                            time_limit_s=a.seconds or None, on_step=on_step if eval_at else None)
         h, s = T.acceptance(head, held, t2d, ecfg=ecfg), T.acceptance(head, sample, t2d, ecfg=ecfg)
         per = " / ".join(f"{x:.3f}" for x in h["per_position"])
         labels = f"top-{TOP_K} distillation" if distill else "tokens"

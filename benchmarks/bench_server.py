@@ -6,13 +6,15 @@
 
 The default model (SmolLM2-135M GGUF, `--dtype auto`). Two `jaxserve serve` processes are
 started, one with async scheduling (the default) and one with `--no-async-scheduling`, and an
-offline `LLM` in this process, all with the same engine flags. Each round, in turn (A B C A B C):
+offline `LLM` in this process, all with the same engine flags. Each round, in turn (A B C D A B C D):
 `jaxserve bench serve`'s client sends the 64 prompts as streamed completions (ignore_eos,
 greedy) to each server at concurrency 32 and counts output tokens by the streams' `usage`; the
 offline engine generates the same 64 prompts with the same parameters in one `generate` call,
 and so does a second offline engine with `max_num_seqs` = the concurrency (the server's batch:
-what the server's own overhead is measured against). Reports output tok/s of each and the
-server / offline ratios (best round of each). Only one works at a time (the idle servers wait
+what the server's own overhead is measured against). Reports output tok/s of each (best and
+median round) and the server / offline ratios: of the best rounds, and the median over rounds of
+each round's server / capped ratio (the two ran back to back, so a noisy stretch of the machine
+touches both; steadier than best-of on a shared machine). Only one works at a time (the idle servers wait
 on an event); measuring starts once both servers' background warm-ups are done (their logs say
 so), as their compiles would otherwise take the cores.
 """
@@ -25,6 +27,7 @@ import datetime
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -110,7 +113,7 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--append", action="store_true")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="N > 1: a third server, async with --stream-interval N, in the rotation")
@@ -139,7 +142,7 @@ def main() -> int:
         offline_round(capped, requests[:4])
         for _, url in servers.values():
             asyncio.run(serve_round(url, requests[:4], args.concurrency))
-        order = ["async", "offline", "sync", "capped"] + (["interval"] if "interval" in servers else [])
+        order = ["async", "capped", "sync", "offline"] + (["interval"] if "interval" in servers else [])
         got = {name: [] for name in order}
         for r in range(args.rounds):
             for name in order:
@@ -157,27 +160,36 @@ def main() -> int:
             proc.wait(30)
         logs.cleanup()
     best = {k: max(v) for k, v in got.items()}
+    med = {k: statistics.median(v) for k, v in got.items()}
+    paired = {k: statistics.median(s / c for s, c in zip(got[k], got["capped"]))
+              for k in ("async", "sync", "interval") if k in got}
     date = datetime.date.today().isoformat()
+
+    def row(name: str) -> str:
+        return f"{best[name]:.1f} ({med[name]:.1f})"
     table = "\n".join([
         f"### Server vs offline engine, same prompts ({date})", "",
         f"`python benchmarks/bench_server.py --num-prompts {args.num_prompts} --input-len {args.input_len} "
         f"--output-len {args.output_len} --concurrency {args.concurrency} --rounds {args.rounds}"
         f"{f' --stream-interval {args.stream_interval}' if args.stream_interval > 1 else ''}` on "
-        f"{platform.machine()} ({os.cpu_count()} cores); default model, greedy, ignore_eos; best of the rounds, "
-        "A B C in turn.", "",
-        "| what | output tok/s | / offline |", "|---|---|---|",
-        f"| offline `LLM.generate` (all prompts at once) | {best['offline']:.1f} | 1.00x |",
+        f"{platform.machine()} ({os.cpu_count()} cores); default model, greedy, ignore_eos; best and "
+        "median of the rounds, the engines in turn each round.", "",
+        "| what | output tok/s, best (median) | best / offline | / capped, median of rounds |",
+        "|---|---|---|---|",
+        f"| offline `LLM.generate` (all prompts at once) | {row('offline')} | 1.00x | |",
         f"| offline `LLM.generate`, `max_num_seqs` {args.concurrency} (the server's batch) | "
-        f"{best['capped']:.1f} | {best['capped'] / best['offline']:.2f}x |",
-        f"| server, async scheduling (default), concurrency {args.concurrency} | {best['async']:.1f} | "
-        f"{best['async'] / best['offline']:.2f}x |",
-        f"| server, `--no-async-scheduling`, concurrency {args.concurrency} | {best['sync']:.1f} | "
-        f"{best['sync'] / best['offline']:.2f}x |"]
+        f"{row('capped')} | {best['capped'] / best['offline']:.2f}x | 1.00x |",
+        f"| server, async scheduling (default), concurrency {args.concurrency} | {row('async')} | "
+        f"{best['async'] / best['offline']:.2f}x | {paired['async']:.2f}x |",
+        f"| server, `--no-async-scheduling`, concurrency {args.concurrency} | {row('sync')} | "
+        f"{best['sync'] / best['offline']:.2f}x | {paired['sync']:.2f}x |"]
         + ([f"| server, async, `--stream-interval {args.stream_interval}`, concurrency {args.concurrency} | "
-            f"{best['interval']:.1f} | {best['interval'] / best['offline']:.2f}x |"] if "interval" in best else [])
-        + ["", f"Server (async) / offline at the same batch: {best['async'] / best['capped']:.2f}x"
-           + (f"; with `--stream-interval {args.stream_interval}`: {best['interval'] / best['capped']:.2f}x."
-              if "interval" in best else ".")]) + "\n"
+            f"{row('interval')} | {best['interval'] / best['offline']:.2f}x | {paired['interval']:.2f}x |"]
+           if "interval" in best else [])
+        + ["", f"Server (async) / offline at the same batch: {best['async'] / best['capped']:.2f}x of the best "
+           f"rounds, {paired['async']:.2f}x the median round"
+           + (f"; with `--stream-interval {args.stream_interval}`: {best['interval'] / best['capped']:.2f}x, "
+              f"{paired['interval']:.2f}x." if "interval" in best else ".")]) + "\n"
     print(table)
     if args.append:
         with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as f:

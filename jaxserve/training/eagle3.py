@@ -347,8 +347,10 @@ def target_to_draft(head: eagle3.Eagle3Weights, vocab_size: int) -> np.ndarray:
 
 def train(ecfg: eagle3.Eagle3Config, head: eagle3.Eagle3Weights, data: Eagle3Data, *, epochs: int = 3,
           batch_size: int = 4, learning_rate: float = 1e-3, steps: int = 3, seed: int = 0,
-          log_every: int | None = None, time_limit_s: float | None = None) -> tuple[eagle3.Eagle3Weights, list[dict]]:
-    """Train `head` on `data` -> (trained head, a log of {step, loss, accuracy, seconds})."""
+          log_every: int | None = None, time_limit_s: float | None = None,
+          on_step=None) -> tuple[eagle3.Eagle3Weights, list[dict]]:
+    """Train `head` on `data` -> (trained head, a log of {step, loss, accuracy, seconds}).
+    `on_step(n, head)`, if given, is called after every step with the head so far."""
     t2d = target_to_draft(head, ecfg.model.vocab_size)
     n_batches = max(1, len(data) // batch_size)
     total_steps = epochs * n_batches
@@ -368,6 +370,8 @@ def train(ecfg: eagle3.Eagle3Config, head: eagle3.Eagle3Weights, data: Eagle3Dat
             sel = order[b * batch_size:(b + 1) * batch_size]
             params, opt_state, loss, acc = step_fn(params, opt_state, d2t_dev, t2d, *data.rows(sel))
             n += 1
+            if on_step is not None:
+                on_step(n, dataclasses.replace(params, d2t=d2t_dev))
             if n % log_every == 0 or n == total_steps:
                 log.append(dict(step=n, loss=float(loss), accuracy=float(acc),
                                 seconds=round(time.perf_counter() - t0, 1)))
