@@ -6,17 +6,17 @@
 
 The default model (SmolLM2-135M GGUF, `--dtype auto`). Two `jaxserve serve` processes are
 started, one with async scheduling (the default) and one with `--no-async-scheduling`, and an
-offline `LLM` in this process, all with the same engine flags. Each round, in turn (A B C D A B C D):
+offline `LLM` in this process, all with the same engine flags. Each round, in turn (A B C D ...):
 `jaxserve bench serve`'s client sends the 64 prompts as streamed completions (ignore_eos,
 greedy) to each server at concurrency 32 and counts output tokens by the streams' `usage`; the
 offline engine generates the same 64 prompts with the same parameters in one `generate` call,
 and so does a second offline engine with `max_num_seqs` = the concurrency (the server's batch:
 what the server's own overhead is measured against). Reports output tok/s of each (best and
 median round) and the server / offline ratios: of the best rounds, and the median over rounds of
-each round's server / capped ratio (the two ran back to back, so a noisy stretch of the machine
-touches both; steadier than best-of on a shared machine). Only one works at a time (the idle servers wait
-on an event); measuring starts once both servers' background warm-ups are done (their logs say
-so), as their compiles would otherwise take the cores.
+each round's server / capped ratio (the capped engine runs right after the async server, so a
+noisy stretch of the machine touches both: steadier than best-of on a shared machine). Only one
+works at a time (the idle servers wait on an event); measuring starts once both servers'
+background warm-ups are done (their logs say so), as their compiles would otherwise take the cores.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def main() -> int:
             f"{row('interval')} | {best['interval'] / best['offline']:.2f}x | {paired['interval']:.2f}x |"]
            if "interval" in best else [])
         + ["", f"Server (async) / offline at the same batch: {best['async'] / best['capped']:.2f}x of the best "
-           f"rounds, {paired['async']:.2f}x the median round"
+           f"rounds, {paired['async']:.2f}x the median of the rounds' ratios"
            + (f"; with `--stream-interval {args.stream_interval}`: {best['interval'] / best['capped']:.2f}x, "
               f"{paired['interval']:.2f}x." if "interval" in best else ".")]) + "\n"
     print(table)
