@@ -350,7 +350,8 @@ def train(ecfg: eagle3.Eagle3Config, head: eagle3.Eagle3Weights, data: Eagle3Dat
           log_every: int | None = None, time_limit_s: float | None = None,
           on_step=None) -> tuple[eagle3.Eagle3Weights, list[dict]]:
     """Train `head` on `data` -> (trained head, a log of {step, loss, accuracy, seconds}).
-    `on_step(n, head)`, if given, is called after every step with the head so far."""
+    `on_step(n, head)`, if given, is called after every step with the head so far; its arrays are
+    donated to the next step, so use them (e.g. `acceptance`) before returning."""
     t2d = target_to_draft(head, ecfg.model.vocab_size)
     n_batches = max(1, len(data) // batch_size)
     total_steps = epochs * n_batches
