@@ -67,6 +67,22 @@ def _data(llm, prompts, path, aux_layer_ids):
     return Eagle3Data(**{k: z[k] for k in z.files})
 
 
+def _concatenate(a, b):
+    """Two Eagle3Data as one, each padded to the longer's length (pad: no answer, no label)."""
+    L = max(a.tokens.shape[1], b.tokens.shape[1])
+
+    def pad(x, fill):
+        if x is None or x.shape[1] == L:
+            return x
+        width = [(0, 0), (0, L - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+        return np.pad(x, width, constant_values=fill)
+    fills = dict(soft_logp=-1e9)
+    return dataclasses.replace(a, **{
+        f.name: None if getattr(a, f.name) is None else np.concatenate(
+            [pad(getattr(a, f.name), fills.get(f.name, 0)), pad(getattr(b, f.name), fills.get(f.name, 0))])
+        for f in dataclasses.fields(a)})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache", default="/tmp/jaxserve-eagle3-labels")
@@ -74,6 +90,9 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--epochs", type=int, default=2, help="the cosine schedule's length (default 2)")
     ap.add_argument("--eval-at", default="", help="steps (comma-separated) at which to measure held-out acceptance")
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="train on the first N built-in prompts (default: train-eagle3's 1,200; those past "
+                         "1,200 are cached in a file of their own)")
     a = ap.parse_args()
     names = a.variants.split(",")
     for n in names:
@@ -90,6 +109,13 @@ def main() -> None:
     aux = eagle3.config_for(cfg).aux_layer_ids
     held = _data(llm, HELD_OUT, os.path.join(a.cache, "held_out.npz"), aux)
     train = _data(llm, T.default_prompts(T.DEFAULT_NUM_PROMPTS), os.path.join(a.cache, "train.npz"), aux)
+    n = a.num_prompts or T.DEFAULT_NUM_PROMPTS
+    if n < T.DEFAULT_NUM_PROMPTS:
+        train = dataclasses.replace(train, **{f.name: getattr(train, f.name)[:n] for f in dataclasses.fields(train)})
+    elif n > T.DEFAULT_NUM_PROMPTS:
+        more = _data(llm, T.default_prompts(n)[T.DEFAULT_NUM_PROMPTS:],
+                     os.path.join(a.cache, f"train_{T.DEFAULT_NUM_PROMPTS}_{n}.npz"), aux)
+        train = _concatenate(train, more)
     sample = dataclasses.replace(train, **{f.name: getattr(train, f.name)[:48]
                                            for f in dataclasses.fields(train)})
     print("| labels | draft vocabulary (held-out coverage) | lr | steps | held-out MAL | per position | "

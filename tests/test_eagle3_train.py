@@ -80,6 +80,7 @@ def test_distillation_labels_and_the_acceptance_they_train_for(llm):
     from jaxserve.models import eagle3, get_model
     from jaxserve.training.eagle3 import (
         acceptance,
+        answer_window,
         default_prompts,
         draft_vocabulary,
         generate_data,
@@ -111,6 +112,22 @@ def test_distillation_labels_and_the_acceptance_they_train_for(llm):
     hard = ttt_loss(head, *row, ecfg=ecfg, steps=3)
     soft = ttt_loss(head, *row, one_hot_ids[0], one_hot_lp[0], ecfg=ecfg, steps=3)
     np.testing.assert_allclose(np.asarray(soft[:2]), np.asarray(hard[:2]), rtol=1e-5)
+    # only the anchors near the answer (what training computes): the same sums and gradients
+    width = answer_window(data.answer, 3)
+    assert width < data.tokens.shape[1]
+    for s in range(len(data)):
+        row = (data.tokens[s], data.features[s], data.embeds[s], data.answer[s], t2d)
+        for extra in ((), (data.soft_ids[s], data.soft_logp[s])):
+            full = ttt_loss(head, *row, *extra, ecfg=ecfg, steps=3)
+            window = ttt_loss(head, *row, *extra, ecfg=ecfg, steps=3, width=width)
+            np.testing.assert_allclose(np.asarray(window), np.asarray(full), rtol=1e-5)
+    params = dataclasses.replace(head, d2t=None)        # the integer d2t is not trained
+    grads = [jax.grad(lambda p, width=width: ttt_loss(dataclasses.replace(p, d2t=head.d2t), *row, ecfg=ecfg,
+                                                      steps=3, width=width)[0])(params)
+             for width in (None, width)]
+    for g_full, g_window in zip(*(jax.tree_util.tree_leaves(g) for g in grads)):
+        g_full = np.asarray(g_full)        # summed in another order: float rounding apart
+        np.testing.assert_allclose(np.asarray(g_window), g_full, rtol=1e-3, atol=1e-3 * np.abs(g_full).max())
     before = acceptance(head, data, t2d, ecfg=ecfg)
     answers = int(sum(max(0, int(a.sum()) - 1) for a in data.answer))
     assert before["anchors"] == answers     # the anchors whose next two tokens are answer tokens
