@@ -424,7 +424,7 @@ def train(ecfg: eagle3.Eagle3Config, head: eagle3.Eagle3Weights, data: Eagle3Dat
 
 
 def train_head(out: str, model: str | None = None, *, prompts: list[str] | None = None, max_tokens: int = 96,
-               max_len: int = 256, draft_vocab_size: int = 4096, epochs: int = 2, batch_size: int = 4,
+               max_len: int = 256, draft_vocab_size: int = 4096, epochs: int = 3, batch_size: int = 4,
                learning_rate: float = 1e-3, steps: int = 3, time_limit_s: float | None = None, seed: int = 0,
                distill_top_k: int = 0, llm=None) -> dict:
     """The whole recipe (module docstring): load `model` (None: the default one) or use `llm`,

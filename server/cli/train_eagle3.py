@@ -23,7 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=256, help="tokens per training sequence (default 256)")
     p.add_argument("--draft-vocab-size", type=int, default=4096,
                    help="the head's vocabulary: the answers' most frequent tokens (default 4096)")
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=3,
+                   help="passes over the answers: the cosine schedule's length (default 3; --time-limit "
+                        "may end it sooner)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per optimizer step (default 4)")
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--ttt-steps", type=int, default=3,
