@@ -15,7 +15,7 @@
    the token that followed, or with `soft_top_k` data the target's own top-k distribution there:
    distillation), step j weighted 0.8^(j-1), AdamW with warm-up and cosine decay. Only the
    anchors around each answer are computed past step 1's keys and values (`answer_window`:
-   prompt and padding anchors have no label; 1.58x faster a step on the default data, the same
+   prompt and padding anchors have no label; 1.43x faster a step on the default data, the same
    loss and gradients).
 4. `eagle3.save`: the published format, which `serve` loads like a downloaded head.
 5. `acceptance`: a head judged without an engine, on data of held-out prompts: its chained
@@ -400,7 +400,7 @@ def train(ecfg: eagle3.Eagle3Config, head: eagle3.Eagle3Weights, data: Eagle3Dat
     d2t_dev = head.d2t
     params = dataclasses.replace(head, d2t=None)
     opt_state = optimizer.init(params)
-    # only the anchors near each answer: ~1.3x fewer FLOPs a step on the default data (module docstring, 3.)
+    # only the anchors near each answer: 1.43x fewer FLOPs a step on the default data (module docstring, 3.)
     step_fn = make_train_step(ecfg, optimizer, steps, answer_window(data.answer, steps))
     rng = np.random.default_rng(seed)
     log, t0, n = [], time.perf_counter(), 0
