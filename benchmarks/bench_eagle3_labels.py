@@ -67,6 +67,12 @@ def _data(llm, prompts, path, aux_layer_ids):
     return Eagle3Data(**{k: z[k] for k in z.files})
 
 
+def _first(d, n: int):
+    """The first n sequences of Eagle3Data d."""
+    return dataclasses.replace(d, **{f.name: None if getattr(d, f.name) is None else getattr(d, f.name)[:n]
+                                     for f in dataclasses.fields(d)})
+
+
 def _concatenate(a, b):
     """Two Eagle3Data as one, each padded to the longer's length (pad: no answer, no label)."""
     L = max(a.tokens.shape[1], b.tokens.shape[1])
@@ -111,13 +117,12 @@ def main() -> None:
     train = _data(llm, T.default_prompts(T.DEFAULT_NUM_PROMPTS), os.path.join(a.cache, "train.npz"), aux)
     n = a.num_prompts or T.DEFAULT_NUM_PROMPTS
     if n < T.DEFAULT_NUM_PROMPTS:
-        train = dataclasses.replace(train, **{f.name: getattr(train, f.name)[:n] for f in dataclasses.fields(train)})
+        train = _first(train, n)
     elif n > T.DEFAULT_NUM_PROMPTS:
         more = _data(llm, T.default_prompts(n)[T.DEFAULT_NUM_PROMPTS:],
                      os.path.join(a.cache, f"train_{T.DEFAULT_NUM_PROMPTS}_{n}.npz"), aux)
         train = _concatenate(train, more)
-    sample = dataclasses.replace(train, **{f.name: getattr(train, f.name)[:48]
-                                           for f in dataclasses.fields(train)})
+    sample = _first(train, 48)
     print("| labels | draft vocabulary (held-out coverage) | lr | steps | held-out MAL | per position | "
           "training-sample MAL |\n| --- | --- | ---: | ---: | ---: | --- | ---: |")
     for name in names:

@@ -4,7 +4,7 @@ does) against every anchor, on the default model's data, in one sitting (A B A B
     python benchmarks/bench_eagle3_step.py [--cache DIR] [--sequences 400] [--steps 40] [--rounds 2]
 
 The data is `bench_eagle3_labels.py`'s cache (made there first: DIR/train.npz). Both forms run
-the same optimizer as `train` (clipped AdamW) from the same head on the same batches; each times
+the same optimizer as `train` (`make_optimizer`) from the same head on the same batches; each times
 `--steps` steps after two warm-up steps (the second call compiles once more for the donated
 layouts). Prints ms a step, XLA's FLOP count of each step and the losses (equal: the same sums).
 """
@@ -30,7 +30,6 @@ def main() -> None:
     if not os.path.exists(path):
         raise SystemExit(f"{path} is missing: run benchmarks/bench_eagle3_labels.py once to make it")
     import jax
-    import optax
 
     from jaxserve import LLM
     from jaxserve.models import eagle3, get_model
@@ -42,7 +41,7 @@ def main() -> None:
     cfg, weights = llm.llm_engine.runner.cfg, llm.llm_engine.runner.weights
     ecfg = eagle3.config_for(cfg, draft_vocab_size=4096)      # train-eagle3's default
     ids = T.draft_vocabulary(data, ecfg.draft_vocab_size, cfg.vocab_size)
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.0))
+    optimizer = T.make_optimizer(1e-3, a.steps + 2)
     widths = {"answer window": T.answer_window(data.answer, 3), "every anchor": None}
     times: dict[str, list[float]] = {k: [] for k in widths}
     for _ in range(a.rounds):

@@ -228,22 +228,24 @@ def _chained_logits(w: eagle3.Eagle3Weights, features, embeds, *, ecfg: eagle3.E
     W = anchors.shape[0]
     feat_all = eagle3.project(w, features)
     feat = feat_all[anchors]
+
+    def step_input(emb, feat):      # the layer's input: the fed token's embedding beside the feature
+        return jnp.concatenate([rms_norm(emb, w.layer.attn_norm, eps), rms_norm(feat, w.hidden_norm, eps)], -1)
+
     k_ctx = v_ctx = None
     own_k, own_v, out = [], [], []
     for j in range(1, steps + 1):
         if j == 1:      # step 1 at every position: its keys and values are the context's
             cos, sin = rope_tables(cfg, every)
-            h_all = jnp.concatenate([rms_norm(embeds[jnp.minimum(every + 1, L - 1)], w.layer.attn_norm, eps),
-                                     rms_norm(feat_all, w.hidden_norm, eps)], -1)
+            h_all = step_input(embeds[jnp.minimum(every + 1, L - 1)], feat_all)
             k_ctx = apply_rope(linear(h_all, w.layer.wk).reshape(L, K, D), cos, sin)
             v_ctx = linear(h_all, w.layer.wv).reshape(L, K, D)
             q = apply_rope(linear(h_all[anchors], w.layer.wq).reshape(W, H, D), cos[anchors], sin[anchors])
             none = jnp.zeros((0, W, K, D), k_ctx.dtype)
             o = _attention(cfg, q, k_ctx, v_ctx, none, none, anchors)
         else:
-            emb = embeds[jnp.minimum(anchors + j, L - 1)]           # the token fed at step j
             cos, sin = rope_tables(cfg, anchors + j - 1)
-            h = jnp.concatenate([rms_norm(emb, w.layer.attn_norm, eps), rms_norm(feat, w.hidden_norm, eps)], -1)
+            h = step_input(embeds[jnp.minimum(anchors + j, L - 1)], feat)      # fed token p + j
             q = apply_rope(linear(h, w.layer.wq).reshape(W, H, D), cos, sin)
             own_k.append(apply_rope(linear(h, w.layer.wk).reshape(W, K, D), cos, sin))
             own_v.append(linear(h, w.layer.wv).reshape(W, K, D))
@@ -353,6 +355,14 @@ def acceptance(w: eagle3.Eagle3Weights, data: Eagle3Data, t2d, *, ecfg: eagle3.E
     return dict(mean_acceptance_length=float(1 + per.sum()), per_position=[float(x) for x in per], anchors=n)
 
 
+def make_optimizer(learning_rate: float, total_steps: int):
+    """`train`'s optimizer: AdamW, gradients clipped to norm 1, warm-up over the first 5% of
+    `total_steps`, then cosine decay to 5% of `learning_rate`."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, total_steps // 20), total_steps,
+                                                  learning_rate * 0.05)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
+
+
 def make_train_step(ecfg: eagle3.Eagle3Config, optimizer, steps: int, width: int | None = None):
     """step(params, opt_state, d2t, t2d, *Eagle3Data.rows(batch)) -> (params, opt_state, loss,
     first-step accuracy); params: the head without its d2t; `width`: as `ttt_loss`'s."""
@@ -394,9 +404,7 @@ def train(ecfg: eagle3.Eagle3Config, head: eagle3.Eagle3Weights, data: Eagle3Dat
     n_batches = max(1, len(data) // batch_size)
     total_steps = epochs * n_batches
     log_every = log_every or max(1, total_steps // 20)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, total_steps // 20), total_steps,
-                                                  learning_rate * 0.05)
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
+    optimizer = make_optimizer(learning_rate, total_steps)
     d2t_dev = head.d2t
     params = dataclasses.replace(head, d2t=None)
     opt_state = optimizer.init(params)
