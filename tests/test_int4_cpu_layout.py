@@ -25,8 +25,8 @@ from jaxserve.layers.int4 import (
     with_bf16_tiles,
     with_fused_kernel,
 )
-from jaxserve.layers.int4_layout import COL_BLOCK, cpu_layout, with_cpu_layout
-from jaxserve.layers.linear import linear
+from jaxserve.layers.int4_layout import COL_BLOCK, INT8_GROUP, cpu_layout, dense_as_int8, int8_of, with_cpu_layout
+from jaxserve.layers.linear import DenseWeight, linear
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -177,3 +177,28 @@ def test_the_engine_lays_out_its_kernel_weights():
     assert on.col_block == COL_BLOCK and on.scale.dtype == jnp.float16
     for off in [cpu_matmuls_for(w, "auto", 2, platform="cpu"), cpu_matmuls_for(w, "float32", 1, platform="cpu")]:
         assert off["w"].col_block == 0 and off["w"].scale.dtype == jnp.float32
+
+
+def test_a_dense_matrix_rounded_to_int8_codes_and_f16_scales():
+    """`int8_of` (GGUF's Q8_0 rounding): every value within half a code of its group's scale,
+    the scales exact in f16 (the layout stores them so), the kernel's product within that of the
+    dense one; `dense_as_int8` leaves stacks, vectors and matrices of partial groups alone."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((192, 128)).astype(np.float32) * np.linspace(0.01, 3, 128, dtype=np.float32)
+    a[:INT8_GROUP, 5] = 0                               # a group of zeros: scale 0, codes 0
+    w = int8_of(DenseWeight(jnp.asarray(a)))
+    assert w.bits == 8 and w.q.dtype == jnp.int8 and w.shape == a.shape and w.group_size == INT8_GROUP
+    scale = np.asarray(w.scale)
+    assert np.array_equal(_f16(scale), scale) and scale[0, 5] == 0
+    back = np.asarray(dequantize(w.q, w.scale, group_size=w.group_size, bits=8))
+    step = np.repeat(scale, INT8_GROUP, axis=0)
+    assert np.all(np.abs(back - a) <= 0.5 * step + 1e-3 * np.abs(a) + 1e-12)
+    laid = cpu_layout(with_fused_kernel(w))
+    x = jnp.asarray(rng.standard_normal((3, 192)).astype(np.float32))
+    got, dense = np.asarray(linear(x, laid)), np.asarray(x @ a)
+    assert np.abs(got - dense).max() < 1e-2 * np.abs(dense).max()
+    tree = dict(m=DenseWeight(jnp.asarray(a)), stack=DenseWeight(jnp.zeros((2, 64, 8))),
+                odd=DenseWeight(jnp.zeros((40, 8))), v=jnp.ones(8))
+    out = dense_as_int8(tree)
+    assert isinstance(out["m"], Int4Weight)
+    assert all(isinstance(out[k], DenseWeight) for k in ("stack", "odd")) and out["v"] is tree["v"]

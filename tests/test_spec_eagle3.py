@@ -214,6 +214,32 @@ def test_drafts_equal_the_head_run_over_the_whole_sequence(eagle_llm, variant, m
     assert agree[0]
 
 
+def test_with_dtype_auto_the_heads_matrices_take_the_fused_kernel_in_int8(tmp_path):
+    """`--dtype auto` on one CPU device: the target's matmuls of a few rows take the fused CPU
+    kernel, and the head's matrices, rounded to int8, take it too (a quarter of the bytes a draft
+    reads); greedy output is still the target's."""
+    from jaxserve import LLM
+    from jaxserve.layers import int4_cpu
+    from jaxserve.layers.int4 import Int4Weight
+    if int4_cpu.load() is not None:
+        pytest.skip(f"the fused CPU kernel does not build here: {int4_cpu.load()}")
+    _random_head(tmp_path, _target_config())
+    with LLM(warmup=False, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4,
+             num_gpu_blocks_override=64, seed=0,
+             speculative_config={"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": K,
+                                 "min_expected_accepted": 0}) as llm:
+        llm.llm_engine.runner.step_cost = lambda num_tokens: 1.0
+        w = llm.llm_engine.runner.drafter.weights
+        for m in (w.fc, w.lm_head, w.layer.wq, w.layer.wk, w.layer.wv, w.layer.wo, w.layer.w_gate,
+                  w.layer.w_up, w.layer.w_down):
+            assert isinstance(m, Int4Weight) and m.bits == 8 and m.fused_max_rows and m.col_block
+        params = SamplingParams(temperature=0, max_tokens=16)
+        base = [o.token_ids for o in _run(llm, COPY, params, drafts=False)]
+        before = llm.llm_engine.stats().spec_num_draft_tokens
+        assert [o.token_ids for o in _run(llm, COPY, params, drafts=True)] == base
+        assert llm.llm_engine.stats().spec_num_draft_tokens > before
+
+
 def test_eagle3_is_refused_for_a_family_without_features():
     import dataclasses
 

@@ -14,8 +14,10 @@ import numpy as np
 
 from jaxserve.layers.experts import ExpertWeight
 from jaxserve.layers.int4 import Int4Weight
+from jaxserve.layers.linear import DenseWeight
 
 COL_BLOCK = 64                # columns per block (the kernel's threads claim 64 columns at a time)
+INT8_GROUP = 32               # input rows per scale of `int8_of` (GGUF's Q8_0 blocks)
 
 
 def _exact_f16(a: np.ndarray | None) -> bool:
@@ -80,3 +82,25 @@ def take_columns(w: Int4Weight, ids: jax.Array) -> Int4Weight:
         return jnp.take(a, ids, axis=-1)
     return dataclasses.replace(w, q=cols(w.q), scale=cols(w.scale), zero=cols(w.zero), offset=cols(w.offset),
                                col_block=0)
+
+
+def int8_of(w: DenseWeight, group_size: int = INT8_GROUP) -> Int4Weight:
+    """A dense matrix [in, out] rounded as GGUF's Q8_0 rounds one: per group of `group_size` input
+    rows and output column, an f16 scale max|w| / 127 and int8 codes (to 1/254 of the group's
+    max|w|): a quarter of f32's bytes for the fused CPU kernel to read."""
+    a = np.asarray(jax.device_get(w.w), np.float32)
+    k, n = a.shape
+    g = a.reshape(k // group_size, group_size, n)
+    scale = (np.abs(g).max(axis=1) / 127).astype(np.float16).astype(np.float32)      # [in / g, out]
+    codes = np.rint(g / np.where(scale > 0, scale, 1)[:, None, :]).clip(-127, 127).astype(np.int8)
+    return Int4Weight(jnp.asarray(codes.reshape(k, n)), jnp.asarray(scale), group_size=group_size, bits=8)
+
+
+def dense_as_int8(weights, group_size: int = INT8_GROUP):
+    """`weights` (any pytree) with every unstacked `DenseWeight` whose rows split into whole groups
+    as `int8_of`'s; the rest as they are."""
+    def rounded(w):
+        if isinstance(w, DenseWeight) and w.w.ndim == 2 and w.w.shape[0] % group_size == 0:
+            return int8_of(w, group_size)
+        return w
+    return jax.tree.map(rounded, weights, is_leaf=lambda x: isinstance(x, DenseWeight))
