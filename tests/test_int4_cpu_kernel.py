@@ -99,7 +99,7 @@ def test_int8_x_is_the_product_of_its_int8_parts(builds, kind, k, n, g):
     """int8_x: the result is the f32 product of x as its two int8 parts (the integer dot products
     are exact), and that x is within 1/(127 * 508) of each block's max|x| of x."""
     if not builds:
-        pytest.skip("no integer dot product in this CPU's kernel build")
+        pytest.skip("needs a CPU with an integer dot product (AVX512-VNNI or AVX2) in its kernel build")
     rng = np.random.default_rng(k + n + g)
     w = _weight(rng, k, n, g, kind)
     for target in builds:
@@ -119,7 +119,7 @@ def test_int8_x_sums_extreme_blocks_exactly(builds):
     each block of 32: high parts 127, or alternating sign), where AVX2 keeps a block's sums in
     int16 lanes (16 products of 15 x 127 = 30480 a lane)."""
     if not builds:
-        pytest.skip("no integer dot product in this CPU's kernel build")
+        pytest.skip("needs a CPU with an integer dot product (AVX512-VNNI or AVX2) in its kernel build")
     k, n, g = 256, 64, 32
     w = _weight(np.random.default_rng(0), k, n, g, "symmetric")
     w = dataclasses.replace(w, q=jnp.full_like(w.q, -1), scale=jnp.full_like(w.scale, 0.01))   # codes 15

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import re
 import time
@@ -201,8 +202,9 @@ def test_chat_n_and_max_completion_tokens(client):
 # -- load and disconnects ---------------------------------------------------------------------
 def test_200_concurrent_streams_with_a_quarter_disconnecting(server, client):
     prompts = ["Hello", "The sky is", "One two", "Water is"]
-    expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=8,
-                                             temperature=0).choices[0].text for p in prompts}
+    alone = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0,
+                                          logprobs=2).choices[0] for p in prompts}
+    expected = {p: c.text for p, c in alone.items()}
 
     async def one(aclient, i):
         prompt = prompts[i % len(prompts)]
@@ -237,13 +239,27 @@ def test_200_concurrent_streams_with_a_quarter_disconnecting(server, client):
     done = [r for r in results if r is not None]
     assert len(done) == 150
     # Every stream finishes once with its 8 tokens, and gives the text the prompt gives alone. The
-    # default CPU path is not batch invariant (a row's logits move ~1e-5 with its step's rows;
-    # `--batch-invariant` removes that): a greedy near tie may flip for the streams of a prompt
-    # that share a step (seen once: 1 of ~37), so 3/4 of each prompt's streams must match.
+    # default CPU path is not batch invariant (`--batch-invariant` makes it so): a prompt's rows
+    # take the fused kernel alone and bf16 tiles in a step of many rows (their logprobs differ by
+    # up to ~1e-2), so a greedy near tie may flip, for a few streams that share a step (seen: 1 of
+    # ~37) or for all of them against the prompt alone (seen on an AVX-512 EPYC). So 3/4 of each
+    # prompt's streams must agree, on the text alone or on one that leaves it only where its
+    # top two tokens were within 0.1 in logprob.
     assert all(finishes == 1 and usage == 8 for _, _, finishes, usage in done)
-    for prompt in prompts:
+
+    def near_tie_or_same(prompt: str, text: str) -> bool:
+        lp = alone[prompt].logprobs
+        for i in range(len(lp.tokens)):
+            if not text.startswith("".join(lp.tokens[:i + 1])):
+                top = sorted(lp.top_logprobs[i].values(), reverse=True)
+                return len(top) > 1 and top[0] - top[1] < 0.1
+        return text == expected[prompt]
+
+    for prompt in prompts[:3]:          # every stream of the fourth disconnects
         texts = [text for p, text, _, _ in done if p == prompt]
-        assert sum(t == expected[prompt] for t in texts) >= 0.75 * len(texts), (prompt, expected[prompt], texts)
+        top, count = collections.Counter(texts).most_common(1)[0]
+        assert count >= 0.75 * len(texts) and near_tie_or_same(prompt, top), \
+            (prompt, expected[prompt], alone[prompt].logprobs.top_logprobs, texts)
     deadline = time.monotonic() + 60
     while True:
         text = httpx.get(server.base_url + "/metrics").text
