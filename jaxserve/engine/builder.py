@@ -313,8 +313,8 @@ def load_eagle3_head(args: EngineArgs, spec, cfg: ModelConfig, dtype, tp: int, t
     local directory or a Hub name), checked against the target. Raises ValueError naming the
     field. Where the target's matmuls of a few rows take the fused CPU kernel (`--dtype auto` on
     one CPU device), the head's matrices are rounded to int8 and take it too: a step's drafts
-    read a quarter of the f32 bytes (the head's program 4.0 -> 1.2 ms at batch 1 on the default
-    model, benchmarks/RESULTS.md); the verification keeps the output exact either way."""
+    read a quarter of the f32 bytes (the head's program 4.2-4.9 -> 2.0-2.3 ms at batch 1 on the
+    default model, benchmarks/RESULTS.md); the verification keeps the output exact either way."""
     import inspect
 
     from jaxserve.models import eagle3, get_model
