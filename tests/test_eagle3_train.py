@@ -136,3 +136,26 @@ def test_distillation_labels_and_the_acceptance_they_train_for(llm):
     per = after["per_position"]
     assert per[0] >= per[1] >= per[2] and after["mean_acceptance_length"] == pytest.approx(1 + sum(per))
     assert after["mean_acceptance_length"] > before["mean_acceptance_length"] + 0.2, (before, after)
+
+
+def test_features_are_packed_densely_and_equal_one_sequence_a_pass(llm):
+    """generate_data's features pass packs the sequences longest first into passes of a fixed
+    token count: each sequence's features, embeddings and answer mask are those of a pass that
+    holds it alone (batch_size 1: one sequence's worth of tokens a pass)."""
+    from jaxserve.models import eagle3
+    from jaxserve.training.batch import make_batch
+    from jaxserve.training.eagle3 import _packed_chunks, default_prompts, generate_data
+    chunks = _packed_chunks([5, 9, 3, 9, 2, 7], num_tokens=12, max_seqs=3)
+    assert chunks == [[1, 2], [3, 4], [5, 0]]       # longest first, each in the first pass it fits
+    assert _packed_chunks([4] * 5, num_tokens=100, max_seqs=2) == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="num_tokens=8 is less than the examples' 9 tokens"):
+        make_batch([([1, 2, 3], [4, 5]), ([1, 2], [3, 4])], num_seqs=2, max_len=8, num_tokens=8)
+    cfg = llm.llm_engine.runner.cfg
+    aux = eagle3.default_aux_layers(cfg.num_layers)
+    prompts = default_prompts()[:5]
+    packed = generate_data(llm, prompts, aux, max_tokens=10, max_len=64, batch_size=4)
+    alone = generate_data(llm, prompts, aux, max_tokens=10, max_len=64, batch_size=1)
+    np.testing.assert_array_equal(packed.tokens, alone.tokens)
+    np.testing.assert_array_equal(packed.answer, alone.answer)
+    np.testing.assert_allclose(packed.embeds, alone.embeds)
+    np.testing.assert_allclose(packed.features, alone.features, rtol=1e-4, atol=1e-4 * np.abs(alone.features).max())

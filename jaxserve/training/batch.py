@@ -34,16 +34,21 @@ class TrainBatch:
 
 
 def make_batch(examples: list[tuple[list[int], list[int]]], *, num_seqs: int, max_len: int,
-               max_targets: int | None = None, block_size: int = 16) -> TrainBatch:
+               max_targets: int | None = None, block_size: int = 16, num_tokens: int | None = None) -> TrainBatch:
     """Pack up to `num_seqs` (prompt ids, completion ids) pairs, each cut to `max_len` tokens.
     Fewer examples than `num_seqs` leave padding sequences (kv_len 0). `max_targets` (default
     num_seqs * max_len): the loss rows R; fewer than all tokens saves the head's matmul on the
-    prompts (its [R, V] logits are a fifth of the step on the default model)."""
+    prompts (its [R, V] logits are a fifth of the step on the default model). `num_tokens`
+    (default num_seqs * max_len): T, the step's tokens; fewer packs short sequences densely (the
+    examples' tokens must fit)."""
     if not 0 < len(examples) <= num_seqs:
         raise ValueError(f"examples: 1 to num_seqs={num_seqs} pairs per batch, got {len(examples)}")
     S, B = num_seqs, block_size
     M = -(-max_len // B)
-    T = S * max_len
+    T = S * max_len if num_tokens is None else num_tokens
+    used = sum(min(max_len, len(p) + len(c)) for p, c in examples)
+    if used > T:
+        raise ValueError(f"num_tokens={T} is less than the examples' {used} tokens")
     tokens, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
     R = T if max_targets is None else max_targets
     rows, targets = [], []

@@ -1,8 +1,8 @@
 """Training an EAGLE-3 head (`models/eagle3.py`) for a target with optax, from the target's own data.
 
-1. `generate_data`: the target answers a prompt set greedily (the engine, batched); for each
-   (prompt, answer) one forward pass with the head's aux layers gives the features, and the
-   token embeddings are taken from the target's table.
+1. `generate_data`: the target answers a prompt set greedily (the engine, batched); forward
+   passes with the head's aux layers over the (prompt, answer) sequences, packed longest first,
+   give the features, and the token embeddings are taken from the target's table.
 2. `new_head`: the draft vocabulary is the answers' most frequent tokens; the head starts from
    the target where it can: `lm_head` rows and `norm` from the target's head and final norm, `fc`
    selecting the highest aux layer (its residual stream is nearly the final one), `wo` and
@@ -119,13 +119,16 @@ def generate_data(llm, prompts: list[str], aux_layer_ids: tuple[int, ...], *, ma
     """The target (`llm`, an LLM) answers each chat prompt greedily; its features at
     `aux_layer_ids` and token embeddings for every (prompt, answer) token, cut to `max_len`;
     with `soft_top_k`, also its top-k next tokens and their log-probabilities (the labels of
-    distillation)."""
+    distillation). The features pass packs the sequences longest first, as many as fit `batch_size`
+    * max_len tokens a pass (at most 2 * batch_size), so it computes little padding."""
     from jaxserve.sampling_params import SamplingParams
     from jaxserve.training.batch import make_batch
     engine = llm.llm_engine
     cfg, weights = engine.runner.cfg, engine.runner.weights
+    t0 = time.perf_counter()
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
                     SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    t_answers = time.perf_counter() - t0
     pairs = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs if o.outputs[0].token_ids]
     from jaxserve.attention import kv_cache as kvc
     from jaxserve.models import get_model
@@ -153,22 +156,41 @@ def generate_data(llm, prompts: list[str], aux_layer_ids: tuple[int, ...], *, ma
     if soft_top_k:
         data.soft_ids = np.zeros((N, L, soft_top_k), np.int32)
         data.soft_logp = np.full((N, L, soft_top_k), -1e9, np.float32)
-    for start in range(0, N, batch_size):
-        chunk = pairs[start:start + batch_size]
-        batch = make_batch(chunk, num_seqs=batch_size, max_len=L, max_targets=batch_size * L)
+    lengths = [min(L, len(p) + len(a)) for p, a in pairs]
+    T = batch_size * L
+    for chunk in _packed_chunks(lengths, T, 2 * batch_size):
+        batch = make_batch([pairs[i] for i in chunk], num_seqs=2 * batch_size, max_len=L, max_targets=T,
+                           num_tokens=T)
         aux, emb, *soft = jax.device_get(features(weights, batch))
         cu = batch.meta.cu_q_lens
-        for i, (prompt, _) in enumerate(chunk):
-            a, b = int(cu[i]), int(cu[i + 1])
+        for j, i in enumerate(chunk):
+            a, b = int(cu[j]), int(cu[j + 1])
             n = b - a
-            data.tokens[start + i, :n] = batch.tokens[a:b]
-            data.features[start + i, :n] = aux[a:b]
-            data.embeds[start + i, :n] = emb[a:b]
-            data.answer[start + i, len(prompt):n] = 1.0
+            data.tokens[i, :n] = batch.tokens[a:b]
+            data.features[i, :n] = aux[a:b]
+            data.embeds[i, :n] = emb[a:b]
+            data.answer[i, len(pairs[i][0]):n] = 1.0
             if soft:
-                data.soft_ids[start + i, :n] = soft[0][a:b]
-                data.soft_logp[start + i, :n] = soft[1][a:b]
+                data.soft_ids[i, :n] = soft[0][a:b]
+                data.soft_logp[i, :n] = soft[1][a:b]
+    logger.info("eagle3 data: %d answers in %.0f s, their features in %.0f s", N, t_answers,
+                time.perf_counter() - t0 - t_answers)
     return data
+
+
+def _packed_chunks(lengths: list[int], num_tokens: int, max_seqs: int) -> list[list[int]]:
+    """Indices of sequences of `lengths` (each <= num_tokens) in passes of at most `num_tokens`
+    tokens and `max_seqs` sequences: first fit, longest first (little padding)."""
+    chunks, used = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        c = next((c for c in range(len(chunks))
+                  if used[c] + lengths[i] <= num_tokens and len(chunks[c]) < max_seqs), len(chunks))
+        if c == len(chunks):
+            chunks.append([])
+            used.append(0)
+        chunks[c].append(i)
+        used[c] += lengths[i]
+    return chunks
 
 
 def draft_vocabulary(data: Eagle3Data, size: int, vocab_size: int) -> np.ndarray:
@@ -452,7 +474,8 @@ def train_head(out: str, model: str | None = None, *, prompts: list[str] | None 
     t0 = time.perf_counter()
     if llm is None:
         from jaxserve import LLM
-        llm = LLM(model=model, warmup=False, max_model_len=max(512, max_len), max_num_seqs=64, seed=seed)
+        # 256 sequences at a time: the answers 1.27x faster than 64 on a 2-core CPU
+        llm = LLM(model=model, warmup=False, max_model_len=max(512, max_len), max_num_seqs=256, seed=seed)
     engine = llm.llm_engine
     cfg, weights = engine.runner.cfg, engine.runner.weights
     ecfg = eagle3.config_for(cfg, draft_vocab_size=min(draft_vocab_size, cfg.vocab_size))
