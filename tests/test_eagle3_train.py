@@ -143,11 +143,11 @@ def test_features_are_packed_densely_and_equal_one_sequence_a_pass(llm):
     token count: each sequence's features, embeddings and answer mask are those of a pass that
     holds it alone (batch_size 1: one sequence's worth of tokens a pass)."""
     from jaxserve.models import eagle3
-    from jaxserve.training.batch import make_batch
-    from jaxserve.training.eagle3 import _packed_chunks, default_prompts, generate_data
-    chunks = _packed_chunks([5, 9, 3, 9, 2, 7], num_tokens=12, max_seqs=3)
+    from jaxserve.training.batch import make_batch, packed_chunks
+    from jaxserve.training.eagle3 import default_prompts, generate_data
+    chunks = packed_chunks([5, 9, 3, 9, 2, 7], num_tokens=12, max_seqs=3)
     assert chunks == [[1, 2], [3, 4], [5, 0]]       # longest first, each in the first pass it fits
-    assert _packed_chunks([4] * 5, num_tokens=100, max_seqs=2) == [[0, 1], [2, 3], [4]]
+    assert packed_chunks([4] * 5, num_tokens=100, max_seqs=2) == [[0, 1], [2, 3], [4]]
     with pytest.raises(ValueError, match="num_tokens=8 is less than the examples' 9 tokens"):
         make_batch([([1, 2, 3], [4, 5]), ([1, 2], [3, 4])], num_seqs=2, max_len=8, num_tokens=8)
     cfg = llm.llm_engine.runner.cfg

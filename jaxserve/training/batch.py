@@ -80,3 +80,18 @@ def make_batch(examples: list[tuple[list[int], list[int]]], *, num_seqs: int, ma
     meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, kv_lens=kv_lens, cu_q_lens=cu,
                              num_seqs=np.asarray([len(examples)], np.int32))
     return TrainBatch(tokens, positions, meta, rows, targets, mask, B)
+
+
+def packed_chunks(lengths: list[int], num_tokens: int, max_seqs: int) -> list[list[int]]:
+    """Indices of sequences of `lengths` (each <= num_tokens) in passes of at most `num_tokens`
+    tokens and `max_seqs` sequences: first fit, longest first (little padding)."""
+    chunks, used = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        c = next((c for c in range(len(chunks))
+                  if used[c] + lengths[i] <= num_tokens and len(chunks[c]) < max_seqs), len(chunks))
+        if c == len(chunks):
+            chunks.append([])
+            used.append(0)
+        chunks[c].append(i)
+        used[c] += lengths[i]
+    return chunks

@@ -122,7 +122,7 @@ def generate_data(llm, prompts: list[str], aux_layer_ids: tuple[int, ...], *, ma
     distillation). The features pass packs the sequences longest first, as many as fit `batch_size`
     * max_len tokens a pass (at most 2 * batch_size), so it computes little padding."""
     from jaxserve.sampling_params import SamplingParams
-    from jaxserve.training.batch import make_batch
+    from jaxserve.training.batch import make_batch, packed_chunks
     engine = llm.llm_engine
     cfg, weights = engine.runner.cfg, engine.runner.weights
     t0 = time.perf_counter()
@@ -158,7 +158,7 @@ def generate_data(llm, prompts: list[str], aux_layer_ids: tuple[int, ...], *, ma
         data.soft_logp = np.full((N, L, soft_top_k), -1e9, np.float32)
     lengths = [min(L, len(p) + len(a)) for p, a in pairs]
     T = batch_size * L
-    for chunk in _packed_chunks(lengths, T, 2 * batch_size):
+    for chunk in packed_chunks(lengths, T, 2 * batch_size):
         batch = make_batch([pairs[i] for i in chunk], num_seqs=2 * batch_size, max_len=L, max_targets=T,
                            num_tokens=T)
         aux, emb, *soft = jax.device_get(features(weights, batch))
@@ -176,21 +176,6 @@ def generate_data(llm, prompts: list[str], aux_layer_ids: tuple[int, ...], *, ma
     logger.info("eagle3 data: %d answers in %.0f s, their features in %.0f s", N, t_answers,
                 time.perf_counter() - t0 - t_answers)
     return data
-
-
-def _packed_chunks(lengths: list[int], num_tokens: int, max_seqs: int) -> list[list[int]]:
-    """Indices of sequences of `lengths` (each <= num_tokens) in passes of at most `num_tokens`
-    tokens and `max_seqs` sequences: first fit, longest first (little padding)."""
-    chunks, used = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        c = next((c for c in range(len(chunks))
-                  if used[c] + lengths[i] <= num_tokens and len(chunks[c]) < max_seqs), len(chunks))
-        if c == len(chunks):
-            chunks.append([])
-            used.append(0)
-        chunks[c].append(i)
-        used[c] += lengths[i]
-    return chunks
 
 
 def draft_vocabulary(data: Eagle3Data, size: int, vocab_size: int) -> np.ndarray:
