@@ -239,10 +239,17 @@ class KVCacheManager:
         run (min(computed + new, num_tokens)) is registered now. The runner writes all of a step's
         K/V before attention reads any of it, so a later request in the same step may hit it.
         """
-        hits = new_computed_blocks.blocks if new_computed_blocks is not None else []
-        host = new_computed_blocks.host_hashes if new_computed_blocks is not None else []
         bs = self.block_size
         req_blocks = self.req_to_blocks.get(request.request_id, [])
+        if new_computed_blocks is None and req_blocks:
+            # Most decode steps: the tokens fit the blocks held and no block fills up.
+            end = request.num_computed_tokens + num_new_tokens
+            if (-(-(end + num_lookahead_tokens) // bs) <= len(req_blocks)
+                    and (not self.enable_caching
+                         or min(end, request.num_tokens) // bs <= self.num_cached_blocks.get(request.request_id, 0))):
+                return KVCacheBlocks([])
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else []
+        host = new_computed_blocks.host_hashes if new_computed_blocks is not None else []
         if (hits or host) and req_blocks:
             raise ValueError("prefix-cache hits can only be added to a request with no blocks")
         num_computed = request.num_computed_tokens + (len(hits) + len(host)) * bs
