@@ -9,6 +9,7 @@ the loop over them, and takes requests in and out.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import random
 import time
@@ -65,6 +66,16 @@ class EngineStats:
     kv_offload_bytes_to_device: int = 0
 
 
+def freeze_startup_heap() -> None:
+    """Move every object alive now out of the garbage collector's sight (vLLM's
+    `freeze_gc_heap`, run when its engine core is up): the ~0.4M objects that imports, loading
+    and compiling leave behind are never garbage, yet each oldest-generation collection walks
+    them all, ~0.2 s on one core, a stall every ~60 steps at 256 sequences. `shutdown` undoes
+    it."""
+    gc.collect()
+    gc.freeze()
+
+
 def _adapters(requests) -> tuple[str, ...]:
     return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
 
@@ -112,6 +123,7 @@ class LLMEngine:
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
         self.num_failed_steps = 0
         self.last_step_error: Exception | None = None
+        freeze_startup_heap()
         self.startup_seconds = time.perf_counter() - t0
         logger.info("engine ready in %.1f s (%d model programs: %s)", self.startup_seconds,
                     len(self.runner.compiled_programs), self.runner.programs_obtained())
@@ -456,7 +468,9 @@ class LLMEngine:
         self.runner.wait_for_programs(timeout)
 
     def shutdown(self) -> None:
-        """Free the KV pool and the weights (device memory) now."""
+        """Free the KV pool and the weights (device memory) now; the objects start-up froze go
+        back to the garbage collector (a dropped engine's cycles can be freed)."""
+        gc.unfreeze()
         group = getattr(self, "group", None)
         if group is not None and group.is_leader:
             group.close()
