@@ -18,8 +18,11 @@ away), then
 XLA:CPU starts on one core (its thread pools get one thread: with one Eigen thread it still runs a
 program's independent ops on a pool of all the cores), then the host thread is pinned to one core and
 XLA's threads to the other (`pin_host_and_device`; `--no-pin`: neither). The ratio engine step /
-program alone is the exposed host time (1.00: none). Prints a markdown table; `--append` adds it
-to benchmarks/RESULTS.md.
+program alone is the exposed host time (1.00: none). Beside it, the share of the async steps' wall
+time that XLA's threads were busy (Linux, from /proc): 1.00 says the device never waited for the
+host, so a ratio above 1 then comes from the programs running slower beside the host's work
+(the two cores share the L3 cache and memory), not from host time in the step's path. Prints a
+markdown table; `--append` adds it to benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -69,6 +72,26 @@ def pin_host_and_device() -> str:
     return f"host thread on core {host}, XLA's threads on core {device}"
 
 
+def xla_cpu_seconds() -> float | None:
+    """CPU seconds used so far by every thread of this process but the engine's (XLA:CPU's:
+    the "device"); None off Linux."""
+    main, total = threading.get_native_id(), 0
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        if int(tid) == main:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue                     # a thread that ended
+        total += int(fields[11]) + int(fields[12])     # utime + stime, in clock ticks
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def set_mode(engine, asynchronous: bool) -> None:
     import dataclasses
     assert engine._in_flight is None and not engine.has_unfinished_requests()
@@ -76,7 +99,9 @@ def set_mode(engine, asynchronous: bool) -> None:
 
 
 def decode_round(engine, num_seqs: int, prompt_len: int, steps: int, tag: str):
-    """(seconds per engine step over `steps` decode steps, the StepInputs of those steps)."""
+    """(seconds per engine step over `steps` decode steps, the StepInputs of those steps, the
+    share of those steps' wall time that XLA's threads were busy: 1.0, the device never waited
+    for the host)."""
     from jaxserve import SamplingParams
     params = SamplingParams(max_tokens=steps + 16, ignore_eos=True, temperature=0)
     for i in range(num_seqs):
@@ -96,16 +121,18 @@ def decode_round(engine, num_seqs: int, prompt_len: int, steps: int, tag: str):
         for _ in range(3):
             engine.step()
         recorded.clear()
-        t0 = time.perf_counter()
+        cpu0, t0 = xla_cpu_seconds(), time.perf_counter()
         for _ in range(steps):
             engine.step()
-        elapsed = (time.perf_counter() - t0) / steps
+        wall, cpu1 = time.perf_counter() - t0, xla_cpu_seconds()
+        elapsed = wall / steps
     finally:
         del runner.prepare
     engine.abort_request([f"{tag}-{i}" for i in range(num_seqs)])
     while engine.has_unfinished_requests():
         engine.step()
-    return elapsed, recorded[:steps]
+    busy = None if cpu0 is None else (cpu1 - cpu0) / wall
+    return elapsed, recorded[:steps], busy
 
 
 def program_alone(runner, steps) -> float:
@@ -135,28 +162,33 @@ def main() -> int:
         engine = llm.llm_engine
         pinned = "not pinned" if args.no_pin else pin_host_and_device()
         times = {False: [], True: [], "alone": []}
+        busy = []
         for r in range(args.rounds):
             for mode in (False, True):          # A B A B
                 set_mode(engine, mode)
-                t, steps = decode_round(engine, n, args.prompt_len, args.steps, f"{n}-{r}-{mode}")
+                t, steps, b = decode_round(engine, n, args.prompt_len, args.steps, f"{n}-{r}-{mode}")
                 times[mode].append(t)
+                if mode and b is not None:
+                    busy.append(b)
                 times["alone"].append(program_alone(engine.runner, steps))
         llm.shutdown()
         alone = min(times["alone"])
         sync, asyn = min(times[False]), min(times[True])
-        rows.append((n, alone, sync, asyn))
+        dev = f"{min(busy):.2f}-{max(busy):.2f}" if busy else "n/a"
+        rows.append((n, alone, sync, asyn, dev))
         print(f"{n} seqs: program alone {alone * 1e3:.2f} ms; engine step sync {sync * 1e3:.2f} ms "
-              f"({sync / alone:.3f}x), async {asyn * 1e3:.2f} ms ({asyn / alone:.3f}x)", flush=True)
+              f"({sync / alone:.3f}x), async {asyn * 1e3:.2f} ms ({asyn / alone:.3f}x); XLA's threads busy "
+              f"{dev} of the async steps' time", flush=True)
     date = datetime.date.today().isoformat()
     lines = [f"### Exposed host time per engine step, async scheduling off / on ({date})", "",
              f"`python benchmarks/bench_async.py --seqs {' '.join(map(str, args.seqs))} --steps {args.steps} "
              f"--rounds {args.rounds}` on {platform.machine()} ({os.cpu_count()} cores), jax {jax.__version__}; "
              f"dummy tiny Llama, XLA:CPU one thread, {pinned}; best of the rounds, A B A B.", "",
              "| decoding sequences | program alone | engine step, sync | engine step, async | sync / alone "
-             "| async / alone |", "|---|---|---|---|---|---|"]
-    for n, alone, sync, asyn in rows:
+             "| async / alone | XLA busy, async (rounds) |", "|---|---|---|---|---|---|---|"]
+    for n, alone, sync, asyn, dev in rows:
         lines.append(f"| {n} | {alone * 1e3:.2f} ms | {sync * 1e3:.2f} ms | {asyn * 1e3:.2f} ms | "
-                     f"{sync / alone:.3f}x | {asyn / alone:.3f}x |")
+                     f"{sync / alone:.3f}x | {asyn / alone:.3f}x | {dev} |")
     table = "\n".join(lines) + "\n"
     print(table)
     if args.append:
