@@ -153,20 +153,12 @@ def build_inputs(scheduled, batch, *, num_tokens: int, num_seqs: int, num_blocks
         d = len(s.spec_token_ids)
         first, num_rows = end - 1 - d, len(logit_rows_l)    # the last known token's logits
         sample_rows[s.request_id] = num_rows
-        slot = batch.slot_of(s.request_id)
-        if d:
-            logit_rows_l.extend(range(first, first + d + 1))
-            sample_slots.extend([slot] * (d + 1))
-            row_offsets.extend(range(d + 1))
-            drafts_l.extend(s.spec_token_ids)
-            drafts_l.append(-1)
-            group_l.extend([num_rows] * (d + 1))
-        else:
-            logit_rows_l.append(first)
-            sample_slots.append(slot)
-            row_offsets.append(0)
-            drafts_l.append(-1)
-            group_l.append(num_rows)
+        logit_rows_l.extend(range(first, first + d + 1))
+        sample_slots.extend([batch.slot_of(s.request_id)] * (d + 1))
+        row_offsets.extend(range(d + 1))
+        drafts_l.extend(s.spec_token_ids)
+        drafts_l.append(-1)                         # the bonus position verifies nothing
+        group_l.extend([num_rows] * (d + 1))
     logit_rows = np.zeros(R, np.int32)
     logit_rows[:len(logit_rows_l)] = logit_rows_l
     draft_ids = group_start = None
