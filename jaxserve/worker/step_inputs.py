@@ -129,10 +129,10 @@ def build_inputs(scheduled, batch, *, num_tokens: int, num_seqs: int, num_blocks
            np.arange(len(flat)) - np.repeat(np.cumsum(num_table) - num_table, num_table)] = flat
     slots = np.full(T, N * B, np.int32)              # N * B: padding, dropped by the KV write
     slots[:total] = tables[row_of, pos // B] * B + pos % B
+    slot_of = [batch.slot_of(s.request_id) for s in scheduled]    # each row's input-batch slot
     held = tokens[:total] == PLACEHOLDER_TOKEN_ID    # taken from the step in flight, on the device
     if held.any():
-        slot_of = np.array([batch.slot_of(s.request_id) for s in scheduled], np.int32)
-        tokens[:total][held] = -1 - slot_of[row_of[held]]
+        tokens[:total][held] = -1 - np.array(slot_of, np.int32)[row_of[held]]
     kv_lens = np.zeros(S, np.int32)
     kv_lens[:count] = computed + lens_np
     cu = np.zeros(S + 1, np.int32)
@@ -147,14 +147,14 @@ def build_inputs(scheduled, batch, *, num_tokens: int, num_seqs: int, num_blocks
                                                 np.int32), lens_np)
     # The sampler's rows: one per sampling request, or 1 + drafts with speculation.
     sample_rows, logit_rows_l, sample_slots, row_offsets, drafts_l, group_l = {}, [], [], [], [], []
-    for s, end in zip(scheduled, ends):
+    for s, end, slot in zip(scheduled, ends, slot_of):
         if not s.sample:
             continue
         d = len(s.spec_token_ids)
         first, num_rows = end - 1 - d, len(logit_rows_l)    # the last known token's logits
         sample_rows[s.request_id] = num_rows
         logit_rows_l.extend(range(first, first + d + 1))
-        sample_slots.extend([batch.slot_of(s.request_id)] * (d + 1))
+        sample_slots.extend([slot] * (d + 1))
         row_offsets.extend(range(d + 1))
         drafts_l.extend(s.spec_token_ids)
         drafts_l.append(-1)                         # the bonus position verifies nothing
