@@ -34,7 +34,8 @@ LOAD_FORMATS = ("auto", "dummy")
 EXECUTOR_BACKENDS = (None, "mp", "uni", "external_launcher", "ray")
 # --quantization values: fp8 quantises on load; the others name an int4 checkpoint's method (vLLM's
 # names, its *_marlin kernels' included), which is detected from config.json anyway; gguf keeps a
-# .gguf file's Q4_0/Q4_1/Q8_0/Q4_K tensors quantized in memory (loader/gguf_quant.py), which is
+# .gguf file's quantized tensors (every type llama.cpp's presets write) quantized in memory
+# (loader/gguf_quant.py), which is
 # what a .gguf model gets when none is named (as in vLLM); "none" (jaxserve's) reads them into
 # --dtype instead.
 QUANTIZATIONS = (None, "fp8", "awq", "gptq", "compressed-tensors", "awq_marlin", "gptq_marlin", "gguf",

@@ -1,5 +1,6 @@
-"""GGUF Q4_0, Q4_1 and Q8_0 tensors kept quantized in memory (`quantization="gguf"`,
-jaxserve/loader/gguf_quant.py): the same numbers as the f32 path, a fraction of the bytes."""
+"""GGUF tensors of every type llama.cpp's presets write kept quantized in memory
+(`quantization="gguf"`, jaxserve/loader/gguf_quant.py): the same numbers as the f32 path, a
+fraction of the bytes; stacks whose layers mix types stay quantized (`LayerMixWeight`)."""
 
 from __future__ import annotations
 
@@ -23,43 +24,54 @@ from helpers_paged import PagedRunner  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
-KINDS = ("Q4_0", "Q4_1", "Q8_0")
+KINDS = tuple(gguf_quant.KEPT)
+QUANTIZERS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")     # the gguf package quantizes these
+# the f16 fields (byte offsets) of the types the gguf package cannot quantize: random blocks get sane ones
+_F16_AT = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+           "IQ4_XS": (0,)}
+# bytes a weight once stacked: the codes (4 or 8 bits) and an f32 scale (and offset) per group
+BYTES_PER_WEIGHT = {"Q4_0": 0.625, "Q4_1": 0.75, "Q5_0": 1.125, "Q5_1": 1.25, "Q8_0": 1.125, "Q2_K": 1.0,
+                    "Q3_K": 0.75, "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.25, "IQ4_NL": 1.125, "IQ4_XS": 1.125,
+                    "MXFP4": 1.125}
 
 
 def _quantized(rng, out: int, k: int, kind: str) -> np.ndarray:
-    if kind == "Q4_K":    # the gguf package has no Q4_K quantizer: random blocks with sane d, dmin
-        raw = rng.integers(0, 256, (out, k // 256, 144), dtype=np.uint8)
-        raw[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)
-        raw[..., 2:4] = rng.uniform(0.001, 0.01, (out, k // 256)).astype(np.float16)[..., None].view(np.uint8)
-        return raw.reshape(out, -1)
-    return gguf.quants.quantize(rng.normal(0, 0.3, (out, k)).astype(np.float32), Q[kind])
+    if kind in QUANTIZERS:
+        return gguf.quants.quantize(rng.normal(0, 0.3, (out, k)).astype(np.float32), Q[kind])
+    per, size = gguf_quant.BLOCKS[kind]     # random blocks: every code, scale and high bit pattern
+    raw = rng.integers(0, 256, (out, k // per, size), dtype=np.uint8)
+    for at in _F16_AT.get(kind, ()):
+        raw[..., at:at + 2] = rng.uniform(0.001, 0.02, (out, k // per)).astype(np.float16)[..., None].view(np.uint8)
+    if kind == "MXFP4":        # e8m0 exponents near 2^-6
+        raw[..., 0] = rng.integers(118, 124, (out, k // per))
+    return raw.reshape(out, -1)
 
 
-@pytest.mark.parametrize("kind", KINDS + ("Q4_K",))
+@pytest.mark.parametrize("kind", KINDS)
 def test_blocks_decode_to_what_gguf_dequantizes(kind):
     rng = np.random.default_rng(0)
-    k = 512 if kind == "Q4_K" else 96
-    raw = _quantized(rng, 48, k, kind)
-    q = gguf_quant.decode("blk.0.ffn_up.weight", kind, raw, (k, 48))
-    assert q.bits == (8 if kind == "Q8_0" else 4) and q.codes.shape == (48, k)
-    w = gguf_quant.stack([q], (), jax.sharding.NamedSharding(
-        jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",)), jax.sharding.PartitionSpec()), "w")
-    assert isinstance(w, Int4Weight) and w.shape == (k, 48) and w.group_size == 32
-    x = rng.normal(size=(5, k)).astype(np.float32)
-    want = x @ gguf.quants.dequantize(raw, Q[kind]).T
-    tol = 1e-6 * np.abs(want).max() * np.sqrt(k)          # f32 sums of k products, in another order
-    np.testing.assert_allclose(np.asarray(ref_int4_matmul(x, w)), want, rtol=1e-5, atol=tol)
-    np.testing.assert_allclose(np.asarray(linear(x, w)), want, rtol=1e-5, atol=tol)
-    # 4-bit codes plus one f32 scale (and Q4_1's offset) per 32: far below f32's 4 bytes a weight
-    per_weight = w.nbytes / (k * 48)
-    assert per_weight == {"Q4_0": 0.625, "Q4_1": 0.75, "Q8_0": 1.125, "Q4_K": 0.75}[kind]
+    for k in ((512, 768) if gguf_quant.BLOCKS[kind][0] == 256 else (96, 160)):   # 768, 160: not powers of 2
+        raw = _quantized(rng, 48, k, kind)
+        q = gguf_quant.decode("blk.0.ffn_up.weight", kind, raw, (k, 48))
+        assert q.codes.shape == (48, k)
+        w = gguf_quant.stack([q], (), jax.sharding.NamedSharding(
+            jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",)), jax.sharding.PartitionSpec()), "w")
+        assert isinstance(w, Int4Weight) and w.shape == (k, 48) and w.group_size == q.group
+        x = rng.normal(size=(5, k)).astype(np.float32)
+        want = x @ gguf.quants.dequantize(raw, Q[kind]).T
+        tol = 1e-6 * np.abs(want).max() * np.sqrt(k)          # f32 sums of k products, in another order
+        np.testing.assert_allclose(np.asarray(ref_int4_matmul(x, w)), want, rtol=1e-5, atol=tol)
+        np.testing.assert_allclose(np.asarray(linear(x, w)), want, rtol=1e-5, atol=tol)
+        # 4- or 8-bit codes plus f32 scales (and offsets): far below f32's 4 bytes a weight
+        assert w.nbytes / (k * 48) == BYTES_PER_WEIGHT[kind]
 
 
 def write_tiny_gguf(path: Path, types: dict[str, str], tied: bool = False, hidden: int = 64, seed: int = 0):
     """A 2-layer llama GGUF with random weights; `types` maps a tensor kind ("attn", "ffn",
-    "embd", "output") to its GGUF type name."""
+    "embd", "output") to its GGUF type name, and may name single tensors ("attn_v", "ffn_down")
+    with a type per layer (a Q4_K_M file's mix)."""
     rng = np.random.default_rng(seed)
-    H, K, D, F, V, L = 4, 2, hidden // 4, 96, 96, 2
+    H, K, D, F, V, L = 4, 2, hidden // 4, 96 if hidden < 256 else 256, 96, 2
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(L)
     w.add_context_length(128)
@@ -72,10 +84,12 @@ def write_tiny_gguf(path: Path, types: dict[str, str], tied: bool = False, hidde
 
     def tensor(name, out, k, kind):
         t = types[kind]
+        if name.startswith("blk.") and name.split(".")[2] in types:
+            t = types[name.split(".")[2]][int(name.split(".")[1])]
         data = rng.normal(0, 0.3, (out, k)).astype(np.float32)
         if t in ("F32", "F16"):
             w.add_tensor(name, data.astype({"F32": np.float32, "F16": np.float16}[t]))
-        elif t == "Q4_K":
+        elif t in gguf_quant.KEPT:
             w.add_tensor(name, _quantized(rng, out, k, t), raw_dtype=Q[t])
         elif t == "TQ2_0":      # no quantizer in the gguf package: any bytes of the right size
             shape = gguf.quants.quant_shape_to_byte_shape((out, k), Q[t])
@@ -111,9 +125,12 @@ def _logits(cfg, weights, ids):
     (dict(attn="Q8_0", ffn="Q4_0", embd="Q4_1", output="Q4_0"), True),
     (dict(attn="Q4_1", ffn="F16", embd="F32", output="Q4_1"), False),    # F16, F32 stay dense
     (dict(attn="Q4_K", ffn="Q8_0", embd="Q4_K", output="Q4_K"), False),
+    (dict(attn="Q5_K", ffn="Q3_K", embd="IQ4_XS", output="Q2_K"), False),
+    (dict(attn="Q5_0", ffn="IQ4_NL", embd="Q6_K", output="Q5_1"), True),
 ])
 def test_tiny_gguf_kept_quantized_matches_the_dequantized_path(tmp_path, types, tied):
-    path = write_tiny_gguf(tmp_path / "tiny.gguf", types, tied, hidden=256 if "Q4_K" in types.values() else 64)
+    k_quants = any(gguf_quant.BLOCKS.get(t, (0,))[0] == 256 for t in types.values())
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", types, tied, hidden=256 if k_quants else 64)
     cfg, dense = load_model(path, "float32")
     cfg_q, kept = load_model(path, "float32", quantization="gguf")
     assert cfg_q == cfg
@@ -125,6 +142,34 @@ def test_tiny_gguf_kept_quantized_matches_the_dequantized_path(tmp_path, types, 
     assert (kept.lm_head is None) == tied
     ids = np.random.default_rng(1).integers(0, 96, size=13).tolist()
     np.testing.assert_allclose(_logits(cfg, kept, ids), _logits(cfg, dense, ids), rtol=1e-4, atol=1e-4)
+
+
+# llama.cpp's Q4_K_M: Q4_K, with some layers' attn_v and ffn_down and the (tied) embedding in Q6_K
+Q4_K_M = dict(attn="Q4_K", ffn="Q4_K", embd="Q6_K", output="Q6_K", attn_v=("Q6_K", "Q4_K"),
+              ffn_down=("Q4_K", "Q6_K"))
+
+
+def test_stacks_whose_layers_mix_types_stay_quantized(tmp_path):
+    from jaxserve.layers import int4_cpu
+    from jaxserve.layers.layer_mix import LayerMixWeight
+    from jaxserve.layers.int4 import with_fused_kernel
+    from jaxserve.layers.int4_layout import with_cpu_layout
+    path = write_tiny_gguf(tmp_path / "q4km.gguf", Q4_K_M, tied=True, hidden=256)
+    cfg, dense = load_model(path, "float32")
+    _, kept = load_model(path, "float32", quantization="gguf")
+    for name, q6 in (("wv", 0), ("w_down", 1)):       # the Q6_K layer of each stack
+        w = getattr(kept.layers, name)
+        assert isinstance(w, LayerMixWeight) and w.shape == getattr(dense.layers, name).shape
+        assert w.part_of[q6] != w.part_of[1 - q6] and w.parts[w.part_of[q6]].bits == 8
+        assert w.parts[w.part_of[1 - q6]].bits == 4        # each layer in its own bytes
+    assert isinstance(kept.layers.wq, Int4Weight) and kept.embed.bits == 8 and kept.embed.group_size == 16
+    ids = np.random.default_rng(1).integers(0, 96, size=13).tolist()
+    want = _logits(cfg, dense, ids)
+    np.testing.assert_allclose(_logits(cfg, kept, ids), want, rtol=1e-4, atol=1e-4)
+    if int4_cpu.load() is None:       # the fused kernel reads each part's layer in place, in its layout
+        fused = with_cpu_layout(with_fused_kernel(kept))
+        assert fused.layers.w_down.parts[0].fused_max_rows is not None and fused.layers.w_down.parts[1].col_block
+        np.testing.assert_allclose(_logits(cfg, fused, ids), want, rtol=1e-4, atol=1e-4)
 
 
 def test_default_model_kept_quantized_is_under_a_third_of_the_bytes():
@@ -252,7 +297,7 @@ def test_server_serves_the_default_model_kept_quantized_by_default():
     srv = ServerProcess("--max-num-batched-tokens", "32", "--max-model-len", "128",     # the default: kept
                         "--max-num-seqs", "4").start(timeout=850)
     try:
-        assert "Q4_0/Q4_1/Q8_0/Q4_K tensors kept quantized" in srv.log()
+        assert "quantized tensors kept quantized" in srv.log()
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x")
         model = client.models.list().data[0].id
         out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,

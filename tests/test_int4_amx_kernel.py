@@ -19,13 +19,13 @@ from jaxserve.layers.int4 import (
     BF16_MIN_ROWS,
     Int4Weight,
     checkpoint_layout,
-    scan_layers,
     unpack,
     with_bf16_tiles,
     with_fused_kernel,
 )
 from jaxserve.layers.int4_layout import cpu_layout
 from jaxserve.layers.linear import linear
+from jaxserve.layers.scan import scan_layers
 
 # A CPU without AMX skips these (CI allows that skip); a kernel that did not build fails them in CI.
 amx = pytest.mark.skipif(not (int4_cpu.load() is None and int4_cpu.amx()),

@@ -15,8 +15,9 @@ import pytest
 
 from jaxserve.layers import int4 as int4_layer
 from jaxserve.layers import int4_cpu
-from jaxserve.layers.int4 import Int4Weight, pack, ref_int4_matmul, scan_layers, with_fused_kernel
+from jaxserve.layers.int4 import Int4Weight, pack, ref_int4_matmul, with_fused_kernel
 from jaxserve.layers.linear import linear
+from jaxserve.layers.scan import scan_layers
 
 
 @pytest.fixture(scope="module", autouse=True)

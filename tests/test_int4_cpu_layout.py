@@ -21,12 +21,12 @@ from jaxserve.layers.int4 import (
     checkpoint_layout,
     dequantize,
     ref_int4_matmul,
-    scan_layers,
     with_bf16_tiles,
     with_fused_kernel,
 )
 from jaxserve.layers.int4_layout import COL_BLOCK, INT8_GROUP, cpu_layout, dense_as_int8, int8_of, with_cpu_layout
 from jaxserve.layers.linear import DenseWeight, linear
+from jaxserve.layers.scan import scan_layers
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -324,7 +324,7 @@ def test_gpu_grouped_matmul_kernel_equals_the_xla_path_reading_a_layer_of_the_st
     [L, X, in, out] stack the layer scan kept whole (`layer` set), equals the CPU's XLA path on
     that layer's slice (and the all-experts oracle, to bf16's precision)."""
     from jaxserve.layers import experts as ex
-    from jaxserve.layers.int4 import _kept_whole
+    from jaxserve.layers.scan import _kept_whole
     E, F, L, layer = 32, 64, 3, 1                   # whole kernel blocks (`whole_blocks`)
     x, weights, ids, (wg, wu, wd) = _problem(T, E, X, F, k, seed=T)
     x, wg, wu, wd = (a.astype(jnp.bfloat16) for a in (x, wg, wu, wd))

@@ -261,7 +261,7 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
         if blocks is None:
             blocks = num_kv_blocks(args, per_block * host_copies, weight_bytes,
                                    profile=lambda n: profile_peak_bytes(make_runner(n, choice, w)),
-                                   probe_num_blocks=probe_blocks(args, max_model_len))
+                                   probe_num_blocks=probe_blocks(args, max_model_len), max_model_len=max_model_len)
         if group is not None:      # one pool size for all (profiles differ per process)
             blocks = group.agree_min("kv_blocks", blocks)
         runner = make_runner(blocks, choice, w, make_drafter(blocks, choice, w))

@@ -1,7 +1,7 @@
 """Weights that live in host memory (`--cpu-offload-gb`, vLLM's): the largest stacked per-layer
 weight arrays, up to N GiB per device, are placed in `pinned_host` memory and the layer scan
 copies each layer's slice to the device inside the step, just before the layer uses it
-(`on_device`, called by `layers.int4.scan_layers`); XLA schedules the copy of layer i + 1 while
+(`on_device`, called by `layers.scan.scan_layers`); XLA schedules the copy of layer i + 1 while
 layer i computes where the backend overlaps host transfers (a GPU's copy engines).
 
 What moves is a whole stacked field (e.g. every layer's `w_up`): jaxserve stacks a weight across

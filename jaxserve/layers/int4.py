@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.layers import int4_cpu
-from jaxserve.layers.experts import ExpertWeight, experts_read_in_place, register_ragged
-from jaxserve.layers.host_weights import on_device, on_host
+from jaxserve.layers.experts import register_ragged
 from jaxserve.layers.linear import register_linear
 from jaxserve.pallas.common import target_platform
 
@@ -69,7 +68,7 @@ class Int4Weight:
       (`int4_cpu.int8_dot()`; the CPU's `--dtype auto`).
     layer: an int32 index, or None. When set, every array keeps its leading stacked-layer axis and
       this weight is that layer's slice (the layer scan's way to hand the fused kernel a whole
-      stack without XLA copying the layer out of it; `scan_layers`).
+      stack without XLA copying the layer out of it; `layers.scan.scan_layers`).
     zero_point: the zero point of every group when `zero` is None; None: 8 for bits 4
       (symmetric), 0 for bits 8.
     col_block: 0, or the fused CPU kernel's layout (`layers.int4_layout.cpu_layout`): every array [..., rows, out]
@@ -183,53 +182,6 @@ def checkpoint_layout(w: Int4Weight) -> Int4Weight:
         return w
     return dataclasses.replace(w, q=_from_blocks(w.q), scale=_from_blocks(w.scale), zero=_from_blocks(w.zero),
                                offset=_from_blocks(w.offset), col_block=0)
-
-
-def _kept_whole(w) -> bool:
-    """Stacks the layer scan hands to its body whole (their kernels read layer `layer` in place):
-    an `Int4Weight` on the fused CPU kernel, and on a GPU dense experts (the grouped matmul)."""
-    if _is_int4(w):
-        return (w.fused_max_rows is not None or w.amx_min_rows is not None) and len(w.shape) == 3
-    return isinstance(w, ExpertWeight) and experts_read_in_place(w)
-
-
-def scan_layers(body, carry, xs):
-    """`lax.scan(body, carry, xs)` over stacked layers `xs = (layer weights, layer indices, ...)`,
-    except that each stack `_kept_whole` says is not sliced by the scan: the body gets it whole
-    with `layer` set to the step's index, and its kernel reads that layer in place (a scan copies
-    each step's slice of its inputs out of the stack first).
-
-    Stacks in host memory (`--cpu-offload-gb`, `layers.host_weights`) are not sliced by the scan
-    either: the scan carries the next layer's slice, copied to the device while this layer
-    computes (the copy of layer i + 1 starts in iteration i; layer 0's before the loop). On the CPU
-    (host and device memory are the same RAM) each layer's slice is taken in place instead."""
-    weights, ids, *rest = xs
-    whole_leaf = lambda x: _is_int4(x) or isinstance(x, ExpertWeight)     # noqa: E731
-    leaves, tree = jax.tree.flatten(weights, is_leaf=whole_leaf)
-    kept = {i: w for i, w in enumerate(leaves) if _kept_whole(w)}
-    host = {i: w for i, w in enumerate(leaves) if not whole_leaf(w) and on_host(w)}
-    if host and target_platform() == "cpu":
-        # one memory: a carried copy would be a real memcpy per layer, where a slice feeds the
-        # matmul in place, so the host stacks are sliced by the scan like any other
-        host, inner = {}, body
-        body = lambda carry, xs: inner(carry, (on_device(xs[0]), *xs[1:]))     # noqa: E731
-    if not kept and not host:
-        return jax.lax.scan(body, carry, xs)[0]
-    sliced = [None if i in kept or i in host else w for i, w in enumerate(leaves)]
-    last = ids.shape[0] - 1
-
-    def fetch(layer):       # one layer of the host stacks, on the device
-        return {i: on_device(jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)) for i, w in host.items()}
-
-    def step(state, xs):
-        carry, here = state
-        part, layer, *rest = xs
-        ahead = fetch(jnp.minimum(layer + 1, last)) if host else {}
-        whole = [dataclasses.replace(kept[i], layer=layer) if i in kept else here[i] if i in host else w
-                 for i, w in enumerate(part)]
-        carry, y = body(carry, (tree.unflatten(whole), layer, *rest))
-        return (carry, ahead), y
-    return jax.lax.scan(step, (carry, fetch(ids[0]) if host else {}), (sliced, ids, *rest))[0][0]
 
 
 def _at_layer(w: Int4Weight) -> Int4Weight:

@@ -154,7 +154,7 @@ def read_gguf(path):
 def open_gguf(path: Path, reader=None, keep_quantized: bool = False) -> tuple[ModelConfig, Callable[[str], np.ndarray]]:
     """`reader`: an already open GGUFReader of `path` (the tokenizer shares it). `get(hf_name)`
     returns the tensor dequantized to f32; with `keep_quantized`, `get.quantized(hf_name)` returns
-    a Q4_0/Q4_1/Q8_0/Q4_K tensor's blocks as loader/gguf_quant.py's `QuantTensor` (None for other types)."""
+    a quantized tensor's blocks as loader/gguf_quant.py's `QuantTensor` (None for F32/F16/BF16)."""
     reader = reader if reader is not None else read_gguf(path)
     try:
         cfg = gguf_config(reader)

@@ -1,18 +1,33 @@
-"""GGUF Q4_0, Q4_1, Q8_0 and Q4_K tensors kept quantized: their blocks -> `Int4Weight`s (layers/int4.py)
-instead of f32 matrices. Chosen with `quantization="gguf"` (vLLM's name for GGUF weights).
+"""Every GGUF type llama.cpp's presets write, kept quantized: its blocks -> `Int4Weight`s
+(layers/int4.py) instead of f32 matrices, without loss. Chosen with `quantization="gguf"` (vLLM's
+name for GGUF weights), what a .gguf model gets by default.
 
-llama.cpp stores a matrix [out, in] row by row, each row in blocks of 32 input elements:
-  Q4_0 (18 bytes): f16 d, 16 bytes of nibbles; w = d * (q - 8)       -> bits 4, zero 8, group 32
-  Q4_1 (20 bytes): f16 d, f16 m, 16 bytes of nibbles; w = d * q + m  -> bits 4, zero 8, offset m + 8d
-  Q8_0 (34 bytes): f16 d, 32 int8; w = d * q                         -> bits 8, group 32
-Byte j of the nibbles holds element j (low nibble) and element j + 16 (high nibble).
-  Q4_K (144 bytes per 256): f16 d, f16 dmin, 12 bytes of 6-bit (sc, m) for 8 sub-blocks of 32,
-      128 bytes of nibbles (byte j of 32-byte chunk i: element 64i + j low, 64i + 32 + j high);
-      w = d*sc * q - dmin*m                                          -> bits 4, zero 8, group 32
-Scales and offsets are widened to f32 (the `Int4Weight` layout); the codes keep 4 or 8 bits.
+llama.cpp stores a matrix [out, in] row by row, each row in blocks of 32 (or super-blocks of 256)
+input elements. Each type becomes integer codes with one scale (and offset) per group of 32 or 16
+inputs, `w = scale * (code - zero) + offset`, the `Int4Weight` layout the fused CPU kernel and the
+tiles read:
 
-Other types (F32/F16, Q6_K and the other K-quants, Q5_*, IQ*) stay on gguf/dequantize's f32 path;
-so does a stacked array whose layers do not all share one kept type (a Q4_K_M file's Q6_K layers).
+| type | bytes / 32 w | codes kept as | group | w per group |
+|---|---|---|---|---|
+| Q4_0 | 18 | 4-bit q (zero 8) | 32 | d (q - 8) |
+| Q4_1 | 20 | 4-bit q (zero 8) | 32 | d q + m |
+| Q5_0 | 22 | int8 q - 16 | 32 | d (q - 16) |
+| Q5_1 | 24 | int8 q - 16 | 32 | d q + m |
+| Q8_0 | 34 | int8 q | 32 | d q |
+| Q2_K | 10.5 | 4-bit q (zero 8) | 16 | d sc q - dmin m |
+| Q3_K | 13.75 | 4-bit q + 4 (zero 8) | 16 | d (sc - 32) (q - 4) |
+| Q4_K | 18 | 4-bit q (zero 8) | 32 | d sc q - dmin m |
+| Q5_K | 22 | int8 q - 16 | 32 | d sc q - dmin m |
+| Q6_K | 26.25 | int8 q - 32 | 16 | d sc (q - 32) |
+| IQ4_NL | 18 | int8 kvalues[q] | 32 | d kvalues[q] |
+| IQ4_XS | 17 | int8 kvalues[q] | 32 | d (ls - 32) kvalues[q] |
+| MXFP4 | 17 | int8 2 e2m1[q] | 32 | 2^(e - 128) 2 e2m1[q] |
+
+Scales and offsets are widened to f32 (f16 where every value is one: `layers.int4_layout.cpu_layout`);
+the codes keep 4 or 8 bits. Types whose codes are not 4-bit integers (5- and 6-bit, the IQ4
+codebooks) take 8-bit codes. The tensors of one stack (one matrix of every layer) may mix types
+(a Q4_K_M file's Q6_K `ffn_down` layers beside Q4_K ones): `stack_mixed` groups the layers by their
+layout and builds a `LayerMixWeight` (layers/layer_mix.py), each layer read in its own type.
 """
 
 from __future__ import annotations
@@ -24,97 +39,184 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.layers.int4 import Int4Weight, check_groups
+from jaxserve.layers.layer_mix import LayerMixWeight
 from jaxserve.loader.int4 import out_split_of, pack_np, split_of
 
-GROUP = 32                                         # elements per GGUF block
-_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}   # (elements, bytes)
-KEPT = tuple(_BLOCKS)
+QK_K = 256
+# (elements, bytes) per block
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+          "Q2_K": (QK_K, 84), "Q3_K": (QK_K, 110), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176),
+          "Q6_K": (QK_K, 210), "IQ4_NL": (32, 18), "IQ4_XS": (QK_K, 136), "MXFP4": (32, 17)}
+KEPT = tuple(BLOCKS)
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)   # e2m1, doubled
 
 
 @dataclasses.dataclass
 class QuantTensor:
     """One GGUF matrix as stored, in the Hugging Face orientation [out, in].
 
-    codes: uint8 [out, in] (0..15) for bits 4, int8 [out, in] for bits 8.
-    scale: f32 [out, in / 32]; offset: f32 [out, in / 32] (Q4_1) or None.
+    codes: uint8 [out, in] (0..15, zero point 8) for bits 4; int8 [out, in] (zero 0) for bits 8.
+    scale: f32 [out, in / group]; offset: f32 [out, in / group] or None.
     """
 
     kind: str
     codes: np.ndarray
     scale: np.ndarray
     offset: np.ndarray | None
+    bits: int = 4
+    group: int = 32
 
     @property
-    def bits(self) -> int:
-        return 8 if self.kind == "Q8_0" else 4
+    def layout(self) -> tuple[int, int, bool]:
+        """What tensors must share to be stacked into one `Int4Weight`: bits, group, offset or not."""
+        return self.bits, self.group, self.offset is not None
 
     def take_rows(self, order: np.ndarray) -> QuantTensor:
         """The same tensor with its output rows reordered (llama.cpp's q/k permutation undone)."""
-        return QuantTensor(self.kind, self.codes[order], self.scale[order],
-                           None if self.offset is None else self.offset[order])
+        return dataclasses.replace(self, codes=self.codes[order], scale=self.scale[order],
+                                   offset=None if self.offset is None else self.offset[order])
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes [..., 2] -> their f16 value as f32 [...]."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, half: int) -> np.ndarray:
+    """Bytes [..., half] -> [..., 2 half]: byte j's low nibble is element j, its high one j + half."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+
+
+def _bits(b: np.ndarray, shifts, mask: int) -> np.ndarray:
+    """Bytes [..., n] -> [..., len(shifts), n]: each byte's `mask` bits at each shift."""
+    return (b[..., None, :] >> np.array(shifts, np.uint8)[:, None]) & np.uint8(mask)
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of packed 6-bit (scale, min) [..., 12] -> two [..., 8] uint8."""
+    d, m, hi = b[..., 0:4], b[..., 4:8], b[..., 8:12]
+    sc = np.concatenate([d & 63, (hi & 0xF) | ((d >> 6) << 4)], axis=-1)
+    mn = np.concatenate([m & 63, (hi >> 4) | ((m >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _decode(kind: str, blk: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
+    """Blocks [..., bytes] -> (codes [..., elements], scale [..., groups], offset or None, bits, group)."""
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"):
+        d = _f16(blk[..., 0:2])[..., None]
+        if kind == "Q8_0":
+            return blk[..., 2:].view(np.int8), d, None, 8, 32
+        if kind == "IQ4_NL":
+            return IQ4_VALUES[_nibbles(blk[..., 2:], 16)], d, None, 8, 32
+        start = 4 if kind in ("Q4_1", "Q5_1") else 2
+        high = kind in ("Q5_0", "Q5_1")
+        q = _nibbles(blk[..., start + 4 * high:], 16)                          # [..., 32]
+        m = _f16(blk[..., 2:4])[..., None] if start == 4 else None
+        if not high:
+            return q, d, None if m is None else m + 8 * d, 4, 32               # d q + m = d (q - 8) + m + 8 d
+        qh = np.unpackbits(blk[..., start:start + 4], axis=-1, bitorder="little")   # [..., 32]
+        codes = ((q | (qh << 4)).astype(np.int16) - 16).astype(np.int8)
+        return codes, d, None if m is None else m + 16 * d, 8, 32
+    if kind == "MXFP4":
+        e = blk[..., 0:1].astype(np.uint32)
+        bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23))
+        return MXFP4_VALUES[_nibbles(blk[..., 1:], 16)], bits.view(np.float32), None, 8, 32
+    lead = blk.shape[:-1]
+    if kind == "Q2_K":                  # scales[16], qs[64], d, dmin
+        sc, qs = blk[..., 0:16], blk[..., 16:80]
+        d, dmin = _f16(blk[..., 80:82])[..., None], _f16(blk[..., 82:84])[..., None]
+        q = _bits(qs.reshape(*lead, 2, 32), (0, 2, 4, 6), 3).reshape(*lead, QK_K)
+        scale = d * (sc & 0xF)
+        return q, scale, 8 * scale - dmin * (sc >> 4), 4, 16
+    if kind == "Q3_K":                  # hmask[32], qs[64], scales[12], d
+        hm, qs, s, d = blk[..., 0:32], blk[..., 32:96], blk[..., 96:108], _f16(blk[..., 108:110])[..., None]
+        low = _bits(s[..., 0:8], (0, 4), 0xF).reshape(*lead, 16)
+        high = _bits(s[..., 8:12], (0, 2, 4, 6), 3).reshape(*lead, 16)
+        sc = (low | (high << 4)).astype(np.float32) - 32
+        ql = _bits(qs.reshape(*lead, 2, 32), (0, 2, 4, 6), 3).reshape(*lead, QK_K)
+        qh = _bits(hm, tuple(range(8)), 1).reshape(*lead, QK_K)
+        return ql + 4 * qh + 4, d * sc, None, 4, 16      # q - 4 * (1 - h) + 8: 4..11
+    if kind == "IQ4_XS":                # d, scales_h (u16), scales_l[4], qs[128]
+        d = _f16(blk[..., 0:2])[..., None]
+        sh = blk[..., 2:4].copy().view(np.uint16)                                 # [..., 1]
+        sl = _bits(blk[..., 4:8], (0, 4), 0xF).swapaxes(-1, -2).reshape(*lead, 8)
+        shi = (sh >> (2 * np.arange(8, dtype=np.uint16))) & 3
+        ls = (sl | (shi.astype(np.uint8) << 4)).astype(np.float32) - 32
+        q = _nibbles(blk[..., 8:].reshape(*lead, 8, 16), 16).reshape(*lead, QK_K)
+        return IQ4_VALUES[q], d * ls, None, 8, 32
+    if kind in ("Q4_K", "Q5_K"):        # d, dmin, scales[12], (qh[32],) qs[128]
+        d, dmin = _f16(blk[..., 0:2])[..., None], _f16(blk[..., 2:4])[..., None]
+        sc, mn = _k_scales(blk[..., 4:16])
+        scale, low = d * sc, dmin * mn                                           # [..., 8]
+        qs = blk[..., 48:] if kind == "Q5_K" else blk[..., 16:]
+        q = _nibbles(qs.reshape(*lead, 4, 32), 32).reshape(*lead, QK_K)          # 4 chunks of 64
+        if kind == "Q4_K":
+            return q, scale, 8 * scale - low, 4, 32                              # d sc (q - 8) + 8 d sc - dmin m
+        qh = _bits(blk[..., 16:48], tuple(range(8)), 1).reshape(*lead, QK_K)
+        return ((q | (qh << 4)).astype(np.int16) - 16).astype(np.int8), scale, 16 * scale - low, 8, 32
+    if kind == "Q6_K":                  # ql[128], qh[64], scales[16] (int8), d
+        ql, qh = blk[..., 0:128], blk[..., 128:192]
+        sc, d = blk[..., 192:208].view(np.int8).astype(np.float32), _f16(blk[..., 208:210])[..., None]
+        low = _nibbles(ql.reshape(*lead, 2, 64), 64).reshape(*lead, 2, 4, 32)    # per 128: 4 runs of 32
+        high = _bits(qh.reshape(*lead, 2, 32), (0, 2, 4, 6), 3)                  # [..., 2, 4, 32]
+        codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(*lead, QK_K)
+        return codes, d * sc, None, 8, 16
+    raise ValueError(f"GGUF type {kind} is not kept quantized")
 
 
 def decode(name: str, kind: str, data: np.ndarray, shape: tuple[int, ...]) -> QuantTensor:
     """A kept tensor's raw bytes (uint8 [out, blocks * block bytes]) -> its codes, scales and
     offsets. `shape` is GGUF's (in, out); ValueError naming the tensor for a shape that is not
-    whole blocks of 32 or bytes that do not match it."""
+    whole blocks or bytes that do not match it."""
     if len(shape) != 2:
         raise ValueError(f"tensor {name}: {kind} kept quantized must be a matrix, got shape {tuple(shape)}")
     k, n = int(shape[0]), int(shape[1])
-    per, size = _BLOCKS[kind]
+    per, size = BLOCKS[kind]
     if k % per:
         raise ValueError(f"tensor {name}: {k} input features are not whole {kind} blocks of {per}")
     raw = np.asarray(data, np.uint8)
     if raw.shape != (n, k // per * size):
         raise ValueError(f"tensor {name}: {kind} data has shape {raw.shape}, expected {(n, k // per * size)} "
                          f"for a [{n}, {k}] matrix")
-    blocks = raw.reshape(n, k // per, size)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)   # [out, in / per]
-    if kind == "Q4_K":
-        return _q4_k(kind, blocks, d, n, k)
-    if kind == "Q8_0":
-        codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-        return QuantTensor(kind, codes, d, None)
-    nibbles = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]          # [out, in / 32, 16]
-    codes = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).reshape(n, k)
-    offset = None
-    if kind == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        offset = m + 8 * d          # d*q + m = d*(q - 8) + (m + 8d): the symmetric zero 8, no zero array
-    return QuantTensor(kind, codes, d, offset)
-
-
-def _q4_k(kind: str, blocks: np.ndarray, d: np.ndarray, n: int, k: int) -> QuantTensor:
-    """Q4_K super-blocks [out, in / 256, 144] -> codes with a scale and offset per 32."""
-    from gguf.quants import Q4_K
-    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))          # 6-bit, [n * in / 256, 8] each
-    scale = (d[..., None] * sc.reshape(n, -1, 8).astype(np.float32)).reshape(n, k // GROUP)
-    low_min = (dmin[..., None] * m.reshape(n, -1, 8).astype(np.float32)).reshape(n, k // GROUP)
-    nibbles = blocks[..., 16:].reshape(n, -1, 4, 1, 32)                    # 4 chunks of 64 elements
-    codes = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=3).reshape(n, k)
-    return QuantTensor(kind, codes, scale, 8 * scale - low_min)      # d*sc*(q - 8) + (8 d*sc - dmin*m)
+    codes, scale, offset, bits, group = _decode(kind, raw.reshape(n, k // per, size))
+    flat = lambda a: None if a is None else np.ascontiguousarray(a, np.float32).reshape(n, k // group)  # noqa: E731
+    return QuantTensor(kind, np.ascontiguousarray(codes).reshape(n, k), flat(scale), flat(offset), bits, group)
 
 
 def stack(parts: list[QuantTensor], lead: tuple[int, ...], data_sharding: NamedSharding, what: str) -> Int4Weight:
-    """Per-layer tensors of one kind ([out, in] each) -> one Int4Weight [*lead, in, out] placed as
+    """Per-layer tensors of one layout ([out, in] each) -> one Int4Weight [*lead, in, out] placed as
     `data_sharding` ([..., in, out]) says: codes, scales and offsets split along the output
     (column-parallel) or along whole groups of the input (row-parallel), as loader/int4.py's
     `stack_int4` places checkpoint int4 weights."""
-    kinds = {pt.kind for pt in parts}
-    if len(kinds) != 1:
-        raise ValueError(f"{what}: layers mix the GGUF types {sorted(kinds)}")
+    layouts = {pt.layout for pt in parts}
+    if len(layouts) != 1:
+        raise ValueError(f"{what}: layers mix the GGUF types {sorted({pt.kind for pt in parts})}")
     n, k = parts[0].codes.shape
+    bits, group = parts[0].bits, parts[0].group
     spec, shards = split_of(data_sharding, len(lead) + 2)
-    check_groups(k, GROUP, shards, what=what)
+    check_groups(k, group, shards, what=what)
 
     def stacked(xs):
         return np.ascontiguousarray(np.stack([x.T for x in xs]).reshape(*lead, *xs[0].T.shape))
 
     codes = stacked([pt.codes for pt in parts])
-    q = codes if parts[0].bits == 8 else pack_np(codes, -2)
+    q = codes if bits == 8 else pack_np(codes, -2)
     place = NamedSharding(data_sharding.mesh, PartitionSpec(*spec))
     offset = None if parts[0].offset is None else jax.device_put(stacked([pt.offset for pt in parts]), place)
     return Int4Weight(jax.device_put(np.asarray(q), place), jax.device_put(stacked([pt.scale for pt in parts]), place),
-                      group_size=GROUP, in_shards=shards, offset=offset, bits=parts[0].bits,
+                      group_size=group, in_shards=shards, offset=offset, bits=bits,
                       out_shards=out_split_of(data_sharding, len(lead) + 2) if len(lead) <= 1 else 1)
+
+
+def stack_mixed(parts: list[QuantTensor], data_sharding: NamedSharding, what: str) -> Int4Weight | LayerMixWeight:
+    """A layer stack's tensors ([out, in] each, one per layer) -> one Int4Weight [L, in, out] when
+    they share a layout, else a `LayerMixWeight` of one stack per layout (layers in file order)."""
+    layouts = list(dict.fromkeys(pt.layout for pt in parts))
+    if len(layouts) == 1:
+        return stack(parts, (len(parts),), data_sharding, what)
+    which = tuple(layouts.index(pt.layout) for pt in parts)
+    groups = [[pt for pt, w in zip(parts, which) if w == i] for i in range(len(layouts))]
+    index = tuple(which[:i].count(w) for i, w in enumerate(which))
+    stacks = tuple(stack(g, (len(g),), data_sharding, what) for g in groups)
+    return LayerMixWeight(stacks, part_of=which, index_in_part=index)

@@ -263,14 +263,19 @@ def _dequantized_fp8(scheme, get, name: str, shape: tuple[int, int]) -> np.ndarr
 
 
 def _kept_gguf(p, plan, quantized, names: list[str]):
-    """A matrix (or the embedding) whose GGUF tensors are all one kept type (Q4_0, Q4_1, Q8_0, Q4_K) as
-    an `Int4Weight` [..., in, out]; None when any is another type (read as f32). The embedding
-    [V, E] is stored as the tied head's [E, V]: `layers/embedding.py` gathers its columns."""
+    """A matrix (or the embedding) whose GGUF tensors are all of kept types (loader/gguf_quant.py)
+    as an `Int4Weight` [..., in, out], or a `LayerMixWeight` where a layer stack's tensors mix
+    layouts (a Q4_K_M file's Q6_K and Q4_K layers); None when any is another type (read as f32).
+    The embedding [V, E] is stored as the tied head's [E, V]: `layers/embedding.py` gathers its
+    columns."""
     if not (p.dense or p.path == "embed") or p.per_expert:
         return None
     from jaxserve.loader import gguf_quant
     parts = [quantized(name) for name in names]
-    if any(pt is None for pt in parts) or len({pt.kind for pt in parts}) != 1:
+    if any(pt is None for pt in parts):
+        return None
+    mixed = len({pt.layout for pt in parts}) > 1
+    if mixed and p.stacked_dims != 1:
         return None
     k, n = (p.shape[1], p.shape[0]) if p.path == "embed" else p.shape[-2:]
     for name, pt in zip(names, parts):
@@ -278,6 +283,8 @@ def _kept_gguf(p, plan, quantized, names: list[str]):
             raise ModelLoadError(f"tensor {name} has shape {pt.codes.shape}, expected {(n, k)} from the model config")
     axes, lead = (tuple(reversed(p.axes)), ()) if p.path == "embed" else (p.axes, p.shape[:p.stacked_dims])
     try:
+        if p.stacked_dims == 1:
+            return gguf_quant.stack_mixed(parts, plan.sharding(axes), names[0])
         return gguf_quant.stack(parts, lead, plan.sharding(axes), names[0])
     except ValueError as e:
         raise ModelLoadError(f"GGUF {parts[0].kind}: {e}") from None
@@ -382,7 +389,7 @@ def _fp8_note(scheme, quantization: str | None) -> str:
         kind = "int4" if type(scheme).__name__ == "Int4Scheme" else "fp8"
         return f", linear layers {kind} ({scheme.method} checkpoint)"
     if quantization == "gguf":
-        return ", Q4_0/Q4_1/Q8_0/Q4_K tensors kept quantized (--quantization none reads them into the dtype)"
+        return ", quantized tensors kept quantized (--quantization none reads them into the dtype)"
     return ", linear layers quantised to fp8 (per-channel e4m3)" if quantization == "fp8" else ""
 
 

@@ -26,7 +26,6 @@ from jaxserve.config import ModelConfig
 from jaxserve.layers import moe
 from jaxserve.layers.embedding import tied_logits
 from jaxserve.layers.experts import ExpertWeight
-from jaxserve.layers.int4 import scan_layers
 from jaxserve.layers.linear import DenseWeight, linear
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import (
@@ -37,6 +36,7 @@ from jaxserve.layers.rotary import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from jaxserve.layers.scan import scan_layers
 from jaxserve.models.params import Param, is_plain_array, layer_param_makers
 from jaxserve.sharding.plan import ShardingPlan, embed_lookup, shard_attention, shard_experts
 
@@ -238,7 +238,7 @@ def run_layers(body, carry, xs, num_layers: int, each_layer=None):
     first), or with `each_layer` (calibration, eager) run them one at a time in a Python loop,
     each on what `each_layer(index, layer_weights)` returns. Returns the final carry. `xs` is
     (layer weights, layer indices, ...): the scan hands int4 weights on the fused CPU kernel to the
-    body whole, indexed by the layer (`layers.int4.scan_layers`)."""
+    body whole, indexed by the layer (`layers.scan.scan_layers`)."""
     if each_layer is None:
         return scan_layers(body, carry, xs)
     for i in range(num_layers):

@@ -12,7 +12,7 @@ one-row tiles, where a 16-row dot would do 16x the work). Tiles must hold a powe
 (`tile_rows` makes them so on a GPU).
 
 The stack may be the layer scan's whole [L, X, in, out] one with the layer's index (`layer`): a
-scan's slice of a layer would be a copy of all its experts, every step (`layers.int4.scan_layers`
+scan's slice of a layer would be a copy of all its experts, every step (`layers.scan.scan_layers`
 keeps dense experts whole on a GPU).
 
 FLOPs: 2 * tile * in * out per live tile (the routed rows and their tiles' padding; the static

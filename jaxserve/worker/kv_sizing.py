@@ -12,13 +12,17 @@ then takes
 
     gpu_memory_utilization * bytes_limit - (peak - probe pool bytes)
 
-On CPU (no memory statistics) the pool is a fixed budget (`CPU_KV_BUDGET_BYTES`).
+On CPU (no memory statistics) the pool holds what `max_num_seqs` sequences of `max_model_len`
+tokens need, up to a cap: `VLLM_CPU_KVCACHE_SPACE` GiB (vLLM's CPU backend's variable) where set,
+else `CPU_KV_BUDGET_BYTES` scaled by gpu_memory_utilization / 0.9. `kv_cache_memory_bytes` sets
+the pool's size exactly on either.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from functools import partial
 
@@ -29,7 +33,7 @@ from jaxserve.config import EngineArgs
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_BUDGET_BYTES = 2 << 30    # the KV pool on CPU when no size is given
+CPU_KV_BUDGET_BYTES = 2 << 30    # the KV pool's cap on CPU when no size is given
 UNMEASURED_HEADROOM = 2 << 30    # activations + workspace when a GPU reports a limit but no peak
 
 
@@ -66,14 +70,30 @@ def probe_blocks(args: EngineArgs, max_model_len: int) -> int:
     return max(1, -(-max_model_len // args.block_size))
 
 
+def cpu_kv_cap(utilization: float) -> int:
+    """The CPU pool's largest size in bytes: `VLLM_CPU_KVCACHE_SPACE` GiB where set, else
+    `CPU_KV_BUDGET_BYTES` x utilization / 0.9."""
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    if space and space != "0":
+        try:
+            gib = float(space)
+        except ValueError:
+            raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a number of GiB, got {space!r}") from None
+        if gib <= 0:
+            raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be > 0 GiB, got {space!r}")
+        return int(gib * 2**30)
+    return int(CPU_KV_BUDGET_BYTES * utilization / 0.9)
+
+
 def num_kv_blocks(args: EngineArgs, bytes_per_block: int, weight_bytes: int, *,
                   profile: Callable[[int], int | None] | None = None, probe_num_blocks: int = 1,
-                  stats: dict | None = None) -> int:
+                  stats: dict | None = None, max_model_len: int | None = None) -> int:
     """Blocks in the pool: `num_gpu_blocks_override`, else `kv_cache_memory_bytes`, else on a
     device with memory statistics (`stats`, read from the device when not given) the profiled
     budget (module docstring; `profile(probe_num_blocks)` runs the probe and returns the device's
-    peak bytes in use, or None when it cannot tell), else (CPU) a fixed 2 GiB scaled by
-    gpu_memory_utilization / 0.9. Raises ValueError when not one block fits."""
+    peak bytes in use, or None when it cannot tell), else (CPU) what `args.max_num_seqs`
+    sequences of `max_model_len` tokens need (one block more each, for lookahead), at most
+    `cpu_kv_cap`. Raises ValueError when not one block fits."""
     if args.num_gpu_blocks_override:
         return args.num_gpu_blocks_override
     util = args.gpu_memory_utilization
@@ -84,9 +104,14 @@ def num_kv_blocks(args: EngineArgs, bytes_per_block: int, weight_bytes: int, *,
             stats = device_memory_stats()
         limit = (stats or {}).get("bytes_limit")
         if not limit:
-            budget = int(CPU_KV_BUDGET_BYTES * util / 0.9)
-            logger.info("KV sizing: no device memory statistics (CPU): fixed budget %.2f GiB x "
-                        "%.2f / 0.9 = %.2f GiB", CPU_KV_BUDGET_BYTES / 2**30, util, budget / 2**30)
+            budget = cap = cpu_kv_cap(util)
+            if max_model_len:
+                need = args.max_num_seqs * (-(-max_model_len // args.block_size) + 1) + 1
+                budget = min(cap, need * bytes_per_block)
+            logger.info("KV sizing (CPU): %.2f GiB (%s; cap %.2f GiB: %s)", budget / 2**30,
+                        f"{args.max_num_seqs} sequences of {max_model_len} tokens" if max_model_len else "no length",
+                        cap / 2**30, "VLLM_CPU_KVCACHE_SPACE" if os.environ.get("VLLM_CPU_KVCACHE_SPACE", "0")
+                        .strip() not in ("", "0") else f"2 GiB x gpu_memory_utilization {util} / 0.9")
         else:
             peak = profile(probe_num_blocks) if profile is not None else None
             if peak is None:
