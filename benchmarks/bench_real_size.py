@@ -17,9 +17,12 @@ included for jaxserve, whose programs are compiled on first use with warm-up off
 `--prompt-tokens`-token prompt (prompt tok/s, after one untimed run), then for each batch B
 generates `--tokens` greedy tokens (EOS ignored) for the peer harness's B prompts once untimed and
 once timed: output tok/s = B x tokens / time, prefill included, as ../shared/peers/batched.py
-counts it. Peak RSS is the process's (ru_maxrss). llama.cpp runs with 2 threads, jaxserve with
-default flags (`LLM(model=FILE, max_num_seqs=max batch)`). Rounds alternate A B A B; the best
-of the rounds is reported.
+counts it. Peak RSS is the process's (ru_maxrss). llama.cpp runs with 2 threads and one KV pool
+of `kv_tokens` = max(prompt + tokens + 16, 128 x the largest batch) tokens shared by all
+sequences (f16, its default); jaxserve with default flags but the same context and pool:
+`LLM(model=FILE, max_num_seqs=largest batch, max_model_len=prompt + tokens + 16,
+kv_cache_memory_bytes=kv_tokens x its bytes a token)`. Rounds alternate A B A B; the best of
+the rounds is reported.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def write_f16(path: Path, shape: tuple[int, ...]) -> None:
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(0)
-    for name, s in tensors:
+    for _, s in tensors:
         if len(s) == 1:
             w.write_tensor_data(np.ones(s, np.float32))
         else:
@@ -116,7 +119,8 @@ import json, resource, sys, time
 t0 = time.perf_counter()
 from jaxserve import LLM, SamplingParams
 cfg = json.loads(sys.argv[1])
-llm = LLM(model=cfg["path"], max_num_seqs=max(cfg["batches"]), warmup=False, **cfg["engine_args"])
+args = dict(max_model_len=cfg["max_model_len"], kv_cache_memory_bytes=cfg["kv_bytes"], **cfg["engine_args"])
+llm = LLM(model=cfg["path"], max_num_seqs=max(cfg["batches"]), warmup=False, **args)
 res = {"load_s": time.perf_counter() - t0}
 long = {"prompt_token_ids": [100 + (i * 7919) % 40000 for i in range(cfg["prompt_tokens"])]}
 one = SamplingParams(temperature=0, max_tokens=1)
@@ -147,8 +151,8 @@ model = L.llama_model_load_from_file(cfg["path"].encode(), L.llama_model_default
 vocab = L.llama_model_get_vocab(model); nv = L.llama_vocab_n_tokens(vocab)
 B = max(cfg["batches"])
 cp = L.llama_context_default_params()
-cp.n_ctx = max(4096, cfg["prompt_tokens"] + 256, B * 128); cp.n_batch = 2048; cp.n_ubatch = 512; cp.n_seq_max = B
-cp.n_threads = 2; cp.n_threads_batch = 2
+cp.n_ctx = cfg["kv_tokens"]; cp.n_batch = 2048; cp.n_ubatch = 512; cp.n_seq_max = B
+cp.n_threads = 2; cp.n_threads_batch = 2; cp.kv_unified = True
 ctx = L.llama_init_from_model(model, cp)
 mem = L.llama_get_memory(ctx)
 batch = L.llama_batch_init(max(2048, cfg["prompt_tokens"]), 0, 1)
@@ -191,9 +195,21 @@ print("RESULT" + json.dumps(res), flush=True)
 """
 
 
+# bytes per KV element by --kv-cache-dtype (int8: codes plus a f32 scale per token and head, ~1)
+_KV_BYTES = {"auto": 4, "float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8": 1}
+
+
 def run(engine: str, path: Path, args) -> dict:
+    """Both engines hold the same number of KV tokens: `kv_tokens` (llama.cpp's n_ctx, one pool
+    all sequences share; jaxserve's `kv_cache_memory_bytes` at its KV dtype's bytes)."""
+    E, L, H, KV, _ = SHAPES[args.shape]
+    extra = json.loads(args.engine_args)
+    max_model_len = args.prompt_tokens + args.tokens + 16
+    kv_tokens = max(max_model_len, max(args.batches) * 128)
+    per_token = 2 * L * KV * (E // H) * _KV_BYTES[extra.get("kv_cache_dtype", "auto")]
     cfg = {"path": str(path), "batches": args.batches, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
-           "prompts": prompts(max(args.batches)), "engine_args": json.loads(args.engine_args)}
+           "prompts": prompts(max(args.batches)), "engine_args": extra, "max_model_len": max_model_len,
+           "kv_tokens": kv_tokens, "kv_bytes": kv_tokens * per_token}
     python, script = (sys.executable, _JAXSERVE) if engine == "jaxserve" else (args.peer, _LLAMA_CPP)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.run([python, "-c", script, json.dumps(cfg)], capture_output=True, text=True, env=env,
@@ -244,9 +260,10 @@ def main() -> None:
         for k in keys:
             a, b = (best.get(e, {}).get(k) for e in ("jaxserve", "llama.cpp"))
             ratio = f"{a / b:.2f}x" if a and b else ""
-            fmt = lambda v: "" if v is None else f"{v:.2f}" if k.endswith(("_s", "gb")) else f"{v:.1f}"  # noqa: E731
+            digits = 2 if k.endswith(("_s", "gb")) else 1
+            a_s, b_s = ("" if v is None else f"{v:.{digits}f}" for v in (a, b))
             print(f"| {kind} | {gib:.2f} | {k.replace('b', 'batch ', 1) if k[1:].isdigit() else k} | "
-                  f"{fmt(a)} | {fmt(b)} | {ratio} |")
+                  f"{a_s} | {b_s} | {ratio} |")
     if args.json:
         args.json.write_text(json.dumps(log, indent=1))
 

@@ -53,7 +53,7 @@ def test_blocks_decode_to_what_gguf_dequantizes(kind):
     for k in ((512, 768) if gguf_quant.BLOCKS[kind][0] == 256 else (96, 160)):   # 768, 160: not powers of 2
         raw = _quantized(rng, 48, k, kind)
         q = gguf_quant.decode("blk.0.ffn_up.weight", kind, raw, (k, 48))
-        assert q.codes.shape == (48, k)
+        assert q.shape == (48, k)
         w = gguf_quant.stack([q], (), jax.sharding.NamedSharding(
             jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",)), jax.sharding.PartitionSpec()), "w")
         assert isinstance(w, Int4Weight) and w.shape == (k, 48) and w.group_size == q.group
@@ -151,9 +151,9 @@ Q4_K_M = dict(attn="Q4_K", ffn="Q4_K", embd="Q6_K", output="Q6_K", attn_v=("Q6_K
 
 def test_stacks_whose_layers_mix_types_stay_quantized(tmp_path):
     from jaxserve.layers import int4_cpu
-    from jaxserve.layers.layer_mix import LayerMixWeight
     from jaxserve.layers.int4 import with_fused_kernel
     from jaxserve.layers.int4_layout import with_cpu_layout
+    from jaxserve.layers.layer_mix import LayerMixWeight
     path = write_tiny_gguf(tmp_path / "q4km.gguf", Q4_K_M, tied=True, hidden=256)
     cfg, dense = load_model(path, "float32")
     _, kept = load_model(path, "float32", quantization="gguf")

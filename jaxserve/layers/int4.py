@@ -61,6 +61,10 @@ class Int4Weight:
       dequantised to bf16 (f32 accumulation); None: tiles in the activation dtype (`with_bf16_tiles`).
     fused_max_rows: activations of at most this many rows take the fused CPU kernel
       (layers/int4_cpu.py) where it fits; None: always the tiles (`with_fused_kernel`).
+    q8_min_rows: with `fused_int8_x`, activations of at least this many rows are one int8 part per
+      block (llama.cpp's Q8 activations: to 1/254 of the block's max, half the integer work); None:
+      two parts at every row count. The CPU's `--dtype auto` sets it for GGUF files' int4 weights,
+      which then take the fused kernel at every row count (`loader.cpu_matmuls_for`).
     amx_min_rows: activations of this many rows or more (to `int4_cpu.AMX_MAX_ROWS`) take the AMX
       kernel where it fits (`int4_cpu.amx()`: the bf16 tiles' arithmetic, 3-6x faster); None: never.
     fused_int8_x: int4 matmuls in the fused kernel split their activations into two int8 parts per
@@ -92,6 +96,7 @@ class Int4Weight:
     zero_point: int | None = None
     col_block: int = 0
     amx_min_rows: int | None = None
+    q8_min_rows: int | None = None
 
     @property
     def pack(self) -> int:
@@ -123,7 +128,7 @@ class Int4Weight:
 jax.tree_util.register_dataclass(Int4Weight, data_fields=["q", "scale", "zero", "perm", "offset", "layer"],
                                  meta_fields=["group_size", "in_shards", "bits", "out_shards", "bf16_min_rows",
                                               "fused_max_rows", "fused_int8_x", "zero_point", "col_block",
-                                              "amx_min_rows"])
+                                              "amx_min_rows", "q8_min_rows"])
 
 
 def _is_int4(x) -> bool:
@@ -152,6 +157,18 @@ def with_fused_kernel(weights, max_rows: int = int4_cpu.FUSED_MAX_ROWS, int8_x: 
     return jax.tree.map(lambda w: dataclasses.replace(w, fused_max_rows=max_rows, fused_int8_x=int8_x,
                                                       amx_min_rows=amx_min_rows)
                         if isinstance(w, Int4Weight) else w, weights, is_leaf=_is_int4)
+
+
+def with_q8_rows(weights, min_rows: int = int4_cpu.FUSED_MAX_ROWS + 1):
+    """`weights` (any pytree) with every int4 `Int4Weight` on the fused kernel with int8
+    activations taking it at every row count, activations of `min_rows` rows or more as one int8
+    part a block (`Int4Weight.q8_min_rows`: llama.cpp's arithmetic for a GGUF file's weights, 1.5x
+    the two-part kernel and 1.3-2x XLA's bf16 tiles on a 1.7B model's matrices at 64-512 rows)."""
+    def q8(w):
+        if isinstance(w, Int4Weight) and w.bits == 4 and w.fused_int8_x and w.fused_max_rows is not None:
+            return dataclasses.replace(w, fused_max_rows=max(w.fused_max_rows, 1 << 30), q8_min_rows=min_rows)
+        return w
+    return jax.tree.map(q8, weights, is_leaf=_is_int4)
 
 
 def fused_kernel_rows(weights) -> int:
@@ -394,9 +411,10 @@ def _fused_matmul(x: jax.Array, w: Int4Weight) -> jax.Array:
     if w.perm is not None:
         perm = w.perm if w.layer is None else jax.lax.dynamic_index_in_dim(w.perm, w.layer, keepdims=False)
         x = jnp.take(x, perm, axis=-1)
+    rows = math.prod(lead)
     y = int4_cpu.matmul(x.reshape(-1, K), w.q, w.scale, w.zero, w.offset, w.layer, w.group_size, w.bits,
                         int8_x=_int8_x(w) and not amx, zero_point=w.group_zero, col_block=w.col_block,
-                        amx=amx)
+                        amx=amx, int8_hi_only=w.q8_min_rows is not None and rows >= w.q8_min_rows)
     return y.reshape(*lead, N)
 
 

@@ -231,7 +231,7 @@ def fits(q, scale, zero, offset, group_size: int, bits: int, stacked: bool, col_
 
 def matmul(x: jax.Array, q, scale, zero, offset, layer, group_size: int, bits: int,
            int8_x: bool = False, target: str = TARGET, zero_point: int | None = None,
-           col_block: int = 0, amx: bool = False) -> jax.Array:
+           col_block: int = 0, amx: bool = False, int8_hi_only: bool = False) -> jax.Array:
     """x [M, K] f32 (MAX_ROWS rows a pass over the weight) @ the quantized [K, N] weight (the `layer` slice of a
     [L, ...] stack when `layer` is an index, else 2-D arrays) -> [M, N] f32. `load()` first (or
     `register` a build as `target`). `int8_x` (int4 codes, a build with an integer dot product):
@@ -239,7 +239,8 @@ def matmul(x: jax.Array, q, scale, zero, offset, layer, group_size: int, bits: i
     `zero` array (default 8 for int4, 0 for int8, as `layers.int4.zero_point_of`); `col_block`:
     the arrays are column blocks [(L,) N / col_block, rows, col_block] (`Int4Weight.col_block`).
     `amx`: the AMX kernel instead (any rows; x and the dequantised weight rounded to bf16, f32
-    sums; `amx()` first, K a multiple of 32)."""
+    sums; `amx()` first, K a multiple of 32). `int8_hi_only` (with `int8_x`): x as its high int8
+    part alone (llama.cpp's Q8 activations, to 1/254 of each block's max|x|): half the integer work."""
     M = x.shape[0]
     if amx:
         if int8_x or not amx_fits(x.shape[1], bits) or (target == TARGET and not _AMX[0]):
@@ -251,7 +252,7 @@ def matmul(x: jax.Array, q, scale, zero, offset, layer, group_size: int, bits: i
                          f"(bits={bits}, int8_dot()={int8_dot()})")
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, _columns(scale, col_block)), jnp.float32),
                             vmap_method="sequential")
-    more = {} if amx else {"int8_x": bool(int8_x)}
+    more = {} if amx else {"int8_x": bool(int8_x), "int8_hi_only": bool(int8_x and int8_hi_only)}
     return call(x.astype(jnp.float32), q, scale,
                 jnp.zeros((0,), jnp.uint8) if zero is None else zero,
                 jnp.zeros((0,), scale.dtype) if offset is None else offset,

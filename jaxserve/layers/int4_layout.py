@@ -24,7 +24,7 @@ def _exact_f16(a: np.ndarray | None) -> bool:
     return a is None or bool(np.all(a.astype(np.float16).astype(a.dtype) == a))
 
 
-def cpu_layout(w: Int4Weight, col_block: int = COL_BLOCK) -> Int4Weight:
+def cpu_layout(w: Int4Weight, col_block: int = COL_BLOCK, donate: bool = False) -> Int4Weight:
     """`w` laid out for the fused CPU kernel, the same matrix (every dequantised value unchanged):
 
     - column blocks (`Int4Weight.col_block`): a thread's columns are one run of memory (the
@@ -36,7 +36,9 @@ def cpu_layout(w: Int4Weight, col_block: int = COL_BLOCK) -> Int4Weight:
       weight for Q4_1, as the file has it, instead of 0.75.
 
     A weight on several devices, or whose columns are not whole blocks, is returned as it is.
-    Done on the host in numpy at load (XLA would compile each step for each shape: 1.75 s)."""
+    Done on the host in numpy at load (XLA would compile each step for each shape: 1.75 s).
+    `donate`: `w`'s arrays are deleted once their copies are made (the engine's load: the whole
+    model is then never held twice)."""
     if w.col_block or w.in_shards != 1 or w.out_shards != 1 or w.shape[-1] % col_block:
         return w
 
@@ -60,15 +62,22 @@ def cpu_layout(w: Int4Weight, col_block: int = COL_BLOCK) -> Int4Weight:
         *lead, rows, out = a.shape
         b = np.ascontiguousarray(np.swapaxes(a.reshape(*lead, rows, out // col_block, col_block), -3, -2))
         return jax.device_put(b, like.sharding)
-    return dataclasses.replace(w, q=blocks(host(w.q), w.q), scale=blocks(scale, w.scale), zero=blocks(zero, w.scale),
-                               offset=blocks(offset, w.scale), zero_point=zero_point, col_block=col_block)
+    out = dataclasses.replace(w, q=blocks(host(w.q), w.q), scale=blocks(scale, w.scale), zero=blocks(zero, w.scale),
+                              offset=blocks(offset, w.scale), zero_point=zero_point, col_block=col_block)
+    if donate:
+        del scale, zero, offset
+        for a in (w.q, w.scale, w.zero, w.offset):
+            if isinstance(a, jax.Array):
+                a.delete()
+    return out
 
 
-def with_cpu_layout(weights):
+def with_cpu_layout(weights, donate: bool = False):
     """`weights` (any pytree) with every `Int4Weight` on the fused kernel laid out for it
-    (`cpu_layout`); experts (inside an `ExpertWeight`) keep theirs."""
+    (`cpu_layout`; `donate`: the old arrays deleted one weight at a time); experts (inside an
+    `ExpertWeight`) keep theirs."""
     def relay(w):
-        return cpu_layout(w) if isinstance(w, Int4Weight) and w.fused_max_rows is not None else w
+        return cpu_layout(w, donate=donate) if isinstance(w, Int4Weight) and w.fused_max_rows is not None else w
     return jax.tree.map(relay, weights, is_leaf=lambda x: isinstance(x, (Int4Weight, ExpertWeight)))
 
 

@@ -141,6 +141,21 @@ def dequantize_data(name: str, tensor_type, data) -> np.ndarray:
     return gguf.quants.dequantize(data, tensor_type).astype(np.float32, copy=False)
 
 
+def _drop_pages(reader, tensor) -> None:
+    """Let the kernel drop the resident pages of `tensor`'s bytes in the file mapping (they stay in
+    the page cache, not in this process's memory): a converted tensor's file bytes are not held
+    beside it, so peak memory is the converted weights, not those plus the file."""
+    import mmap
+    m = getattr(reader.data, "_mmap", None)
+    if m is None or not hasattr(m, "madvise"):
+        return
+    page = mmap.PAGESIZE
+    start = -(-int(tensor.data_offset) // page) * page
+    end = (int(tensor.data_offset) + int(tensor.n_bytes)) // page * page
+    if end > start:
+        m.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
 def read_gguf(path):
     """Open (parse the header of) a GGUF file, with a clear error for a corrupt one."""
     from jaxserve.loader.gguf_reader import FastGGUFReader
@@ -224,6 +239,7 @@ def open_gguf(path: Path, reader=None, keep_quantized: bool = False) -> tuple[Mo
             q = gguf_quant.decode(name, t.tensor_type.name, t.data, tuple(int(s) for s in t.shape))
         except ValueError as e:
             raise ModelLoadError(f"{path}: {e}") from None
+        _drop_pages(reader, t)          # decoded into copies: the file's pages need not stay resident
         if heads(name) is not None:
             q = q.take_rows(_unpermute(np.arange(q.codes.shape[0]), heads(name)))
         return q

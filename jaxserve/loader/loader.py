@@ -24,7 +24,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.host_memory import release_freed_host_memory
 from jaxserve.layers import int4_cpu
-from jaxserve.layers.int4 import BF16_MIN_ROWS, Int4Weight, with_bf16_tiles, with_fused_kernel
+from jaxserve.layers.int4 import BF16_MIN_ROWS, Int4Weight, with_bf16_tiles, with_fused_kernel, with_q8_rows
 from jaxserve.layers.int4_layout import with_cpu_layout
 from jaxserve.loader.hf_overrides import apply_hf_overrides
 from jaxserve.models.registry import get_model
@@ -84,7 +84,7 @@ def _batch_invariant(weights, dtype: str, devices: int, platform: str | None, qu
 
 
 def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None = None,
-                    batch_invariant: bool = False):
+                    batch_invariant: bool = False, gguf: bool = False, donate: bool = False):
     """`weights` as the engine runs them with `--dtype dtype` on `devices` devices: with "auto" on
     CPU (f32 activations), quantized weights take batches of `BF16_MIN_ROWS` rows or more through
     bf16 tiles where they pay (`bf16_tiles_pay`; `layers.int4.with_bf16_tiles`) and, on
@@ -98,7 +98,11 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
     model, yet not bit for bit: XLA's dot blocks by rows).
     `batch_invariant`: every quantized matmul takes the fused kernel (its rows are independent) at
     every row count; a ValueError says why where that cannot be (a GPU, dense weights, several
-    devices, activations not f32, no kernel build)."""
+    devices, activations not f32, no kernel build).
+    `gguf` (a GGUF file's weights): int4 matmuls of more rows than the fused kernel's decode rows
+    take it too, their activations as one int8 part a block as llama.cpp computes them
+    (`layers.int4.with_q8_rows`), not XLA's bf16 tiles. `donate`: `weights`' arrays may be deleted
+    as they are laid out anew (the engine's load: the model is never held twice)."""
     quantized = any(isinstance(w, Int4Weight) for w in jax.tree.leaves(
         weights, is_leaf=lambda x: isinstance(x, Int4Weight)))
     if batch_invariant:
@@ -122,7 +126,13 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
             if amx:
                 logger.info("quantized matmuls of %d to %d rows use the AMX kernel (the bf16 tiles' arithmetic)",
                             amx, int4_cpu.AMX_MAX_ROWS)
-            return with_cpu_layout(with_fused_kernel(weights, int8_x=dot is not None, amx_min_rows=amx))
+            weights = with_cpu_layout(with_fused_kernel(weights, int8_x=dot is not None, amx_min_rows=amx),
+                                      donate=donate)
+            if gguf and dot is not None and not amx:
+                logger.info("GGUF int4 matmuls of more than %d rows: the fused CPU kernel with int8 activations "
+                            "(one part a block, as llama.cpp's)", int4_cpu.FUSED_MAX_ROWS)
+                weights = with_q8_rows(weights)
+            return weights
         logger.info("quantized matmuls of few rows use XLA's tiles, not the fused CPU kernel: %s", why)
     return weights
 
@@ -270,8 +280,11 @@ def _kept_gguf(p, plan, quantized, names: list[str]):
     columns."""
     if not (p.dense or p.path == "embed") or p.per_expert:
         return None
+    from concurrent.futures import ThreadPoolExecutor
+
     from jaxserve.loader import gguf_quant
-    parts = [quantized(name) for name in names]
+    with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:    # numpy lets go of the GIL
+        parts = list(pool.map(quantized, names))
     if any(pt is None for pt in parts):
         return None
     mixed = len({pt.layout for pt in parts}) > 1
@@ -279,8 +292,8 @@ def _kept_gguf(p, plan, quantized, names: list[str]):
         return None
     k, n = (p.shape[1], p.shape[0]) if p.path == "embed" else p.shape[-2:]
     for name, pt in zip(names, parts):
-        if pt.codes.shape != (n, k):
-            raise ModelLoadError(f"tensor {name} has shape {pt.codes.shape}, expected {(n, k)} from the model config")
+        if pt.shape != (n, k):
+            raise ModelLoadError(f"tensor {name} has shape {pt.shape}, expected {(n, k)} from the model config")
     axes, lead = (tuple(reversed(p.axes)), ()) if p.path == "embed" else (p.axes, p.shape[:p.stacked_dims])
     try:
         if p.stacked_dims == 1:
@@ -462,7 +475,7 @@ def _check_quantization_flag(quantization: str | None, scheme, path: Path) -> No
     method = method_of(quantization)
     found = getattr(scheme, "method", None)
     if quantization == "gguf" and not path.is_file():
-        raise ModelLoadError(f"quantization 'gguf' keeps a .gguf file's Q4_0/Q4_1/Q8_0/Q4_K tensors quantized, "
+        raise ModelLoadError(f"quantization 'gguf' keeps a .gguf file's quantized tensors quantized, "
                              f"but {path} is a Hugging Face directory")
     if quantization == "fp8" and isinstance(scheme, Int4Scheme):
         raise ModelLoadError(f"quantization 'fp8' quantises a full-precision checkpoint, but "

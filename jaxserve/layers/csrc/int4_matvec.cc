@@ -28,7 +28,9 @@
 // max; one part alone, llama.cpp's Q8_1, measured below the project's quality bar) and each part's
 // sum of code * x is an exact integer dot product: AVX512-VNNI's vpdpbusd (64 byte products an
 // instruction) or AVX2's vpmaddubsw + vpmaddwd, in place of a convert and M float multiply-adds
-// per code; the result is the product of that x with the weight, in f32. `JaxserveInt4Int8Dot()`
+// per code; the result is the product of that x with the weight, in f32. With `int8_hi_only` x is
+// the high part alone (llama.cpp's Q8 activations: x to 1/254 of the block's max), half the
+// integer work, for many rows (prefill, large batches) of GGUF weights. `JaxserveInt4Int8Dot()`
 // says which instructions this build has (0: none, so `int8_x` is refused).
 #include <algorithm>
 #include <cmath>
@@ -72,6 +74,7 @@ struct Problem {
                          // the high part's then the low part's
   const float* xd;       // [M, K / qb]: each block's scale
   int64_t qb;            // inputs per block (32, 16 or 8: a divisor of g)
+  bool hi_only;          // x is its high int8 part alone (llama.cpp's Q8 rounding of activations)
 };
 
 using jaxserve::L;
@@ -233,7 +236,7 @@ using jaxserve::to_float;
 
 // group() for int4 codes and int8 x: per block of qb inputs two integer dot products (x's high
 // and low int8 parts), scaled by the block's x scales into M x V f32 sums; then the same epilogue.
-template <int M, int V>
+template <int M, int V, bool LO>
 inline void group_int8(const Problem& p, int64_t gi, int64_t n0) {
   const int64_t K = p.K, g = p.g, R = K / 8, B = K / p.qb;
   const int64_t r0 = gi * g / 8;                     // the group's first word row
@@ -251,12 +254,12 @@ inline void group_int8(const Problem& p, int64_t gi, int64_t n0) {
         for (int m = 0; m < M; ++m) {
           const int32_t* x = p.xi + 4 * (m * R + r);
           hi[m] = dot(hi[m], c, x[0], x[1]);
-          lo[m] = dot(lo[m], c, x[2], x[3]);
+          if constexpr (LO) lo[m] = dot(lo[m], c, x[2], x[3]);
         }
       }
       for (int m = 0; m < M; ++m) {
         const float d = p.xd[m * B + b], d_lo = d * (1.f / 254.f);
-        a[m][v] += d * to_float(hi[m]) + d_lo * to_float(lo[m]);
+        a[m][v] += LO ? d * to_float(hi[m]) + d_lo * to_float(lo[m]) : d * to_float(hi[m]);
       }
     }
   }
@@ -279,9 +282,14 @@ inline void columns(const Problem& p, int64_t gi, int64_t c0, int64_t c1) {
   constexpr int V = vectors<M>();
   int64_t c = c0;
 #if JAXSERVE_INT8_DOT
+  if (p.xi && p.hi_only) {
+    for (; c + V * L <= c1; c += V * L) group_int8<M, V, false>(p, gi, c);
+    for (; c < c1; c += L) group_int8<M, 1, false>(p, gi, c);
+    return;
+  }
   if (p.xi) {
-    for (; c + V * L <= c1; c += V * L) group_int8<M, V>(p, gi, c);
-    for (; c < c1; c += L) group_int8<M, 1>(p, gi, c);
+    for (; c + V * L <= c1; c += V * L) group_int8<M, V, true>(p, gi, c);
+    for (; c < c1; c += L) group_int8<M, 1, true>(p, gi, c);
     return;
   }
 #endif
@@ -327,7 +335,7 @@ void run(const Problem& p, int64_t b0, int64_t b1) {
 // each code stored straight into its byte of r's four words (on the calling thread before the
 // split, so it is kept vectorised).
 void prepare_int8(const float* xd0, int64_t M, int64_t K, int64_t qb, int64_t G, int64_t group_size,
-                  float* xdq, int32_t* xi, float* xsum) {
+                  bool hi_only, float* xdq, int32_t* xi, float* xsum) {
   const int64_t B = K / qb, R = K / 8;
   int8_t* bytes = reinterpret_cast<int8_t*>(xi);
   for (int64_t m = 0; m < M; ++m) {
@@ -360,7 +368,7 @@ void prepare_int8(const float* xd0, int64_t M, int64_t K, int64_t qb, int64_t G,
       xdq[m * B + b] = d;
       float& gs = xsum[m * G + b * qb / group_size];
       gs = (b * qb % group_size == 0 ? 0.f : gs) + d * static_cast<float>(sh) +
-           d * (1.f / 254.f) * static_cast<float>(sl);
+           (hi_only ? 0.f : d * (1.f / 254.f) * static_cast<float>(sl));
     }
   }
 }
@@ -381,7 +389,7 @@ void prepare_f32(const float* xd0, int64_t M, int64_t K, int64_t G, int64_t grou
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                 ffi::AnyBuffer scale, ffi::Buffer<ffi::U8> zero, ffi::AnyBuffer offset,
                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t group_size,
-                int64_t bits, bool int8_x, int64_t zero_point, int64_t col_block) {
+                int64_t bits, bool int8_x, int64_t zero_point, int64_t col_block, bool int8_hi_only) {
   jaxserve::QuantWeight w;
   if (auto err = jaxserve::check_weight("int4_matvec", x, q, scale, zero, offset, layer, group_size, bits,
                                           col_block, w);
@@ -407,11 +415,12 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
     const int64_t Mc = std::min(MAX_ROWS, M - m0);
     const float* xd0 = x.typed_data() + m0 * K;
     if (int8_x)
-      prepare_int8(xd0, Mc, K, qb, G, group_size, xdq.get(), xi.get(), xsum.get());
+      prepare_int8(xd0, Mc, K, qb, G, group_size, int8_hi_only, xdq.get(), xi.get(), xsum.get());
     else
       prepare_f32(xd0, Mc, K, G, group_size, bits, xq.get(), xsum.get());
     const Problem p{w.q, w.scale, w.zero, w.offset, y->typed_data() + m0 * N, Mc, K, N, group_size, bits,
-                    static_cast<float>(zero_point), w.cb, w.half, xsum.get(), xq.get(), xi.get(), xdq.get(), qb};
+                    static_cast<float>(zero_point), w.cb, w.half, xsum.get(), xq.get(), xi.get(), xdq.get(), qb,
+                    int8_hi_only};
     // blocks of NB columns, each thread one contiguous range of them (a claim per thread)
     jaxserve::run_claims(pool, (N + NB - 1) / NB, K * N >= (1 << 15), 1,
                          [&p](int64_t b0, int64_t b1) { run(p, b0, b1); });
@@ -435,7 +444,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4Matvec, Impl,
                                   .Attr<int64_t>("bits")
                                   .Attr<bool>("int8_x")
                                   .Attr<int64_t>("zero_point")
-                                  .Attr<int64_t>("col_block"));
+                                  .Attr<int64_t>("col_block")
+                                  .Attr<bool>("int8_hi_only"));
 
 // Which integer dot product `int8_x` runs on in this build: 1 AVX512-VNNI, 2 AVX2, 0 none.
 extern "C" int JaxserveInt4Int8Dot() { return JAXSERVE_INT8_DOT; }
