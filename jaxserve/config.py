@@ -40,7 +40,7 @@ EXECUTOR_BACKENDS = (None, "mp", "uni", "external_launcher", "ray")
 # --dtype instead.
 QUANTIZATIONS = (None, "fp8", "awq", "gptq", "compressed-tensors", "awq_marlin", "gptq_marlin", "gguf",
                  "none")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton", "mosaic", "cpu")
 # The FP8 matmul (jaxserve/layers/fp8.py): "pallas" is the Mosaic GPU kernel ("mosaic" its alias).
 FP8_KERNELS = ("auto", "xla", "pallas", "mosaic")

@@ -42,8 +42,8 @@ def test_every_kernel_case_matches_the_oracle(name):
     got, want, text, meta = _run(case, seed=sum(map(ord, name)))
     assert max_err(got, want) <= TOL[case.dtype], name
     assert not np.asarray(got[int(meta.cu_q_lens[-1]):]).any()       # padding tokens stay zero
-    takes = case.kv == "int8" or (case.kv == "auto" and case.dtype == "float32")
-    assert (int4_cpu.ATTENTION_TARGET in text) == takes, "the kernel takes f32 or int8 K/V pages only"
+    takes = case.kv == "int8" or (case.kv == "auto" and case.dtype in ("float32", "bfloat16"))
+    assert (int4_cpu.ATTENTION_TARGET in text) == takes, "the kernel takes f32, bf16 or int8 K/V pages only"
 
 
 INT8_CASES = {
@@ -61,6 +61,17 @@ def test_int8_pages_match_the_oracle(name):
     """An int8 KV cache (`--kv-cache-dtype int8`: codes and a scale per token and kv head) read by
     the kernel: the oracle's numbers (which dequantise the pages first) to f32 rounding."""
     got, want, text, meta = _run(INT8_CASES[name], seed=sum(map(ord, name)))
+    assert int4_cpu.ATTENTION_TARGET in text
+    assert max_err(got, want) <= TOL["float32"], name
+
+
+@pytest.mark.parametrize("name", ["decode", "prefill_chunk_on_prefix", "window_and_cap_gqa3", "head_dim_40"])
+def test_bf16_pages_with_f32_queries_match_the_oracle(name):
+    """`--kv-cache-dtype bfloat16` on the CPU (f32 activations, bf16 pages: half the pool's memory,
+    llama.cpp's default KV size): the kernel reads the pages widened exactly, so the oracle's
+    numbers (on the same bf16 pages) to f32 rounding."""
+    case = dataclasses.replace(INT8_CASES[name], kv="bfloat16")
+    got, want, text, meta = _run(case, seed=sum(map(ord, name)))
     assert int4_cpu.ATTENTION_TARGET in text
     assert max_err(got, want) <= TOL["float32"], name
 
@@ -115,13 +126,14 @@ def test_sinks_and_a_per_layer_window():
         assert max_err(got, want) <= 1e-5
 
 
-def test_auto_picks_the_kernel_on_cpu_with_f32_or_int8_pages_only():
+def test_auto_picks_the_kernel_on_cpu_with_f32_bf16_or_int8_pages_only():
     from jaxserve.attention import cpu_kernel
     assert cpu_kernel.problem(jnp.float32, False, "cpu") is None
     assert cpu_kernel.problem(jnp.int8, False, "cpu") is None
+    assert cpu_kernel.problem(jnp.bfloat16, False, "cpu") is None      # --kv-cache-dtype bfloat16
     assert "latent" in cpu_kernel.problem(jnp.float32, True, "cpu")
-    assert "f32 or int8 KV pages" in cpu_kernel.problem(jnp.bfloat16, False, "cpu")
-    assert "f32 or int8 KV pages" in cpu_kernel.problem(jnp.float8_e4m3fn, False, "cpu")
+    assert "f32, bf16 or int8 KV pages" in cpu_kernel.problem(jnp.float16, False, "cpu")
+    assert "f32, bf16 or int8 KV pages" in cpu_kernel.problem(jnp.float8_e4m3fn, False, "cpu")
     assert "CPU only" in cpu_kernel.problem(jnp.float32, False, "gpu")
 
 
@@ -130,7 +142,7 @@ def test_selection_by_name_and_by_the_engine():
     case = AttentionCase(jnp.float32, jnp.float32, 9, 3, 64, 16)
     cpu = Platform("cpu")
     assert select_backend("cpu", case, cpu) == "cpu" and FALLBACK["cpu"] == ("reference",)
-    with pytest.raises(ValueError, match="f32 or int8 KV pages"):
+    with pytest.raises(ValueError, match="f32, bf16 or int8 KV pages"):
         select_backend("cpu", dataclasses.replace(case, kv_dtype=jnp.uint8), cpu)
     with pytest.raises(ValueError, match="CPU only"):
         select_backend("cpu", case, Platform("gpu", "9.0"))

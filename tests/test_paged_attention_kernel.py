@@ -92,7 +92,8 @@ def make_batch(case: Case, seed: int = 0):
         k, ks = kv_quant.quantize_kv(k.reshape(-1, case.K, case.D), sd)
         v, vs = kv_quant.quantize_kv(v.reshape(-1, case.K, case.D), sd)
         k, v = k.reshape(shape), v.reshape(shape)
-        ks, vs = ks.reshape(shape[:-1]), vs.reshape(shape[:-1])
+        if ks is not None:         # an unquantised storage dtype (bfloat16) has no scales
+            ks, vs = ks.reshape(shape[:-1]), vs.reshape(shape[:-1])
     else:
         k, v = k.astype(dt), v.astype(dt)
     return q, k, v, meta, ks, vs

@@ -8,9 +8,10 @@ most of it per-op overhead (benchmarks/RESULTS.md). Every token is attended alik
 chunk, so a prompt gets the same numbers prefilled whole, in chunks or after a prefix-cache hit
 (the engine's greedy outputs with and without speculation or the prefix cache stay identical).
 
-f32 pages, or an int8 KV cache (`--kv-cache-dtype int8`: codes with a scale per token and kv head,
-a quarter of the bytes decode attention reads); fp8 KV caches and the latent cache (no V pages)
-stay on the reference path.
+f32 pages, bf16 ones (`--kv-cache-dtype bfloat16`: half the memory, llama.cpp's default KV size),
+or an int8 KV cache (`--kv-cache-dtype int8`: codes with a scale per token and kv head, a quarter
+of the bytes decode attention reads); fp8 KV caches and the latent cache (no V pages) stay on the
+reference path.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def problem(kv_dtype, latent: bool, platform: str) -> str | None:
         return f"it runs on CPU only (this is {platform})"
     if latent:
         return "it has no latent-cache (multi-head latent attention) layout"
-    if kv_dtype is not None and jnp.dtype(kv_dtype) not in (jnp.float32, jnp.int8):
-        return f"it reads f32 or int8 KV pages (the cache is {jnp.dtype(kv_dtype).name})"
+    if kv_dtype is not None and jnp.dtype(kv_dtype) not in (jnp.float32, jnp.bfloat16, jnp.int8):
+        return f"it reads f32, bf16 or int8 KV pages (the cache is {jnp.dtype(kv_dtype).name})"
     return int4_cpu.load()
 
 
@@ -38,7 +39,7 @@ def paged_attention(qf: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table
                     meta: AttentionMetadata, *, window, soft_cap: float | None,
                     sinks: jax.Array | None, k_scale: jax.Array | None = None,
                     v_scale: jax.Array | None = None) -> jax.Array:
-    """qf [T, K, G, D] f32 (scaled), pages [R, B, K, D] f32 (or int8 with `k_scale`, `v_scale`
+    """qf [T, K, G, D] f32 (scaled), pages [R, B, K, D] f32 or bf16 (or int8 with `k_scale`, `v_scale`
     [R, B, K] f32), tables [S, M] (offset to the layer's rows) -> [T, K, G, D]: every real token
     attended, padding tokens zeros. `window`: a static int, a [1] int32 array (this layer's), or
     None; `sinks` [K, G] f32 or None."""

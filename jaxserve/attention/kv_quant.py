@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 _STORAGE = {
+    "bfloat16": jnp.bfloat16,       # unquantised, half of f32's bytes (vLLM's name; no scales)
     "fp8": jnp.float8_e4m3fn,
     "fp8_e4m3": jnp.float8_e4m3fn,
     "fp8_e5m2": jnp.float8_e5m2,

@@ -205,7 +205,7 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
     pages: tokens of short chunks (decodes) one per row, sorted by context length; longer chunks
     (prefill) in rows of `_TILE` tokens, so a context is gathered once per tile, not per token.
     `cpu_kernel` (attention backend "cpu"): every token goes to the CPU kernel instead
-    (attention/cpu_kernel.py; f32 or int8 pages with K and V, else this path as usual).
+    (attention/cpu_kernel.py; f32, bf16 or int8 pages with K and V, else this path as usual).
 
     `static` (default: on a GPU target, chosen at trace time): the form without a loop whose trip
     count is data-dependent, which XLA:GPU runs by copying the predicate to the host every
@@ -239,7 +239,7 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
     opts = dict(chunk=chunk, sliding_window=sliding_window, soft_cap=soft_cap, page_codes=page_codes,
                 sinks=sinks)
     if (cpu_kernel and page_codes is None and v_pages is not None
-            and (k_pages.dtype == v_pages.dtype == jnp.float32 and k_scale is None
+            and (k_pages.dtype == v_pages.dtype and k_pages.dtype in (jnp.float32, jnp.bfloat16) and k_scale is None
                  or k_pages.dtype == v_pages.dtype == jnp.int8 and k_scale is not None and v_scale is not None)):
         out = cpu_paged_attention(qf, k_pages, v_pages, tables, meta, window=sliding_window, soft_cap=soft_cap,
                                   sinks=sinks, k_scale=k_scale, v_scale=v_scale)

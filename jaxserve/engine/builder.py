@@ -289,6 +289,8 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
     logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); maximum concurrency "
                 "for %d tokens per request: %.2fx", blocks, args.block_size, tokens,
                 blocks * per_block / 2**30, max_model_len, tokens / max_model_len)
+    logger.info("memory: weights %.2f GiB, KV cache %.2f GiB, this process in all %s", weight_bytes / 2**30,
+                blocks * per_block / 2**30, _process_memory())
     if host_tier is not None:
         logger.info("host KV tier: %d blocks (%.2f GiB of host memory)", host_tier.num_slots,
                     host_tier.num_slots * host_tier.block_bytes / 2**30)
@@ -404,14 +406,30 @@ def load_tokenizer(args: EngineArgs, model_path: str, reader, cfg) -> Tokenizer:
     return Tokenizer.from_model(source)
 
 
+def _process_memory() -> str:
+    """This process's resident memory now and at its peak (Linux), in words; the rest of what
+    the weights and the pool do not account for is the runtime and the compiled programs."""
+    import resource
+    try:
+        with open("/proc/self/statm") as f:
+            now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return "(unknown)"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return f"{now / 2**30:.2f} GiB resident (peak {peak / 2**30:.2f} GiB)"
+
+
 def kv_quantization(kv_cache_dtype: str, model_dtype):
-    """(quantize function or None, storage dtype) for --kv-cache-dtype."""
+    """(quantize function or None, storage dtype) for --kv-cache-dtype: None for an unquantised
+    storage dtype ("auto", "bfloat16": pages cast as written, no scales)."""
     if kv_cache_dtype == "auto":
         return None, model_dtype
     from functools import partial
 
     from jaxserve.attention import kv_quant
     storage = kv_quant.kv_storage_dtype(kv_cache_dtype, model_dtype)
+    if not kv_quant.is_quantized(storage):
+        return None, storage
     return partial(kv_quant.quantize_kv, storage_dtype=storage), storage
 
 

@@ -47,7 +47,9 @@ class Int4Weight:
     """A [..., in, out] matrix as 4-bit codes; stacked layers (and experts) lead.
 
     q: int32 [..., in / 8, out], input row 8 * r + j in bits 4j..4j+3 of word r (GPTQ's packing);
-      with bits=8 int8 [..., in, out], the signed codes themselves.
+      with bits=8 int8 [..., in, out], the signed codes themselves, or (the fused CPU kernel's
+      layout for integer dot products, `layers.int4_layout.cpu_layout`) int32 [..., in / 4, out]:
+      unsigned codes, input row 4 * r + j in byte j of word r.
     scale: f32 [..., in / g, out], one per group of g input rows and output column.
     zero: uint8 [..., in / g, out] zero points (0..15), or None: symmetric, zero 8 (0 with bits=8).
     perm: int32 [..., in] act-order input permutation (rows are stored in this order), or None.
@@ -100,8 +102,8 @@ class Int4Weight:
 
     @property
     def pack(self) -> int:
-        """Input rows per element of `q`."""
-        return PACK if self.bits == 4 else 1
+        """Input rows per element of `q`: 8 (int4), 4 (8-bit codes four a word), 1 (int8)."""
+        return PACK if self.bits == 4 else 4 if self.q.dtype == jnp.int32 else 1
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -160,12 +162,12 @@ def with_fused_kernel(weights, max_rows: int = int4_cpu.FUSED_MAX_ROWS, int8_x: 
 
 
 def with_q8_rows(weights, min_rows: int = int4_cpu.FUSED_MAX_ROWS + 1):
-    """`weights` (any pytree) with every int4 `Int4Weight` on the fused kernel with int8
-    activations taking it at every row count, activations of `min_rows` rows or more as one int8
+    """`weights` (any pytree) with every `Int4Weight` on the fused kernel with int8 activations
+    (int4 codes, or 8-bit ones four a word) taking it at every row count, activations of `min_rows` rows or more as one int8
     part a block (`Int4Weight.q8_min_rows`: llama.cpp's arithmetic for a GGUF file's weights, 1.5x
     the two-part kernel and 1.3-2x XLA's bf16 tiles on a 1.7B model's matrices at 64-512 rows)."""
     def q8(w):
-        if isinstance(w, Int4Weight) and w.bits == 4 and w.fused_int8_x and w.fused_max_rows is not None:
+        if isinstance(w, Int4Weight) and _int8_x(w) and w.fused_max_rows is not None:
             return dataclasses.replace(w, fused_max_rows=max(w.fused_max_rows, 1 << 30), q8_min_rows=min_rows)
         return w
     return jax.tree.map(q8, weights, is_leaf=_is_int4)
@@ -238,6 +240,9 @@ def dequantize(q, scale, zero=None, group_size: int = 128, dtype=jnp.float32, of
         shifts = jnp.arange(PACK, dtype=jnp.int32)[:, None] * 4
         codes = (q.astype(jnp.int32)[..., :, None, :] >> shifts) & 0xF            # [..., r, 8, out]
         codes = codes.reshape(*q.shape[:-2], q.shape[-2] * PACK, q.shape[-1])
+    elif q.dtype == jnp.int32:            # 8-bit codes four a word (byte j: row 4 r + j)
+        b = jax.lax.bitcast_convert_type(q, jnp.uint8)                            # [..., r, out, 4]
+        codes = jnp.swapaxes(b, -1, -2).reshape(*q.shape[:-2], q.shape[-2] * 4, q.shape[-1])
     else:
         codes = q
     g = group_size
@@ -395,11 +400,11 @@ def _fused(x: jax.Array, w: Int4Weight) -> bool:
 def _amx(x: jax.Array, w: Int4Weight) -> bool:
     rows = math.prod(x.shape[:-1])
     return (w.amx_min_rows is not None and w.amx_min_rows <= rows and int4_cpu.amx_pays(rows)
-            and int4_cpu.amx_fits(w.shape[-2], w.bits) and _kernel_takes(w))
+            and int4_cpu.amx_fits(w.shape[-2], w.bits) and w.pack != 4 and _kernel_takes(w))
 
 
 def _int8_x(w: Int4Weight) -> bool:
-    return w.fused_int8_x and w.bits == 4
+    return w.fused_int8_x and (w.bits == 4 or w.pack == 4)
 
 
 @jax.custom_vjp

@@ -224,7 +224,8 @@ def fits(q, scale, zero, offset, group_size: int, bits: int, stacked: bool, col_
     with `col_block` [(L,) N / col_block, rows, col_block]; f32 or f16 scales (offsets alike)."""
     n = _columns(scale, col_block)
     return (bits in (4, 8) and q.ndim == 2 + stacked + bool(col_block) and scale.dtype in (jnp.float32, jnp.float16)
-            and q.dtype == (jnp.int32 if bits == 4 else jnp.int8) and n % 16 == 0 and group_size % 8 == 0
+            and (q.dtype == jnp.int32 if bits == 4 else q.dtype in (jnp.int8, jnp.int32))
+            and n % 16 == 0 and group_size % 8 == 0
             and col_block % 64 == 0 and (zero is None or zero.dtype == jnp.uint8)
             and (offset is None or offset.dtype == scale.dtype))
 
@@ -247,9 +248,11 @@ def matmul(x: jax.Array, q, scale, zero, offset, layer, group_size: int, bits: i
             raise ValueError(f"the AMX kernel takes f32 x with K a multiple of 32 where amx() is True "
                              f"(int8_x={int8_x}, K={x.shape[1]}, bits={bits}, amx()={_AMX[0]})")
         target = AMX_TARGET
-    if int8_x and (bits != 4 or (target == TARGET and int8_dot() is None)):
-        raise ValueError("int8_x needs int4 codes and a kernel built with an integer dot product "
-                         f"(bits={bits}, int8_dot()={int8_dot()})")
+    k4 = bits == 8 and q.dtype == jnp.int32          # 8-bit codes four a word (VNNI's products)
+    if int8_x and ((bits != 4 and not k4) or (target == TARGET and int8_dot() is None)
+                   or (k4 and target == TARGET and int8_dot() != "AVX512-VNNI")):
+        raise ValueError("int8_x needs int4 codes (or 8-bit ones four a word, with AVX512-VNNI) and a kernel "
+                         f"built with an integer dot product (bits={bits}, int8_dot()={int8_dot()})")
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, _columns(scale, col_block)), jnp.float32),
                             vmap_method="sequential")
     more = {} if amx else {"int8_x": bool(int8_x), "int8_hi_only": bool(int8_x and int8_hi_only)}

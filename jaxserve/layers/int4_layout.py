@@ -24,7 +24,7 @@ def _exact_f16(a: np.ndarray | None) -> bool:
     return a is None or bool(np.all(a.astype(np.float16).astype(a.dtype) == a))
 
 
-def cpu_layout(w: Int4Weight, col_block: int = COL_BLOCK, donate: bool = False) -> Int4Weight:
+def cpu_layout(w: Int4Weight, col_block: int = COL_BLOCK, donate: bool = False, k4: bool = False) -> Int4Weight:
     """`w` laid out for the fused CPU kernel, the same matrix (every dequantised value unchanged):
 
     - column blocks (`Int4Weight.col_block`): a thread's columns are one run of memory (the
@@ -33,7 +33,10 @@ def cpu_layout(w: Int4Weight, col_block: int = COL_BLOCK, donate: bool = False) 
       (`offset - zero * scale`, what both the kernel and `dequantize` add), zero point 0: GGUF
       Q4_1's offset is then its f16 `m` again;
     - scales and offsets in f16 when every value is one (GGUF's and GPTQ's are): 0.625 bytes a
-      weight for Q4_1, as the file has it, instead of 0.75.
+      weight for Q4_1, as the file has it, instead of 0.75;
+    - with `k4`, 8-bit codes (without a `zero` array) as unsigned bytes four input rows a word,
+      zero point + 128 (`Int4Weight.q`): what AVX512-VNNI's products take, so the kernel sums them
+      as exact integer dot products with int8 activations (`fused_int8_x`), as it does int4 codes.
 
     A weight on several devices, or whose columns are not whole blocks, is returned as it is.
     Done on the host in numpy at load (XLA would compile each step for each shape: 1.75 s).
@@ -53,6 +56,12 @@ def cpu_layout(w: Int4Weight, col_block: int = COL_BLOCK, donate: bool = False) 
         # byte a group, not two more
         if zero is None or (_exact_f16(scale) and _exact_f16(folded)):
             zero, offset, zero_point = None, folded, 0
+    q = host(w.q)
+    if k4 and w.bits == 8 and zero is None and q.dtype == np.int8 and q.shape[-2] % 4 == 0:
+        u = q.view(np.uint8) ^ np.uint8(0x80)                          # code + 128
+        *lead, rows, out = u.shape
+        q = np.ascontiguousarray(np.swapaxes(u.reshape(*lead, rows // 4, 4, out), -1, -2)).view(np.int32)[..., 0]
+        zero_point = (zero_point or 0) + 128
     if scale.dtype == np.float32 and _exact_f16(scale) and _exact_f16(offset):
         scale, offset = scale.astype(np.float16), None if offset is None else offset.astype(np.float16)
 
@@ -62,22 +71,24 @@ def cpu_layout(w: Int4Weight, col_block: int = COL_BLOCK, donate: bool = False) 
         *lead, rows, out = a.shape
         b = np.ascontiguousarray(np.swapaxes(a.reshape(*lead, rows, out // col_block, col_block), -3, -2))
         return jax.device_put(b, like.sharding)
-    out = dataclasses.replace(w, q=blocks(host(w.q), w.q), scale=blocks(scale, w.scale), zero=blocks(zero, w.scale),
+    out = dataclasses.replace(w, q=blocks(q, w.q), scale=blocks(scale, w.scale), zero=blocks(zero, w.scale),
                               offset=blocks(offset, w.scale), zero_point=zero_point, col_block=col_block)
     if donate:
-        del scale, zero, offset
+        del scale, zero, offset, q
         for a in (w.q, w.scale, w.zero, w.offset):
             if isinstance(a, jax.Array):
                 a.delete()
     return out
 
 
-def with_cpu_layout(weights, donate: bool = False):
+def with_cpu_layout(weights, donate: bool = False, k4: bool = False):
     """`weights` (any pytree) with every `Int4Weight` on the fused kernel laid out for it
-    (`cpu_layout`; `donate`: the old arrays deleted one weight at a time); experts (inside an
-    `ExpertWeight`) keep theirs."""
+    (`cpu_layout`; `donate`: the old arrays deleted one weight at a time; `k4`: 8-bit codes of
+    weights with int8 activations four a word); experts (inside an `ExpertWeight`) keep theirs."""
     def relay(w):
-        return cpu_layout(w, donate=donate) if isinstance(w, Int4Weight) and w.fused_max_rows is not None else w
+        if isinstance(w, Int4Weight) and w.fused_max_rows is not None:
+            return cpu_layout(w, donate=donate, k4=k4 and w.fused_int8_x and w.amx_min_rows is None)
+        return w
     return jax.tree.map(relay, weights, is_leaf=lambda x: isinstance(x, (Int4Weight, ExpertWeight)))
 
 

@@ -126,8 +126,9 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
             if amx:
                 logger.info("quantized matmuls of %d to %d rows use the AMX kernel (the bf16 tiles' arithmetic)",
                             amx, int4_cpu.AMX_MAX_ROWS)
+            # 8-bit codes four a word where VNNI multiplies them (AVX2's pair sums would saturate)
             weights = with_cpu_layout(with_fused_kernel(weights, int8_x=dot is not None, amx_min_rows=amx),
-                                      donate=donate)
+                                      donate=donate, k4=dot == "AVX512-VNNI")
             if gguf and dot is not None and not amx:
                 logger.info("GGUF int4 matmuls of more than %d rows: the fused CPU kernel with int8 activations "
                             "(one part a block, as llama.cpp's)", int4_cpu.FUSED_MAX_ROWS)

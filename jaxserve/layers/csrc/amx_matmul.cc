@@ -268,6 +268,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
       err.failure())
     return err;
   if (w.K % KC) return ffi::Error::InvalidArgument("amx_matmul: K must be a multiple of 32");
+  if (bits == 8 && q.element_type() == ffi::S32)
+    return ffi::Error::InvalidArgument("amx_matmul: 8-bit codes four a word are the int8 kernel's layout");
   const int64_t M = w.M, K = w.K, N = w.N;
   const int64_t Mp = M <= 16 ? M : (M + 15) / 16 * 16;
   // 64-byte aligned: a tile row that straddles two cache lines makes every tile load of x split

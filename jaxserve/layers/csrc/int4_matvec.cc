@@ -74,6 +74,7 @@ struct Problem {
                          // the high part's then the low part's
   const float* xd;       // [M, K / qb]: each block's scale
   int64_t qb;            // inputs per block (32, 16 or 8: a divisor of g)
+  bool k4;               // bits 8: unsigned codes packed four input rows a uint32 word ([K / 4, N])
   bool hi_only;          // x is its high int8 part alone (llama.cpp's Q8 rounding of activations)
 };
 
@@ -156,7 +157,8 @@ template <int V>
 inline void prefetch_next_group(const Problem& p, int64_t gi, int64_t n0) {
   const int64_t G = p.K / p.g, ahead = p.cb < p.N ? 2 : 1, next = gi + ahead;
   if (next >= G) return;
-  const int64_t pack = p.bits == 4 ? 8 : 1, R = p.K / pack, code = p.bits == 4 ? 4 : 1, s = p.half ? 2 : 4;
+  const int64_t pack = p.bits == 4 ? 8 : p.k4 ? 4 : 1, R = p.K / pack, code = p.bits == 4 || p.k4 ? 4 : 1,
+                s = p.half ? 2 : 4;
   const char* q = static_cast<const char*>(p.q);
   const int64_t r0 = next * p.g / pack, q0 = at(p, R, r0, n0);
   for (int64_t r = 0; r < p.g / pack; ++r)
@@ -213,6 +215,19 @@ inline void group(const Problem& p, int64_t gi, int64_t n0) {
         }
       }
     }
+  } else if (p.k4) {
+    // unsigned codes, four input rows a word (byte j: row 4 r + j)
+    const uint32_t* q = static_cast<const uint32_t*>(p.q) + at(p, K / 4, gi * g / 4, n0);
+    for (int64_t r = gi * g / 4; r < (gi + 1) * g / 4; ++r) {
+      const uint32_t* qr = q + (r - gi * g / 4) * p.cb;
+      for (int v = 0; v < V; ++v) {
+        const vu w = load<vu>(qr + v * L);
+        for (int j = 0; j < 4; ++j) {
+          const vf code = __builtin_convertvector((vi)((w >> (8 * j)) & 0xFFu), vf);
+          for (int m = 0; m < M; ++m) a[m][v] += p.xq[m * K + 4 * r + j] * code;
+        }
+      }
+    }
   } else {
     const int8_t* q = static_cast<const int8_t*>(p.q) + at(p, K, gi * g, n0);
     for (int64_t k = gi * g; k < (gi + 1) * g; ++k) {
@@ -233,15 +248,17 @@ using jaxserve::codes;
 using jaxserve::Codes;
 using jaxserve::dot;
 using jaxserve::to_float;
+using jaxserve::Word;
+using jaxserve::word;
+using jaxserve::dot4;
 
 // group() for int4 codes and int8 x: per block of qb inputs two integer dot products (x's high
 // and low int8 parts), scaled by the block's x scales into M x V f32 sums; then the same epilogue.
 template <int M, int V, bool LO>
-inline void group_int8(const Problem& p, int64_t gi, int64_t n0) {
+inline void sums_int8(const Problem& p, int64_t gi, int64_t n0, vf (&a)[M][V]) {
   const int64_t K = p.K, g = p.g, R = K / 8, B = K / p.qb;
   const int64_t r0 = gi * g / 8;                     // the group's first word row
   const int32_t* q = static_cast<const int32_t*>(p.q) + at(p, R, r0, n0);
-  vf a[M][V] = {};
   prefetch_next_group<V>(p, gi, n0);
   for (int64_t b = gi * g / p.qb; b < (gi + 1) * g / p.qb; ++b) {
     // one vector of columns at a time through the block's word rows: 2 M integer accumulators
@@ -249,12 +266,24 @@ inline void group_int8(const Problem& p, int64_t gi, int64_t n0) {
     for (int v = 0; v < V; ++v) {
       Acc hi[M], lo[M];
       for (int m = 0; m < M; ++m) hi[m] = lo[m] = acc_zero();
-      for (int64_t r = b * p.qb / 8; r < (b + 1) * p.qb / 8; ++r) {
-        const Codes c = codes(q + (r - r0) * p.cb + v * L);
-        for (int m = 0; m < M; ++m) {
-          const int32_t* x = p.xi + 4 * (m * R + r);
-          hi[m] = dot(hi[m], c, x[0], x[1]);
-          if constexpr (LO) lo[m] = dot(lo[m], c, x[2], x[3]);
+      if (p.k4) {        // a word row of four unsigned 8-bit codes: one product a row of x
+        const int32_t* q4 = static_cast<const int32_t*>(p.q) + at(p, K / 4, gi * g / 4, n0);
+        for (int64_t r = b * p.qb / 4; r < (b + 1) * p.qb / 4; ++r) {
+          const Word c = word(q4 + (r - gi * g / 4) * p.cb + v * L);
+          for (int m = 0; m < M; ++m) {
+            const int32_t* x = p.xi + 4 * (m * R + r / 2) + (r & 1);
+            hi[m] = dot4(hi[m], c, x[0]);
+            if constexpr (LO) lo[m] = dot4(lo[m], c, x[2]);
+          }
+        }
+      } else {
+        for (int64_t r = b * p.qb / 8; r < (b + 1) * p.qb / 8; ++r) {
+          const Codes c = codes(q + (r - r0) * p.cb + v * L);
+          for (int m = 0; m < M; ++m) {
+            const int32_t* x = p.xi + 4 * (m * R + r);
+            hi[m] = dot(hi[m], c, x[0], x[1]);
+            if constexpr (LO) lo[m] = dot(lo[m], c, x[2], x[3]);
+          }
         }
       }
       for (int m = 0; m < M; ++m) {
@@ -263,7 +292,37 @@ inline void group_int8(const Problem& p, int64_t gi, int64_t n0) {
       }
     }
   }
+}
+
+template <int M, int V, bool LO>
+inline void group_int8(const Problem& p, int64_t gi, int64_t n0) {
+  vf a[M][V] = {};
+  sums_int8<M, V, LO>(p, gi, n0, a);
   epilogue<M, V>(p, gi, n0, a);
+}
+
+// Columns [n0, n0 + V L) of y over every group with x's high int8 parts alone, y's sums kept in
+// registers from the first group to the last (column blocks: the columns' rows of every group
+// lie in one block). Not a load and store of y per row and group, as `group_int8` + `epilogue`
+// make: at 64 rows that was a third of the kernel's time on 16-row groups.
+template <int M, int V>
+inline void chunk_int8(const Problem& p, int64_t n0) {
+  const int64_t G = p.K / p.g;
+  vf y[M][V] = {};
+  for (int64_t gi = 0; gi < G; ++gi) {
+    vf a[M][V] = {};
+    sums_int8<M, V, false>(p, gi, n0, a);
+    const int64_t i0 = at(p, G, gi, n0);
+    for (int v = 0; v < V; ++v) {
+      const vf s = load_scales(p, p.scale, i0 + v * L);
+      vf zp = vf{} + p.sym;
+      if (p.zero) zp = bytes_to_float(p.zero + i0 + v * L);
+      const vf b = (p.offset ? load_scales(p, p.offset, i0 + v * L) : vf{}) - zp * s;
+      for (int m = 0; m < M; ++m) y[m][v] += s * a[m][v] + b * p.xsum[m * G + gi];
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < V; ++v) std::memcpy(p.y + m * p.N + n0 + v * L, &y[m][v], sizeof(vf));
 }
 #endif
 
@@ -310,6 +369,15 @@ void run_range(const Problem& p, int64_t c0, int64_t c1) {
   }
   for (int64_t b0 = c0; b0 < c1; b0 = (b0 / p.cb + 1) * p.cb) {
     const int64_t b1 = std::min(c1, (b0 / p.cb + 1) * p.cb);
+#if JAXSERVE_INT8_DOT
+    if (p.xi && p.hi_only) {       // y's sums in registers across the groups
+      constexpr int V = vectors<M>();
+      int64_t c = b0;
+      for (; c + V * L <= b1; c += V * L) chunk_int8<M, V>(p, c);
+      for (; c < b1; c += L) chunk_int8<M, 1>(p, c);
+      continue;
+    }
+#endif
     for (int64_t gi = 0; gi < G; ++gi) columns<M>(p, gi, b0, b1);
   }
 }
@@ -328,14 +396,15 @@ void run(const Problem& p, int64_t b0, int64_t b1) {
   }
 }
 
-// x's M rows (K inputs each) as the int8_x kernel takes them: per block of qb inputs the high
+// x's M rows (K inputs each) as the int8_x kernel takes them (`k4`: each word row's eight inputs in
+// order, for 8-bit codes four a word; else even inputs then odd ones, for the nibbles): per block of qb inputs the high
 // part's scale d = max|x| / 127 and codes round(x / d), the low part's scale d / 254 and codes the
 // rounded rest (x = d hi + d / 254 lo to 1.6e-5 max|x|); the group sums are of that x, so the
 // result is that x times the weight (up to f32 sums). Eight inputs (one word row r) at a time,
 // each code stored straight into its byte of r's four words (on the calling thread before the
 // split, so it is kept vectorised).
 void prepare_int8(const float* xd0, int64_t M, int64_t K, int64_t qb, int64_t G, int64_t group_size,
-                  bool hi_only, float* xdq, int32_t* xi, float* xsum) {
+                  bool hi_only, bool k4, float* xdq, int32_t* xi, float* xsum) {
   const int64_t B = K / qb, R = K / 8;
   int8_t* bytes = reinterpret_cast<int8_t*>(xi);
   for (int64_t m = 0; m < M; ++m) {
@@ -358,9 +427,10 @@ void prepare_int8(const float* xd0, int64_t M, int64_t K, int64_t qb, int64_t G,
         sum_hi += hi;
         sum_lo += lo;
         int8_t* word = bytes + 16 * (m * R + k / 8);   // high part's even inputs, odd ones, low part's
-        for (int j = 0; j < 8; ++j) {
-          word[4 * (j & 1) + j / 2] = static_cast<int8_t>(hi[j]);
-          word[8 + 4 * (j & 1) + j / 2] = static_cast<int8_t>(lo[j]);
+        for (int j = 0; j < 8; ++j) {    // k4: inputs in order (high part's words, then low part's)
+          const int at = k4 ? j : 4 * (j & 1) + j / 2;
+          word[at] = static_cast<int8_t>(hi[j]);
+          word[8 + at] = static_cast<int8_t>(lo[j]);
         }
       }
       int32_t sh = 0, sl = 0;
@@ -395,8 +465,10 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                                           col_block, w);
       err.failure())
     return err;
-  if (int8_x && (bits != 4 || !JAXSERVE_INT8_DOT))
-    return ffi::Error::InvalidArgument("int4_matvec: int8_x needs int4 codes and a build with an int8 dot product");
+  const bool k4 = bits == 8 && q.element_type() == ffi::S32;
+  if (int8_x && ((bits != 4 && !k4) || !JAXSERVE_INT8_DOT || (k4 && JAXSERVE_INT8_DOT != 1)))
+    return ffi::Error::InvalidArgument("int4_matvec: int8_x needs int4 codes, or 8-bit ones four a word with "
+                                       "AVX512-VNNI, and a build with an int8 dot product");
   const int64_t M = w.M, K = w.K, N = w.N, G = w.G;
   const int64_t qb = group_size % 32 == 0 ? 32 : group_size % 16 == 0 ? 16 : 8;
   const int64_t MC = std::min(M, MAX_ROWS);
@@ -415,12 +487,12 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
     const int64_t Mc = std::min(MAX_ROWS, M - m0);
     const float* xd0 = x.typed_data() + m0 * K;
     if (int8_x)
-      prepare_int8(xd0, Mc, K, qb, G, group_size, int8_hi_only, xdq.get(), xi.get(), xsum.get());
+      prepare_int8(xd0, Mc, K, qb, G, group_size, int8_hi_only, k4, xdq.get(), xi.get(), xsum.get());
     else
       prepare_f32(xd0, Mc, K, G, group_size, bits, xq.get(), xsum.get());
     const Problem p{w.q, w.scale, w.zero, w.offset, y->typed_data() + m0 * N, Mc, K, N, group_size, bits,
                     static_cast<float>(zero_point), w.cb, w.half, xsum.get(), xq.get(), xi.get(), xdq.get(), qb,
-                    int8_hi_only};
+                    k4, int8_hi_only};
     // blocks of NB columns, each thread one contiguous range of them (a claim per thread)
     jaxserve::run_claims(pool, (N + NB - 1) / NB, K * N >= (1 << 15), 1,
                          [&p](int64_t b0, int64_t b1) { run(p, b0, b1); });

@@ -32,6 +32,10 @@ inline Acc dot(Acc a, const Codes& c, int32_t xlo, int32_t xhi) {
   return {_mm512_dpbusd_epi32(a.a, c.hi, _mm512_set1_epi32(xhi))};
 }
 inline vf to_float(Acc a) { return (vf)_mm512_cvtepi32_ps(a.a); }
+// 8-bit codes four a word (unsigned bytes 0..255, four input rows): one product with x's four codes
+struct Word { __m512i w; };
+inline Word word(const int32_t* q) { return {_mm512_loadu_si512(q)}; }
+inline Acc dot4(Acc a, const Word& c, int32_t x) { return {_mm512_dpbusd_epi32(a.a, c.w, _mm512_set1_epi32(x))}; }
 #elif defined(__AVX2__)
 #define JAXSERVE_INT8_DOT 2
 constexpr int H = L / 8;   // AVX registers per vector: 1, or 2 with AVX-512F but no VNNI (Skylake-X)
@@ -59,6 +63,20 @@ inline Acc dot(Acc a, const Codes& c, int32_t xlo, int32_t xhi) {
     const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(c.lo[h], xl), _mm256_maddubs_epi16(c.hi[h], xh));
     a.a[h] = _mm256_add_epi32(a.a[h], _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
   }
+  return a;
+}
+// 8-bit codes four a word: the kernel refuses them on this path (vpmaddubsw's int16 pair sums
+// saturate at 255 * 127 * 2); defined so that the one source compiles everywhere
+struct Word { __m256i w[H]; };
+inline Word word(const int32_t* q) {
+  Word c;
+  for (int h = 0; h < H; ++h) c.w[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 8 * h));
+  return c;
+}
+inline Acc dot4(Acc a, const Word& c, int32_t x) {
+  for (int h = 0; h < H; ++h)
+    a.a[h] = _mm256_add_epi32(a.a[h], _mm256_madd_epi16(_mm256_maddubs_epi16(c.w[h], _mm256_set1_epi32(x)),
+                                                        _mm256_set1_epi16(1)));
   return a;
 }
 inline vf to_float(Acc a) {

@@ -89,8 +89,38 @@ inline vf load(const float* p) {
   return v;
 }
 
-// L values of a K or V row as f32: f32 pages, or int8 codes (their row's scale applied after)
+// A bf16 page element: the high half of an f32.
+struct bf16 {
+  uint16_t bits;
+  bf16() = default;
+  explicit bf16(int v) : bits(0) { (void)v; }     // E(0): only zeros are made (a padding row)
+  explicit operator float() const {
+    const uint32_t b = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  }
+};
+
+// L values of a K or V row as f32: f32 pages, bf16 ones (widened exactly), or int8 codes (their
+// row's scale applied after)
 inline vf load_row(const float* p) { return load(p); }
+inline vf load_row(const bf16* p) {
+#if defined(__AVX512F__) && JAXSERVE_LANES == 16
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+#elif defined(__AVX2__) && JAXSERVE_LANES == 8
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+#else
+  vf v;
+  for (int i = 0; i < L; ++i) {
+    const uint32_t b = static_cast<uint32_t>(p[i].bits) << 16;
+    std::memcpy(&v[i], &b, 4);
+  }
+  return v;
+#endif
+}
 inline vf load_row(const int8_t* p) {
 #if defined(__AVX512F__) && JAXSERVE_LANES == 16
   return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -267,11 +297,11 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
   if (kd[2] != a.K || kd[3] != a.D || kv_lens.element_count() != S || cu_q_lens.element_count() != S + 1 ||
       (sinks.element_count() && sinks.element_count() != a.K * a.G))
     return ffi::Error::InvalidArgument("paged_attention: mismatched shapes");
-  const bool int8 = k.element_type() == ffi::S8;
-  if (k.element_type() != v.element_type() || (!int8 && k.element_type() != ffi::F32) ||
+  const bool int8 = k.element_type() == ffi::S8, half = k.element_type() == ffi::BF16;
+  if (k.element_type() != v.element_type() || (!int8 && !half && k.element_type() != ffi::F32) ||
       (int8 ? (k_scale.element_count() != a.R * a.B * a.K || v_scale.element_count() != a.R * a.B * a.K)
             : (k_scale.element_count() || v_scale.element_count())))
-    return ffi::Error::InvalidArgument("paged_attention: pages f32, or int8 with [R, B, K] scales each");
+    return ffi::Error::InvalidArgument("paged_attention: pages f32 or bf16, or int8 with [R, B, K] scales each");
   a.q = q.typed_data(), a.k = k.untyped_data(), a.v = v.untyped_data(), a.tables = tables.typed_data();
   a.k_scale = int8 ? k_scale.typed_data() : nullptr, a.v_scale = int8 ? v_scale.typed_data() : nullptr;
   a.sinks = sinks.element_count() ? sinks.typed_data() : nullptr;
@@ -303,11 +333,13 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
     }
   }
   // (token, kv head) units, four claims per thread
-  jaxserve::run_claims(pool, a.T * a.K, total * a.K * a.G * a.D >= (1 << 16), 4, [&a, int8](int64_t u0, int64_t u1) {
+  jaxserve::run_claims(pool, a.T * a.K, total * a.K * a.G * a.D >= (1 << 16), 4, [&a, int8, half](int64_t u0, int64_t u1) {
     std::vector<float> s;
     for (int64_t u = u0; u < u1; ++u) {
       if (int8)
         attend<int8_t>(a, u / a.K, u % a.K, s);
+      else if (half)
+        attend<bf16>(a, u / a.K, u % a.K, s);
       else
         attend<float>(a, u / a.K, u % a.K, s);
     }

@@ -14,7 +14,8 @@ namespace jaxserve {
 
 struct QuantWeight {
   int64_t M, K, N, G;     // x [M, K], y [M, N]; G groups of `group_size` inputs
-  const void* q;          // the layer's codes: int32 [K / 8, N] (bits 4) or int8 [K, N]; blocked: [N / cb, rows, cb]
+  const void* q;          // the layer's codes: int32 [K / 8, N] (bits 4), int8 [K, N] or uint8 four a word
+                          // (int32 [K / 4, N]; bits 8); blocked: [N / cb, rows, cb]
   const void* scale;      // the layer's scales [G, N] (same layout): f32, or f16 where `half`
   const uint8_t* zero;    // the layer's zero points [G, N], or null
   const void* offset;     // the layer's offsets [G, N] (scale's type), or null
@@ -38,12 +39,13 @@ inline xla::ffi::Error check_weight(const char* kernel, xla::ffi::Buffer<xla::ff
   const int64_t M = xd[0], K = xd[1], G = sd[rank - 2];
   const int64_t N = blocked ? sd[rank - 3] * col_block : sd[rank - 1];
   const int64_t L = rank == 3 + blocked ? sd[0] : 1;
-  const int64_t pack = bits == 4 ? 8 : 1;
+  const bool k4 = bits == 8 && q.element_type() == ffi::S32;     // 8-bit codes four a word
+  const int64_t pack = bits == 4 ? 8 : k4 ? 4 : 1;
   const auto st = scale.element_type();
   if (M < 1 || K != G * group_size || N % 16 || group_size % 8 || (bits != 4 && bits != 8) ||
       qd[rank - 2] * pack != K || qd[rank - 1] != sd[rank - 1] ||
       (blocked && (col_block % 64 || sd[rank - 1] != col_block || qd[rank - 3] != sd[rank - 3])) ||
-      (bits == 4 && q.element_type() != ffi::S32) || (bits == 8 && q.element_type() != ffi::S8) ||
+      (bits == 4 && q.element_type() != ffi::S32) || (bits == 8 && !k4 && q.element_type() != ffi::S8) ||
       (st != ffi::F32 && st != ffi::F16) || (offset.element_count() && offset.element_type() != st))
     return ffi::Error::InvalidArgument(std::string(kernel) + ": unsupported shape, code or scale type");
   const int64_t l = rank == 3 + blocked ? layer.typed_data()[0] : 0;
@@ -51,7 +53,7 @@ inline xla::ffi::Error check_weight(const char* kernel, xla::ffi::Buffer<xla::ff
   const size_t ss = st == ffi::F16 ? 2 : 4;
   const int64_t codes = K / pack * N, groups = G * N;    // q and scale (zero, offset) elements a layer
   w = QuantWeight{M, K, N, G,
-                  static_cast<const char*>(q.untyped_data()) + l * codes * (bits == 4 ? 4 : 1),
+                  static_cast<const char*>(q.untyped_data()) + l * codes * (bits == 4 || k4 ? 4 : 1),
                   static_cast<const char*>(scale.untyped_data()) + l * groups * ss,
                   zero.element_count() ? zero.typed_data() + l * groups : nullptr,
                   offset.element_count() ? static_cast<const char*>(offset.untyped_data()) + l * groups * ss : nullptr,

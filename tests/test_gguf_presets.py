@@ -1,0 +1,70 @@
+"""A tiny model quantized by llama.cpp's own quantizer to each of its presets (the files in
+tests/data/gguf_presets, made by make.py there): kept quantized, it computes what the same file
+read into f32 (`--quantization none`) computes, to f32 rounding, through the engine's matmul paths,
+and every quantized tensor stays quantized (a preset's mixed stacks as `LayerMixWeight`s)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve.layers.int4 import Int4Weight, with_fused_kernel, with_q8_rows
+from jaxserve.layers.int4_layout import with_cpu_layout
+from jaxserve.layers.layer_mix import LayerMixWeight
+from jaxserve.layers.linear import DenseWeight
+from jaxserve.loader.loader import load_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers_paged import PagedRunner  # noqa: E402
+
+gguf = pytest.importorskip("gguf")
+FILES = sorted((Path(__file__).parent / "data" / "gguf_presets").glob("tiny-*.gguf"))
+LAYER = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def _logits(cfg, weights, ids):
+    return PagedRunner(cfg, weights, block_size=4, num_blocks=32, max_blocks_per_seq=16).prefill_logits(ids)
+
+
+def test_every_preset_file_is_here():
+    assert {f.stem.removeprefix("tiny-") for f in FILES} == {"Q2_K", "Q3_K_M", "Q4_0", "Q4_K_M", "Q5_K_M", "IQ4_XS"}
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda f: f.stem.removeprefix("tiny-"))
+def test_preset_kept_quantized_computes_the_dequantized_model(path):
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    cfg, dense = load_model(path, "float32", quantization="none")
+    _, kept = load_model(path, "float32", quantization="gguf")
+    for name in LAYER:     # every matrix of the file stays quantized, mixed stacks too
+        w = getattr(kept.layers, name)
+        assert isinstance(w, (Int4Weight, LayerMixWeight)), (name, type(w))
+        assert isinstance(getattr(dense.layers, name), DenseWeight)
+    assert isinstance(kept.embed, Int4Weight)
+    per_weight = sum(a.nbytes for a in jax.tree.leaves(kept)) / sum(a.nbytes for a in jax.tree.leaves(dense))
+    assert per_weight < 0.36, per_weight         # at most ~1.25 bytes a weight (plus f32 norms) of f32's 4
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=21).tolist()
+    want = _logits(cfg, dense, ids)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(_logits(cfg, kept, ids), want, rtol=0, atol=2e-5 * scale)
+    from jaxserve.layers import int4_cpu
+    if int4_cpu.load() is not None:
+        return
+    # the fused CPU kernel, f32 activations: the same numbers to f32 rounding
+    fused = with_cpu_layout(with_fused_kernel(kept, max_rows=1 << 30))
+    np.testing.assert_allclose(_logits(cfg, fused, ids), want, rtol=0, atol=2e-5 * scale)
+    if int4_cpu.int8_dot() is None:
+        return
+    # --dtype auto on a GGUF file: int8 activations (two parts a block to 16 rows, one from 17:
+    # llama.cpp's Q8): the logits within the activations' rounding, greedy picks the same where
+    # the top two are not near a tie
+    q8 = with_q8_rows(with_cpu_layout(with_fused_kernel(kept, int8_x=True)))
+    got = _logits(cfg, q8, ids)
+    err = np.abs(got - want)
+    assert err.max() <= 0.05 * scale and err.mean() <= 0.005 * scale, (err.max(), err.mean(), scale, sorted(types))
+    top2 = np.sort(want, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 0.05 * scale
+    assert (got.argmax(-1) == want.argmax(-1))[clear].all()
