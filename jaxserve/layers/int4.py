@@ -163,9 +163,10 @@ def with_fused_kernel(weights, max_rows: int = int4_cpu.FUSED_MAX_ROWS, int8_x: 
 
 def with_q8_rows(weights, min_rows: int = int4_cpu.FUSED_MAX_ROWS + 1):
     """`weights` (any pytree) with every `Int4Weight` on the fused kernel with int8 activations
-    (int4 codes, or 8-bit ones four a word) taking it at every row count, activations of `min_rows` rows or more as one int8
-    part a block (`Int4Weight.q8_min_rows`: llama.cpp's arithmetic for a GGUF file's weights, 1.5x
-    the two-part kernel and 1.3-2x XLA's bf16 tiles on a 1.7B model's matrices at 64-512 rows)."""
+    (int4 codes, or 8-bit ones four a word) taking it at every row count, activations of
+    `min_rows` rows or more as one int8 part a block (`Int4Weight.q8_min_rows`: llama.cpp's
+    arithmetic for a GGUF file's weights, 1.5x the two-part kernel and 1.3-2x XLA's bf16 tiles
+    on a 1.7B model's int4 matrices at 64-512 rows)."""
     def q8(w):
         if isinstance(w, Int4Weight) and _int8_x(w) and w.fused_max_rows is not None:
             return dataclasses.replace(w, fused_max_rows=max(w.fused_max_rows, 1 << 30), q8_min_rows=min_rows)
