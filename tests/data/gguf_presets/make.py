@@ -1,10 +1,11 @@
 """Regenerate the small GGUF files beside this script: one tiny random-weight Llama (hidden 256,
 3 layers, ffn 256, 128-token vocabulary, no tokenizer; 256 inputs: the K-quants' super-block)
-quantized by llama.cpp's own quantizer to each preset in PRESETS, as a user's downloaded file would be (a preset mixes types: Q4_K_M keeps
-some layers' attn_v and ffn_down in Q6_K, Q2_K some in Q3_K/Q4_K, ...; three layers, so that
-llama.cpp's "more bits" layers are some and not all of them). The other types (Q5_0, Q5_1, Q6_K,
-Q8_0, IQ4_NL, MXFP4) are checked block by block in tests/test_gguf_quant.py; ~3.5 MB in all. Read by
-tests/test_gguf_presets.py; the quantizer is a tool here, never a dependency.
+quantized by llama.cpp's own quantizer to each preset in PRESETS, as a user's downloaded file
+would be. A preset mixes types (Q4_K_M keeps some layers' attn_v and ffn_down in Q6_K, Q2_K some
+in Q3_K/Q4_K, ...); three layers, so that llama.cpp's "more bits" layers are some and not all of
+them. The other types (Q5_0, Q5_1, Q6_K, Q8_0, IQ4_NL, MXFP4) are checked block by block in
+tests/test_gguf_quant.py; ~3.6 MB in all. Read by tests/test_gguf_presets.py; the quantizer is a
+tool here, never a dependency.
 
     PEER_PYTHON=/tmp/peer/venv/bin/python python tests/data/gguf_presets/make.py
 
