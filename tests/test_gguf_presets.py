@@ -58,9 +58,9 @@ def test_preset_kept_quantized_computes_the_dequantized_model(path):
     np.testing.assert_allclose(_logits(cfg, fused, ids), want, rtol=0, atol=2e-5 * scale)
     if int4_cpu.int8_dot() is None:
         return
-    # --dtype auto on a GGUF file: int8 activations (two parts a block to 16 rows, one from 17:
-    # llama.cpp's Q8): the logits within the activations' rounding, greedy picks the same where
-    # the top two are not near a tie
+    # --q8-activations: int8 activations (two parts a block to 16 rows, one from 17: llama.cpp's
+    # Q8): the logits within the activations' rounding, greedy picks the same where the top two
+    # are not near a tie
     q8 = with_q8_rows(with_cpu_layout(with_fused_kernel(kept, int8_x=True)))
     got = _logits(cfg, q8, ids)
     err = np.abs(got - want)

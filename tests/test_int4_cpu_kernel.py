@@ -261,8 +261,7 @@ def test_the_default_model_on_the_kernel_generates_what_the_float32_tiles_do(llm
     x where the build has an integer dot product) and its decode attention through the CPU
     attention kernel; the shared engine (float32) through
     the f32 tiles. The same greedy tokens; the logprobs differ at bf16's level because "auto"
-    also prefills the prompt (a 16-row step) with int8 activations (a GGUF file's: one int8 part
-    a block from 17 rows, as llama.cpp's) or through bf16 tiles."""
+    also prefills the prompt (a 16-row step) through bf16 tiles."""
     from conftest import SHARED_LLM_KWARGS
 
     from jaxserve import LLM, SamplingParams
@@ -271,9 +270,7 @@ def test_the_default_model_on_the_kernel_generates_what_the_float32_tiles_do(llm
         weights = fast.llm_engine.runner.weights
         fused = [w for w in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, Int4Weight))
                  if isinstance(w, Int4Weight)]
-        assert fused and all(w.fused_max_rows >= int4_cpu.FUSED_MAX_ROWS for w in fused)
-        if int4_cpu.int8_dot() is not None:     # a GGUF file: every row count on the kernel, Q8 x from 17 rows
-            assert all(w.q8_min_rows == int4_cpu.FUSED_MAX_ROWS + 1 for w in fused)
+        assert fused and all(w.fused_max_rows == int4_cpu.FUSED_MAX_ROWS and w.q8_min_rows is None for w in fused)
         assert all(w.fused_int8_x == (int4_cpu.int8_dot() is not None) for w in fused)
         assert fast.llm_engine.runner.backend == "cpu" and llm.llm_engine.runner.backend == "reference"
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)

@@ -39,7 +39,8 @@ def paged_attention(qf: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table
                     meta: AttentionMetadata, *, window, soft_cap: float | None,
                     sinks: jax.Array | None, k_scale: jax.Array | None = None,
                     v_scale: jax.Array | None = None) -> jax.Array:
-    """qf [T, K, G, D] f32 (scaled), pages [R, B, K, D] f32 or bf16 (or int8 with `k_scale`, `v_scale`
+    """qf [T, K, G, D] f32 (scaled), pages [R, B, K, D] f32 or bf16 (or uint16 holding bf16 bits: a
+    CPU pool's `codes` form; or int8 with `k_scale`, `v_scale`
     [R, B, K] f32), tables [S, M] (offset to the layer's rows) -> [T, K, G, D]: every real token
     attended, padding tokens zeros. `window`: a static int, a [1] int32 array (this layer's), or
     None; `sinks` [K, G] f32 or None."""

@@ -31,9 +31,10 @@ class KVCache:
     v: jax.Array | None             # [L, N, B, K, D]; None: the latent layout (k is read as values too)
     k_scale: jax.Array | None = None  # [L, N, B, K] f32, only for fp8/int8 caches
     v_scale: jax.Array | None = None  # [L, N, B, K] f32
-    # An fp8 dtype name when k/v are uint8 arrays holding that dtype's bit patterns (CPU pools:
-    # XLA:CPU has no fp8 scatter and converts the whole pool to f16 and back on every write,
-    # so such a pool is written and read as bytes and only the gathered pages are bitcast).
+    # An fp8 (or bfloat16) dtype name when k/v are uint8 (uint16) arrays holding that dtype's bit
+    # patterns (CPU pools: XLA:CPU has no fp8 or bf16 scatter and converts the whole pool to a wider
+    # float and back on every write, so such a pool is written and read as integers and only the
+    # gathered pages are bitcast).
     codes: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
@@ -73,22 +74,29 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 def allocate(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
              head_dim: int, dtype, quantized: bool = False, fp8_as_bytes: bool = False,
              latent: bool = False) -> KVCache:
-    """The zeroed pool. `fp8_as_bytes`: an fp8 `dtype` is held as uint8 bit patterns (see
-    `KVCache.codes`; zero bytes are fp8 zeros). `latent`: no V pages (the latent layout)."""
+    """The zeroed pool. `fp8_as_bytes` (CPU pools): an fp8 or bfloat16 `dtype` is held as uint8 /
+    uint16 bit patterns (see `KVCache.codes`; zero bits are zeros). `latent`: no V pages (the
+    latent layout)."""
     shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
     scales = (jnp.ones(shape[:-1], jnp.float32), None if latent else jnp.ones(shape[:-1], jnp.float32)) \
         if quantized else (None, None)
     codes = None
-    if fp8_as_bytes and jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1:
-        codes, dtype = jnp.dtype(dtype).name, jnp.uint8
+    if fp8_as_bytes and jnp.issubdtype(dtype, jnp.floating) and (jnp.dtype(dtype).itemsize == 1
+                                                                 or jnp.dtype(dtype) == jnp.bfloat16):
+        codes, dtype = jnp.dtype(dtype).name, _bits_of(dtype)
     return KVCache(jnp.zeros(shape, dtype), None if latent else jnp.zeros(shape, dtype), *scales, codes=codes)
 
 
+def _bits_of(dtype) -> jnp.dtype:
+    """The unsigned integer type of `dtype`'s width (a `codes` pool's element type)."""
+    return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
+
+
 def as_stored(x: jax.Array, codes: str | None) -> jax.Array:
-    """New K/V in the pool's element type (fp8 bit patterns for a `codes` pool)."""
+    """New K/V in the pool's element type (the bit patterns for a `codes` pool)."""
     if codes is None:
         return x
-    return jax.lax.bitcast_convert_type(x.astype(codes), jnp.uint8)
+    return jax.lax.bitcast_convert_type(x.astype(codes), _bits_of(codes))
 
 
 def as_values(pages: jax.Array, codes: str | None) -> jax.Array:
@@ -130,9 +138,10 @@ def write(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array | None,
 
     if cache.latent != (v is None):
         raise ValueError("a latent KV cache takes k only (v None); a K/V cache takes both")
-    if quantize is None:
-        return KVCache(put(cache.k, k), None if v is None else put(cache.v, v), cache.k_scale, cache.v_scale,
-                       cache.codes)
+    if quantize is None:      # unquantised (a bfloat16 `codes` pool: its bit patterns)
+        return KVCache(put(cache.k, as_stored(k, cache.codes)),
+                       None if v is None else put(cache.v, as_stored(v, cache.codes)), cache.k_scale,
+                       cache.v_scale, cache.codes)
     kq, ks = quantize(k)
     kq = as_stored(kq, cache.codes)
     if v is None:

@@ -199,7 +199,8 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
     loops. Inside the model's layer loop the caller must continue with those: if a loop only
     closed over the pages, the pages would stay live after it and XLA would copy the whole cache
     into the loop's state on every layer (measured: most of a CPU decode step).
-    `page_codes`: the pages are uint8 holding this fp8 dtype's bit patterns (`KVCache.codes`).
+    `page_codes`: the pages are uint8 (uint16) holding this fp8 (bfloat16) dtype's bit patterns
+    (`KVCache.codes`).
 
     Two groups of query rows, each an online-softmax loop over chunks of KV gathered from the
     pages: tokens of short chunks (decodes) one per row, sorted by context length; longer chunks
@@ -238,8 +239,10 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, meta: AttentionMetadata, *, 
         sinks = sinks.astype(jnp.float32).reshape(K, H // K)
     opts = dict(chunk=chunk, sliding_window=sliding_window, soft_cap=soft_cap, page_codes=page_codes,
                 sinks=sinks)
-    if (cpu_kernel and page_codes is None and v_pages is not None
-            and (k_pages.dtype == v_pages.dtype and k_pages.dtype in (jnp.float32, jnp.bfloat16) and k_scale is None
+    bf16_bits = page_codes == "bfloat16" and k_pages.dtype == jnp.uint16     # the kernel reads them as bf16
+    if (cpu_kernel and (page_codes is None or bf16_bits) and v_pages is not None
+            and (k_pages.dtype == v_pages.dtype and k_pages.dtype in (jnp.float32, jnp.bfloat16, jnp.uint16)
+                 and k_scale is None
                  or k_pages.dtype == v_pages.dtype == jnp.int8 and k_scale is not None and v_scale is not None)):
         out = cpu_paged_attention(qf, k_pages, v_pages, tables, meta, window=sliding_window, soft_cap=soft_cap,
                                   sinks=sinks, k_scale=k_scale, v_scale=v_scale)

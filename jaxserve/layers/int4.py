@@ -65,8 +65,8 @@ class Int4Weight:
       (layers/int4_cpu.py) where it fits; None: always the tiles (`with_fused_kernel`).
     q8_min_rows: with `fused_int8_x`, activations of at least this many rows are one int8 part per
       block (llama.cpp's Q8 activations: to 1/254 of the block's max, half the integer work); None:
-      two parts at every row count. The CPU's `--dtype auto` sets it for GGUF files' int4 weights,
-      which then take the fused kernel at every row count (`loader.cpu_matmuls_for`).
+      two parts at every row count. `--q8-activations` sets it for a GGUF file's weights, which then
+      take the fused kernel at every row count (`loader.cpu_matmuls_for`).
     amx_min_rows: activations of this many rows or more (to `int4_cpu.AMX_MAX_ROWS`) take the AMX
       kernel where it fits (`int4_cpu.amx()`: the bf16 tiles' arithmetic, 3-6x faster); None: never.
     fused_int8_x: int4 matmuls in the fused kernel split their activations into two int8 parts per

@@ -84,7 +84,7 @@ def _batch_invariant(weights, dtype: str, devices: int, platform: str | None, qu
 
 
 def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None = None,
-                    batch_invariant: bool = False, gguf: bool = False, donate: bool = False):
+                    batch_invariant: bool = False, q8: bool = False, donate: bool = False):
     """`weights` as the engine runs them with `--dtype dtype` on `devices` devices: with "auto" on
     CPU (f32 activations), quantized weights take batches of `BF16_MIN_ROWS` rows or more through
     bf16 tiles where they pay (`bf16_tiles_pay`; `layers.int4.with_bf16_tiles`) and, on
@@ -99,8 +99,8 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
     `batch_invariant`: every quantized matmul takes the fused kernel (its rows are independent) at
     every row count; a ValueError says why where that cannot be (a GPU, dense weights, several
     devices, activations not f32, no kernel build).
-    `gguf` (a GGUF file's weights): int4 matmuls of more rows than the fused kernel's decode rows
-    take it too, their activations as one int8 part a block as llama.cpp computes them
+    `q8` (`--q8-activations`, a GGUF file's weights): matmuls of more rows than the fused kernel's
+    decode rows take it too, their activations as one int8 part a block as llama.cpp computes them
     (`layers.int4.with_q8_rows`), not XLA's bf16 tiles. `donate`: `weights`' arrays may be deleted
     as they are laid out anew (the engine's load: the model is never held twice)."""
     quantized = any(isinstance(w, Int4Weight) for w in jax.tree.leaves(
@@ -129,10 +129,13 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
             # 8-bit codes four a word where VNNI multiplies them (AVX2's pair sums would saturate)
             weights = with_cpu_layout(with_fused_kernel(weights, int8_x=dot is not None, amx_min_rows=amx),
                                       donate=donate, k4=dot == "AVX512-VNNI")
-            if gguf and dot is not None and not amx:
-                logger.info("GGUF int4 matmuls of more than %d rows: the fused CPU kernel with int8 activations "
-                            "(one part a block, as llama.cpp's)", int4_cpu.FUSED_MAX_ROWS)
+            if q8 and dot is not None and not amx:
+                logger.info("--q8-activations: quantized matmuls of more than %d rows take the fused CPU kernel "
+                            "with int8 activations (one part a block, as llama.cpp's)", int4_cpu.FUSED_MAX_ROWS)
                 weights = with_q8_rows(weights)
+            elif q8:
+                logger.warning("--q8-activations needs the fused CPU kernel with integer dot products and no "
+                               "AMX kernel (int8_dot: %s, amx: %s): not applied", dot, bool(amx))
             return weights
         logger.info("quantized matmuls of few rows use XLA's tiles, not the fused CPU kernel: %s", why)
     return weights

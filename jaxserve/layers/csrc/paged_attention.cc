@@ -297,11 +297,14 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
   if (kd[2] != a.K || kd[3] != a.D || kv_lens.element_count() != S || cu_q_lens.element_count() != S + 1 ||
       (sinks.element_count() && sinks.element_count() != a.K * a.G))
     return ffi::Error::InvalidArgument("paged_attention: mismatched shapes");
-  const bool int8 = k.element_type() == ffi::S8, half = k.element_type() == ffi::BF16;
+  // bf16 pages, or their bit patterns in uint16 (a CPU pool's `codes` form, attention/kv_cache.py)
+  const bool int8 = k.element_type() == ffi::S8,
+             half = k.element_type() == ffi::BF16 || k.element_type() == ffi::U16;
   if (k.element_type() != v.element_type() || (!int8 && !half && k.element_type() != ffi::F32) ||
       (int8 ? (k_scale.element_count() != a.R * a.B * a.K || v_scale.element_count() != a.R * a.B * a.K)
             : (k_scale.element_count() || v_scale.element_count())))
-    return ffi::Error::InvalidArgument("paged_attention: pages f32 or bf16, or int8 with [R, B, K] scales each");
+    return ffi::Error::InvalidArgument("paged_attention: pages f32 or bf16 (or uint16 bf16 bits), or int8 with "
+                                       "[R, B, K] scales each");
   a.q = q.typed_data(), a.k = k.untyped_data(), a.v = v.untyped_data(), a.tables = tables.typed_data();
   a.k_scale = int8 ? k_scale.typed_data() : nullptr, a.v_scale = int8 ? v_scale.typed_data() : nullptr;
   a.sinks = sinks.element_count() ? sinks.typed_data() : nullptr;
