@@ -33,6 +33,8 @@ layout and builds a `LayerMixWeight` (layers/layer_mix.py), each layer read in i
 from __future__ import annotations
 
 import dataclasses
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -239,3 +241,31 @@ def stack_mixed(parts: list[QuantTensor], data_sharding: NamedSharding, what: st
     index = tuple(which[:i].count(w) for i, w in enumerate(which))
     stacks = tuple(stack(g, (len(g),), data_sharding, what) for g in groups)
     return LayerMixWeight(stacks, part_of=which, index_in_part=index)
+
+
+def kept_array(p, sharding_of, quantized, names: list[str]) -> Int4Weight | LayerMixWeight | None:
+    """The declared array `p` (a matrix, or the embedding) from its GGUF tensors `names`, read by
+    `quantized(name)` (a `QuantTensor`, None for an unkept type): an `Int4Weight` [..., in, out],
+    or a `LayerMixWeight` where a layer stack's tensors mix layouts (a Q4_K_M file's Q6_K and Q4_K
+    layers); None when any tensor is of another type (read as f32). `sharding_of(axes)` places it.
+    The embedding [V, E] is stored as the tied head's [E, V]: `layers/embedding.py` gathers its
+    columns. ValueError naming the tensor for a shape the model config does not expect."""
+    if not (p.dense or p.path == "embed") or p.per_expert:
+        return None
+    with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:    # numpy lets go of the GIL
+        parts = list(pool.map(quantized, names))
+    if any(pt is None for pt in parts):
+        return None
+    if len({pt.layout for pt in parts}) > 1 and p.stacked_dims != 1:
+        return None
+    k, n = (p.shape[1], p.shape[0]) if p.path == "embed" else p.shape[-2:]
+    for name, pt in zip(names, parts):
+        if pt.shape != (n, k):
+            raise ValueError(f"tensor {name} has shape {pt.shape}, expected {(n, k)} from the model config")
+    axes, lead = (tuple(reversed(p.axes)), ()) if p.path == "embed" else (p.axes, p.shape[:p.stacked_dims])
+    try:
+        if p.stacked_dims == 1:
+            return stack_mixed(parts, sharding_of(axes), names[0])
+        return stack(parts, lead, sharding_of(axes), names[0])
+    except ValueError as e:
+        raise ValueError(f"GGUF {parts[0].kind}: {e}") from None

@@ -277,34 +277,13 @@ def _dequantized_fp8(scheme, get, name: str, shape: tuple[int, int]) -> np.ndarr
 
 
 def _kept_gguf(p, plan, quantized, names: list[str]):
-    """A matrix (or the embedding) whose GGUF tensors are all of kept types (loader/gguf_quant.py)
-    as an `Int4Weight` [..., in, out], or a `LayerMixWeight` where a layer stack's tensors mix
-    layouts (a Q4_K_M file's Q6_K and Q4_K layers); None when any is another type (read as f32).
-    The embedding [V, E] is stored as the tied head's [E, V]: `layers/embedding.py` gathers its
-    columns."""
-    if not (p.dense or p.path == "embed") or p.per_expert:
-        return None
-    from concurrent.futures import ThreadPoolExecutor
-
+    """`gguf_quant.kept_array` (the declared array's GGUF tensors kept quantized, or None), its
+    errors as load errors naming the tensor."""
     from jaxserve.loader import gguf_quant
-    with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:    # numpy lets go of the GIL
-        parts = list(pool.map(quantized, names))
-    if any(pt is None for pt in parts):
-        return None
-    mixed = len({pt.layout for pt in parts}) > 1
-    if mixed and p.stacked_dims != 1:
-        return None
-    k, n = (p.shape[1], p.shape[0]) if p.path == "embed" else p.shape[-2:]
-    for name, pt in zip(names, parts):
-        if pt.shape != (n, k):
-            raise ModelLoadError(f"tensor {name} has shape {pt.shape}, expected {(n, k)} from the model config")
-    axes, lead = (tuple(reversed(p.axes)), ()) if p.path == "embed" else (p.axes, p.shape[:p.stacked_dims])
     try:
-        if p.stacked_dims == 1:
-            return gguf_quant.stack_mixed(parts, plan.sharding(axes), names[0])
-        return gguf_quant.stack(parts, lead, plan.sharding(axes), names[0])
+        return gguf_quant.kept_array(p, plan.sharding, quantized, names)
     except ValueError as e:
-        raise ModelLoadError(f"GGUF {parts[0].kind}: {e}") from None
+        raise ModelLoadError(str(e)) from None
 
 
 def load_hf_config(path: Path, hf_overrides: dict | None = None) -> ModelConfig:
