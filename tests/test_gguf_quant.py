@@ -30,9 +30,11 @@ QUANTIZERS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")     # the gguf package qua
 _F16_AT = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
            "IQ4_XS": (0,)}
 # bytes a weight once stacked: the codes (4 or 8 bits) and an f32 scale (and offset) per group
-BYTES_PER_WEIGHT = {"Q4_0": 0.625, "Q4_1": 0.75, "Q5_0": 1.125, "Q5_1": 1.25, "Q8_0": 1.125, "Q2_K": 1.0,
-                    "Q3_K": 0.75, "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.25, "IQ4_NL": 1.125, "IQ4_XS": 1.125,
-                    "MXFP4": 1.125}
+# the K-quants and IQ4_XS keep their two-level scales: int8 per group, f16 per super-block of 256
+BYTES_PER_WEIGHT = {"Q4_0": 0.625, "Q4_1": 0.75, "Q5_0": 1.125, "Q5_1": 1.25, "Q8_0": 1.125,
+                    "Q2_K": 0.5 + 2 / 16 + 4 / 256, "Q3_K": 0.5 + 1 / 16 + 2 / 256, "Q4_K": 0.5 + 2 / 32 + 4 / 256,
+                    "Q5_K": 1 + 2 / 32 + 4 / 256, "Q6_K": 1 + 1 / 16 + 2 / 256, "IQ4_NL": 1.125,
+                    "IQ4_XS": 1 + 1 / 32 + 2 / 256, "MXFP4": 1.125}
 
 
 def _quantized(rng, out: int, k: int, kind: str) -> np.ndarray:
@@ -64,6 +66,42 @@ def test_blocks_decode_to_what_gguf_dequantizes(kind):
         np.testing.assert_allclose(np.asarray(linear(x, w)), want, rtol=1e-5, atol=tol)
         # 4- or 8-bit codes plus f32 scales (and offsets): far below f32's 4 bytes a weight
         assert w.nbytes / (k * 48) == BYTES_PER_WEIGHT[kind]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_type_through_the_fused_kernel_and_its_layout(kind):
+    """Each type in the fused CPU kernel's layout (column blocks, k4 words for 8-bit codes, two-level
+    scales kept for the K-quants): f32 activations to f32 rounding, int8 ones (two parts, and
+    llama.cpp's one) within their rounding; more rows through the tiles reading the blocks."""
+    from jaxserve.layers import int4_cpu
+    from jaxserve.layers.int4 import with_fused_kernel, with_q8_rows
+    from jaxserve.layers.int4_layout import cpu_layout
+    if int4_cpu.load() is not None:
+        pytest.skip(int4_cpu.load())
+    rng = np.random.default_rng(1)
+    k = 512 if gguf_quant.BLOCKS[kind][0] == 256 else 160
+    raw = _quantized(rng, 128, k, kind)
+    q = gguf_quant.decode("blk.0.ffn_up.weight", kind, raw, (k, 128))
+    plain = gguf_quant.stack([q], (), jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",)), jax.sharding.PartitionSpec()), "w")
+    assert plain.two_level == (kind in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"))
+    dense = gguf.quants.dequantize(raw, Q[kind]).T
+    for int8_x in (False,) + ((True,) if int4_cpu.int8_dot() else ()):
+        w = cpu_layout(with_fused_kernel(plain, int8_x=int8_x), k4=int8_x and plain.bits == 8)
+        assert w.col_block and w.two_level == plain.two_level
+        assert int4_cpu.fits(w.q, w.scale, w.zero, w.offset, w.group_size, w.bits, False, w.col_block, w.scale_sup,
+                             w.offset_sup)                                       # the kernel takes it
+        for rows in (1, 3, 20):
+            x = rng.normal(size=(rows, k)).astype(np.float32)
+            want = x @ dense
+            tol = 1e-6 * np.abs(want).max() * np.sqrt(k)
+            if int8_x and rows <= w.fused_max_rows:     # two int8 parts: x to 1.6e-5 of each block's max
+                tol = 2e-4 * np.abs(want).max()
+            np.testing.assert_allclose(np.asarray(linear(x, w)), want, rtol=1e-5, atol=tol, err_msg=f"{rows}")
+        if int8_x and int4_cpu.int8_dot() == "AVX512-VNNI" or (int8_x and plain.bits == 4):
+            x = rng.normal(size=(20, k)).astype(np.float32)          # llama.cpp's Q8 activations
+            got, want = np.asarray(linear(x, with_q8_rows(w))), x @ dense
+            assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
 
 
 def write_tiny_gguf(path: Path, types: dict[str, str], tied: bool = False, hidden: int = 64, seed: int = 0):

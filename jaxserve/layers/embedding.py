@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.layers.int4 import Int4Weight, dequantize
+from jaxserve.layers.int4 import Int4Weight, dequantize, plain_scales
 from jaxserve.layers.int4_layout import take_columns
 from jaxserve.layers.linear import linear
 
@@ -26,7 +26,7 @@ def embed_rows(table, ids: jax.Array) -> jax.Array:
     if not isinstance(table, Int4Weight):
         return table[ids]
 
-    c = take_columns(table, ids)
+    c = plain_scales(take_columns(table, ids))
     w = dequantize(c.q, c.scale, c.zero, c.group_size, offset=c.offset, bits=c.bits,
                    zero_point=c.zero_point)                                  # [E, T]
     return w.T

@@ -80,6 +80,11 @@ class Int4Weight:
     col_block: 0, or the fused CPU kernel's layout (`layers.int4_layout.cpu_layout`): every array [..., rows, out]
       stored as column blocks [..., out / col_block, rows, col_block], so that a thread's columns
       are one contiguous run of memory.
+    scale_sup: None, or two-level scales (GGUF's K-quants, as llama.cpp stores them): `scale` is
+      then int8 sub-scales and each group's scale is `scale_sup[..., gi // S, n] * scale[..., gi, n]`,
+      `scale_sup` f16 [..., in / (g S), out] (same layout as `scale`, S groups a super-block):
+      1.06 bytes a group and column, not 4 (Q4_K: 0.58 bytes a weight, not 0.75).
+    offset_sup: the same for `offset` (then int8), or None.
     """
 
     q: jax.Array
@@ -99,6 +104,8 @@ class Int4Weight:
     col_block: int = 0
     amx_min_rows: int | None = None
     q8_min_rows: int | None = None
+    scale_sup: jax.Array | None = None
+    offset_sup: jax.Array | None = None
 
     @property
     def pack(self) -> int:
@@ -115,7 +122,9 @@ class Int4Weight:
     @property
     def dtype(self):
         """What it computes in: f32 (f16 scales are storage only; `cpu_layout`)."""
-        return jnp.dtype(jnp.float32) if self.scale.dtype == jnp.float16 else self.scale.dtype
+        if self.scale_sup is not None or self.scale.dtype == jnp.float16:
+            return jnp.dtype(jnp.float32)
+        return self.scale.dtype
 
     @property
     def group_zero(self) -> int:
@@ -124,10 +133,17 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.q, self.scale, self.zero, self.perm, self.offset) if a is not None)
+        return sum(a.nbytes for a in (self.q, self.scale, self.zero, self.perm, self.offset, self.scale_sup,
+                                      self.offset_sup) if a is not None)
+
+    @property
+    def two_level(self) -> bool:
+        """Whether scales (offsets) are int8 sub-scales under f16 super-block scales (`scale_sup`)."""
+        return self.scale_sup is not None or self.offset_sup is not None
 
 
-jax.tree_util.register_dataclass(Int4Weight, data_fields=["q", "scale", "zero", "perm", "offset", "layer"],
+jax.tree_util.register_dataclass(Int4Weight, data_fields=["q", "scale", "zero", "perm", "offset", "layer",
+                                                          "scale_sup", "offset_sup"],
                                  meta_fields=["group_size", "in_shards", "bits", "out_shards", "bf16_min_rows",
                                               "fused_max_rows", "fused_int8_x", "zero_point", "col_block",
                                               "amx_min_rows", "q8_min_rows"])
@@ -201,15 +217,38 @@ def checkpoint_layout(w: Int4Weight) -> Int4Weight:
     if not w.col_block:
         return w
     return dataclasses.replace(w, q=_from_blocks(w.q), scale=_from_blocks(w.scale), zero=_from_blocks(w.zero),
-                               offset=_from_blocks(w.offset), col_block=0)
+                               offset=_from_blocks(w.offset), scale_sup=_from_blocks(w.scale_sup),
+                               offset_sup=_from_blocks(w.offset_sup), col_block=0)
 
 
-def _at_layer(w: Int4Weight) -> Int4Weight:
-    """A `layer`-indexed weight as the plain slice (for the tiles)."""
+def _at_layer(w: Int4Weight, only_scales: bool = False) -> Int4Weight:
+    """A `layer`-indexed weight as the plain slice (for the tiles); `only_scales`: the scale and
+    offset arrays alone sliced (the codes stay the stack, still indexed by `layer`)."""
     def cut(a):
         return None if a is None else jax.lax.dynamic_index_in_dim(a, w.layer, keepdims=False)
+    if only_scales:
+        return dataclasses.replace(w, scale=cut(w.scale), offset=cut(w.offset), scale_sup=cut(w.scale_sup),
+                                   offset_sup=cut(w.offset_sup))
     return dataclasses.replace(w, q=cut(w.q), scale=cut(w.scale), zero=cut(w.zero), perm=cut(w.perm),
-                               offset=cut(w.offset), layer=None)
+                               offset=cut(w.offset), scale_sup=cut(w.scale_sup), offset_sup=cut(w.offset_sup),
+                               layer=None)
+
+
+def _times_sup(sub: jax.Array | None, sup: jax.Array | None) -> jax.Array | None:
+    """Two-level scales [..., G, n] (int8) x [..., G / S, n] -> f32 [..., G, n] (the group axis is
+    -2 in both layouts); exact: an f16 times a small integer."""
+    if sub is None or sup is None:
+        return sub
+    return jnp.repeat(sup.astype(jnp.float32), sub.shape[-2] // sup.shape[-2], axis=-2) * sub.astype(jnp.float32)
+
+
+def plain_scales(w: Int4Weight) -> Int4Weight:
+    """`w` with two-level scales (`Int4Weight.scale_sup`) multiplied out to f32 (the same matrix):
+    what the tiles, the AMX kernel and `dequantize` read."""
+    if not w.two_level:
+        return w
+    return dataclasses.replace(w, scale=_times_sup(w.scale, w.scale_sup), offset=_times_sup(w.offset, w.offset_sup),
+                               scale_sup=None, offset_sup=None)
 
 
 def unpack(q: jax.Array) -> jax.Array:
@@ -267,7 +306,7 @@ def ref_int4_matmul(x: jax.Array, w: Int4Weight) -> jax.Array:
     """x [..., in] @ the whole dequantised matrix, f32 (the test oracle)."""
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
-    w = checkpoint_layout(w)
+    w = plain_scales(checkpoint_layout(w))
     full = dequantize(w.q, w.scale, w.zero, w.group_size, offset=w.offset, bits=w.bits, zero_point=w.zero_point)
     return jnp.einsum("...k,ko->...o", x.astype(jnp.float32), full, precision="highest")
 
@@ -313,12 +352,19 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
     if _amx(x, w) or _fused(x, w):
         return _fused_matmul(x, w).astype(out_dtype or x.dtype)
     layer = None                 # a stack in column blocks: the layer `cut` copies its tiles from
+    scale_layer = None           # the same for scales and offsets (None once two-level ones are multiplied out)
     if w.col_block and int4_cpu.load() is None:
         layer, w = w.layer, dataclasses.replace(w, layer=None)
+        scale_layer = layer
+        if w.two_level:          # this layer's scales multiplied out (a 32nd of the codes' elements)
+            w = plain_scales(_at_layer(dataclasses.replace(w, layer=layer), only_scales=True) if layer is not None
+                             else w)
+            w, scale_layer = dataclasses.replace(w, layer=None), None
     elif w.col_block:            # no kernel library to copy them: XLA's transpose (slow, correct)
         w = checkpoint_layout(_at_layer(w) if w.layer is not None else w)
     elif w.layer is not None:
         w = _at_layer(w)
+    w = plain_scales(w)
     if len(w.shape) != 2 + (layer is not None):
         raise ValueError(f"int4 linear takes one [in/8, out] matrix, got codes {w.q.shape} "
                          "(stacked layers are sliced off by lax.scan, experts by grouped_linear)")
@@ -365,7 +411,8 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
                 if a is None:
                     return None
                 if cb:                          # column blocks: the same [1, r, width], copied out
-                    return int4_cpu.unblock(a, layer, t * (tk // per), c0 // cb, tk // per, width // cb)[None]
+                    lay = scale_layer if a is ss or a is os_ else layer
+                    return int4_cpu.unblock(a, lay, t * (tk // per), c0 // cb, tk // per, width // cb)[None]
                 a = jax.lax.dynamic_slice_in_dim(a, t * (tk // per), tk // per, 1)
                 a = jax.lax.dynamic_slice_in_dim(a, c0, width, a.ndim - 1)
                 return jnp.swapaxes(a, 1, 2) if split else a                  # [S, (So,) r, width]
@@ -391,7 +438,8 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
 
 def _kernel_takes(w: Int4Weight) -> bool:
     return (w.in_shards == 1 and w.out_shards == 1 and
-            int4_cpu.fits(w.q, w.scale, w.zero, w.offset, w.group_size, w.bits, w.layer is not None, w.col_block))
+            int4_cpu.fits(w.q, w.scale, w.zero, w.offset, w.group_size, w.bits, w.layer is not None, w.col_block,
+                          w.scale_sup, w.offset_sup))
 
 
 def _fused(x: jax.Array, w: Int4Weight) -> bool:
@@ -401,7 +449,7 @@ def _fused(x: jax.Array, w: Int4Weight) -> bool:
 def _amx(x: jax.Array, w: Int4Weight) -> bool:
     rows = math.prod(x.shape[:-1])
     return (w.amx_min_rows is not None and w.amx_min_rows <= rows and int4_cpu.amx_pays(rows)
-            and int4_cpu.amx_fits(w.shape[-2], w.bits) and w.pack != 4 and _kernel_takes(w))
+            and int4_cpu.amx_fits(w.shape[-2], w.bits) and w.pack != 4 and not w.two_level and _kernel_takes(w))
 
 
 def _int8_x(w: Int4Weight) -> bool:
@@ -420,7 +468,8 @@ def _fused_matmul(x: jax.Array, w: Int4Weight) -> jax.Array:
     rows = math.prod(lead)
     y = int4_cpu.matmul(x.reshape(-1, K), w.q, w.scale, w.zero, w.offset, w.layer, w.group_size, w.bits,
                         int8_x=_int8_x(w) and not amx, zero_point=w.group_zero, col_block=w.col_block,
-                        amx=amx, int8_hi_only=w.q8_min_rows is not None and rows >= w.q8_min_rows)
+                        amx=amx, int8_hi_only=w.q8_min_rows is not None and rows >= w.q8_min_rows,
+                        scale_sup=w.scale_sup, offset_sup=w.offset_sup)
     return y.reshape(*lead, N)
 
 
@@ -439,7 +488,8 @@ def _fused_bwd(res, g):
                 return None if like is None else np.zeros(like.shape, jax.dtypes.float0)
             return _to_blocks(d, w.col_block)
         dw = dataclasses.replace(dw, q=back(dw.q, w.q), scale=back(dw.scale, w.scale), zero=back(dw.zero, w.zero),
-                                 offset=back(dw.offset, w.offset), col_block=w.col_block)
+                                 offset=back(dw.offset, w.offset), scale_sup=back(dw.scale_sup, w.scale_sup),
+                                 offset_sup=back(dw.offset_sup, w.offset_sup), col_block=w.col_block)
     return dx, dataclasses.replace(dw, fused_max_rows=w.fused_max_rows, amx_min_rows=w.amx_min_rows)
 
 
@@ -452,7 +502,7 @@ def int4_ragged(x: jax.Array, w: Int4Weight, group_sizes: jax.Array) -> jax.Arra
     No grouped int4 kernel: the experts are dequantised into x.dtype for the call (X * in * out
     elements of temporaries), rows put back in checkpoint order (each expert has its own act-order
     permutation, so x cannot be permuted instead). The tiles layout never materialises them."""
-    w = checkpoint_layout(w)
+    w = plain_scales(checkpoint_layout(w))
     full = dequantize(w.q, w.scale, w.zero, w.group_size, x.dtype, offset=w.offset, bits=w.bits,
                       zero_point=w.zero_point)                                                   # [X, in, out]
     if w.perm is not None:

@@ -219,20 +219,33 @@ def _columns(scale, col_block: int) -> int:
     return scale.shape[-1] * (scale.shape[-3] if col_block else 1)
 
 
-def fits(q, scale, zero, offset, group_size: int, bits: int, stacked: bool, col_block: int = 0) -> bool:
+def fits(q, scale, zero, offset, group_size: int, bits: int, stacked: bool, col_block: int = 0,
+         scale_sup=None, offset_sup=None) -> bool:
     """Whether the kernel takes these arrays (else the caller uses the tiles): [(L,) rows, N], or
-    with `col_block` [(L,) N / col_block, rows, col_block]; f32 or f16 scales (offsets alike)."""
+    with `col_block` [(L,) N / col_block, rows, col_block]; f32 or f16 scales (offsets alike), or
+    int8 ones under f16 super-block scales (`Int4Weight.scale_sup`: `scale_sup` and `offset_sup`
+    [..., G / S, ...] where `offset` is int8; not with a `zero` array)."""
     n = _columns(scale, col_block)
-    return (bits in (4, 8) and q.ndim == 2 + stacked + bool(col_block) and scale.dtype in (jnp.float32, jnp.float16)
+    if scale_sup is not None or offset_sup is not None:
+        def sub(a, sup):
+            return (a is None and sup is None) or (a is not None and sup is not None and a.dtype == jnp.int8
+                                                   and sup.dtype == jnp.float16 and sup.ndim == a.ndim
+                                                   and sup.shape[:-2] == a.shape[:-2] and sup.shape[-1] == a.shape[-1]
+                                                   and a.shape[-2] % sup.shape[-2] == 0)
+        if scale_sup is None or zero is not None or not sub(scale, scale_sup) or not sub(offset, offset_sup):
+            return False
+    elif scale.dtype not in (jnp.float32, jnp.float16) or (offset is not None and offset.dtype != scale.dtype):
+        return False
+    return (bits in (4, 8) and q.ndim == 2 + stacked + bool(col_block)
             and (q.dtype == jnp.int32 if bits == 4 else q.dtype in (jnp.int8, jnp.int32))
             and n % 16 == 0 and group_size % 8 == 0
-            and col_block % 64 == 0 and (zero is None or zero.dtype == jnp.uint8)
-            and (offset is None or offset.dtype == scale.dtype))
+            and col_block % 64 == 0 and (zero is None or zero.dtype == jnp.uint8))
 
 
 def matmul(x: jax.Array, q, scale, zero, offset, layer, group_size: int, bits: int,
            int8_x: bool = False, target: str = TARGET, zero_point: int | None = None,
-           col_block: int = 0, amx: bool = False, int8_hi_only: bool = False) -> jax.Array:
+           col_block: int = 0, amx: bool = False, int8_hi_only: bool = False, scale_sup=None,
+           offset_sup=None) -> jax.Array:
     """x [M, K] f32 (MAX_ROWS rows a pass over the weight) @ the quantized [K, N] weight (the `layer` slice of a
     [L, ...] stack when `layer` is an index, else 2-D arrays) -> [M, N] f32. `load()` first (or
     `register` a build as `target`). `int8_x` (int4 codes, a build with an integer dot product):
@@ -241,7 +254,9 @@ def matmul(x: jax.Array, q, scale, zero, offset, layer, group_size: int, bits: i
     the arrays are column blocks [(L,) N / col_block, rows, col_block] (`Int4Weight.col_block`).
     `amx`: the AMX kernel instead (any rows; x and the dequantised weight rounded to bf16, f32
     sums; `amx()` first, K a multiple of 32). `int8_hi_only` (with `int8_x`): x as its high int8
-    part alone (llama.cpp's Q8 activations, to 1/254 of each block's max|x|): half the integer work."""
+    part alone (llama.cpp's Q8 activations, to 1/254 of each block's max|x|): half the integer work.
+    `scale_sup` / `offset_sup`: two-level scales (`Int4Weight.scale_sup`; `scale`, `offset` int8
+    sub-scales then; not the AMX kernel's)."""
     M = x.shape[0]
     if amx:
         if int8_x or not amx_fits(x.shape[1], bits) or (target == TARGET and not _AMX[0]):
@@ -255,11 +270,14 @@ def matmul(x: jax.Array, q, scale, zero, offset, layer, group_size: int, bits: i
                          f"built with an integer dot product (bits={bits}, int8_dot()={int8_dot()})")
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, _columns(scale, col_block)), jnp.float32),
                             vmap_method="sequential")
+    if amx and (scale_sup is not None or offset_sup is not None):
+        raise ValueError("the AMX kernel takes one-level scales (layers.int4.plain_scales)")
     more = {} if amx else {"int8_x": bool(int8_x), "int8_hi_only": bool(int8_x and int8_hi_only)}
+    sups = () if amx else tuple(jnp.zeros((0,), jnp.float16) if a is None else a for a in (scale_sup, offset_sup))
     return call(x.astype(jnp.float32), q, scale,
                 jnp.zeros((0,), jnp.uint8) if zero is None else zero,
                 jnp.zeros((0,), scale.dtype) if offset is None else offset,
-                jnp.asarray(0 if layer is None else layer, jnp.int32),
+                jnp.asarray(0 if layer is None else layer, jnp.int32), *sups,
                 group_size=np.int64(group_size), bits=np.int64(bits), **more,
                 zero_point=np.int64((8 if bits == 4 else 0) if zero_point is None else zero_point),
                 col_block=np.int64(col_block))

@@ -33,7 +33,8 @@ def cpu_layout(w: Int4Weight, col_block: int = COL_BLOCK, donate: bool = False, 
       (`offset - zero * scale`, what both the kernel and `dequantize` add), zero point 0: GGUF
       Q4_1's offset is then its f16 `m` again;
     - scales and offsets in f16 when every value is one (GGUF's and GPTQ's are): 0.625 bytes a
-      weight for Q4_1, as the file has it, instead of 0.75;
+      weight for Q4_1, as the file has it, instead of 0.75; two-level ones (`Int4Weight.scale_sup`,
+      GGUF's K-quants) stay so, their zero point unfolded (the kernel subtracts it);
     - with `k4`, 8-bit codes (without a `zero` array) as unsigned bytes four input rows a word,
       zero point + 128 (`Int4Weight.q`): what AVX512-VNNI's products take, so the kernel sums them
       as exact integer dot products with int8 activations (`fused_int8_x`), as it does int4 codes.
@@ -48,7 +49,7 @@ def cpu_layout(w: Int4Weight, col_block: int = COL_BLOCK, donate: bool = False, 
     def host(a):
         return None if a is None else np.asarray(a)
     scale, zero, offset, zero_point = host(w.scale), host(w.zero), host(w.offset), w.zero_point
-    if zero is not None or (offset is not None and w.group_zero):
+    if not w.two_level and (zero is not None or (offset is not None and w.group_zero)):
         s = scale.astype(np.float32)
         zp = zero.astype(np.float32) if zero is not None else np.float32(w.group_zero)
         folded = (np.float32(0) if offset is None else offset.astype(np.float32)) - zp * s
@@ -72,10 +73,12 @@ def cpu_layout(w: Int4Weight, col_block: int = COL_BLOCK, donate: bool = False, 
         b = np.ascontiguousarray(np.swapaxes(a.reshape(*lead, rows, out // col_block, col_block), -3, -2))
         return jax.device_put(b, like.sharding)
     out = dataclasses.replace(w, q=blocks(q, w.q), scale=blocks(scale, w.scale), zero=blocks(zero, w.scale),
-                              offset=blocks(offset, w.scale), zero_point=zero_point, col_block=col_block)
+                              offset=blocks(offset, w.scale), scale_sup=blocks(host(w.scale_sup), w.scale),
+                              offset_sup=blocks(host(w.offset_sup), w.scale), zero_point=zero_point,
+                              col_block=col_block)
     if donate:
         del scale, zero, offset, q
-        for a in (w.q, w.scale, w.zero, w.offset):
+        for a in (w.q, w.scale, w.zero, w.offset, w.scale_sup, w.offset_sup):
             if isinstance(a, jax.Array):
                 a.delete()
     return out
@@ -101,7 +104,7 @@ def take_columns(w: Int4Weight, ids: jax.Array) -> Int4Weight:
             return a[ids // w.col_block, :, ids % w.col_block].T        # [T, rows] -> [rows, T]
         return jnp.take(a, ids, axis=-1)
     return dataclasses.replace(w, q=cols(w.q), scale=cols(w.scale), zero=cols(w.zero), offset=cols(w.offset),
-                               col_block=0)
+                               scale_sup=cols(w.scale_sup), offset_sup=cols(w.offset_sup), col_block=0)
 
 
 def int8_of(w: DenseWeight, group_size: int = INT8_GROUP) -> Int4Weight:

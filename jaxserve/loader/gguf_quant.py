@@ -14,20 +14,25 @@ tiles read:
 | Q5_0 | 22 | int8 q - 16 | 32 | d (q - 16) |
 | Q5_1 | 24 | int8 q - 16 | 32 | d q + m |
 | Q8_0 | 34 | int8 q | 32 | d q |
-| Q2_K | 10.5 | 4-bit q (zero 8) | 16 | d sc q - dmin m |
+| Q2_K | 10.5 | 4-bit q (zero 0) | 16 | d sc q - dmin m |
 | Q3_K | 13.75 | 4-bit q + 4 (zero 8) | 16 | d (sc - 32) (q - 4) |
-| Q4_K | 18 | 4-bit q (zero 8) | 32 | d sc q - dmin m |
-| Q5_K | 22 | int8 q - 16 | 32 | d sc q - dmin m |
+| Q4_K | 18 | 4-bit q (zero 0) | 32 | d sc q - dmin m |
+| Q5_K | 22 | int8 q | 32 | d sc q - dmin m |
 | Q6_K | 26.25 | int8 q - 32 | 16 | d sc (q - 32) |
 | IQ4_NL | 18 | int8 kvalues[q] | 32 | d kvalues[q] |
 | IQ4_XS | 17 | int8 kvalues[q] | 32 | d (ls - 32) kvalues[q] |
 | MXFP4 | 17 | int8 2 e2m1[q] | 32 | 2^(e - 128) 2 e2m1[q] |
 
-Scales and offsets are widened to f32 (f16 where every value is one: `layers.int4_layout.cpu_layout`);
-the codes keep 4 or 8 bits. Types whose codes are not 4-bit integers (5- and 6-bit, the IQ4
-codebooks) take 8-bit codes. The tensors of one stack (one matrix of every layer) may mix types
-(a Q4_K_M file's Q6_K `ffn_down` layers beside Q4_K ones): `stack_mixed` groups the layers by their
-layout and builds a `LayerMixWeight` (layers/layer_mix.py), each layer read in its own type.
+Scales and offsets of the 32-element types are widened to f32 (f16 where every value is one:
+`layers.int4_layout.cpu_layout`). The K-quants and IQ4_XS keep theirs two-level, as the file does
+(`Int4Weight.scale_sup`): the small integers sc (m, ls - 32) as int8 sub-scales, d (-dmin) as f16
+per super-block of 256, multiplied out by the kernel (Q4_K: 0.58 bytes a weight in memory, not
+0.75) -- on one CPU device; elsewhere (GPU kernels, weights split over devices) they are
+multiplied out at load (`QuantTensor.one_level`). The codes keep 4 or 8 bits: types whose codes
+are not 4-bit integers (5- and 6-bit, the IQ4 codebooks) take 8-bit codes.
+The tensors of one stack (one matrix of every layer) may mix types (a Q4_K_M file's Q6_K
+`ffn_down` layers beside Q4_K ones): `stack_mixed` groups the layers by their layout and builds a
+`LayerMixWeight` (layers/layer_mix.py), each layer read in its own type.
 """
 
 from __future__ import annotations
@@ -61,6 +66,10 @@ class QuantTensor:
     codes: for bits 4 int32 words [out, in / 8] of 4-bit codes (0..15, zero point 8; input 8 r + j
       in bits 4j of word r, `packed_rows`); for bits 8 int8 [out, in] (zero 0).
     scale: f32 [out, in / group]; offset: f32 [out, in / group] or None.
+    scale_sup: None, or (the K-quants) f16 [out, in / 256], `scale` then int8: each group's scale
+      is scale_sup[g // S] * scale[g], as the file stores it (`Int4Weight.scale_sup`).
+    offset_sup: the same for `offset` (int8 then), or None.
+    zero_point: the codes' zero point; None: 8 for bits 4, 0 for bits 8.
     """
 
     kind: str
@@ -69,6 +78,9 @@ class QuantTensor:
     offset: np.ndarray | None
     bits: int = 4
     group: int = 32
+    scale_sup: np.ndarray | None = None
+    offset_sup: np.ndarray | None = None
+    zero_point: int | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -76,14 +88,34 @@ class QuantTensor:
         return self.codes.shape[0], self.codes.shape[1] * (8 if self.bits == 4 else 1)
 
     @property
-    def layout(self) -> tuple[int, int, bool]:
-        """What tensors must share to be stacked into one `Int4Weight`: bits, group, offset or not."""
-        return self.bits, self.group, self.offset is not None
+    def layout(self) -> tuple:
+        """What tensors must share to be stacked into one `Int4Weight`: bits, group, offset or not,
+        zero point, two-level scales (and their super-block) or not."""
+        sup = None if self.scale_sup is None else self.scale_sup.shape[-1]
+        return self.bits, self.group, self.offset is not None, self.zero_point, sup, self.offset_sup is not None
 
     def take_rows(self, order: np.ndarray) -> QuantTensor:
         """The same tensor with its output rows reordered (llama.cpp's q/k permutation undone)."""
-        return dataclasses.replace(self, codes=self.codes[order], scale=self.scale[order],
-                                   offset=None if self.offset is None else self.offset[order])
+        def take(a):
+            return None if a is None else a[order]
+        return dataclasses.replace(self, codes=self.codes[order], scale=self.scale[order], offset=take(self.offset),
+                                   scale_sup=take(self.scale_sup), offset_sup=take(self.offset_sup))
+
+    def one_level(self) -> QuantTensor:
+        """The same tensor with f32 scales and offsets and the default zero point (what every
+        platform's kernels read; `stack` keeps two-level scales for the CPU's fused kernel alone)."""
+        if self.scale_sup is None and self.zero_point is None:
+            return self
+
+        def times(sub, sup):
+            if sup is None:
+                return sub
+            return np.repeat(sup.astype(np.float32), sub.shape[-1] // sup.shape[-1], axis=-1) * sub.astype(np.float32)
+        scale, offset = times(self.scale, self.scale_sup), times(self.offset, self.offset_sup)
+        shift = (8 if self.bits == 4 else 0) - (self.zero_point or 0)    # s (q - z) + o = s (q - z') + o + (z' - z) s
+        if shift:
+            offset = shift * scale + (np.float32(0) if offset is None else offset)
+        return dataclasses.replace(self, scale=scale, offset=offset, scale_sup=None, offset_sup=None, zero_point=None)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -109,8 +141,15 @@ def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _decode(kind: str, blk: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
-    """Blocks [..., bytes] -> (codes [..., elements], scale [..., groups], offset or None, bits, group)."""
+def _f16_raw(b: np.ndarray) -> np.ndarray:
+    """Two bytes [..., 2] -> their f16 value [..., 1] (a super-block scale kept as the file has it)."""
+    return np.ascontiguousarray(b).view(np.float16)
+
+
+def _decode(kind: str, blk: np.ndarray) -> tuple:
+    """Blocks [..., bytes] -> (codes [..., elements], scale [..., groups], offset or None, bits,
+    group), and for the K-quants and IQ4_XS a sixth item: (scale_sup, offset_sup, zero point), the
+    super-block's f16 scales [..., 1] under `scale` (`offset`) then int8 sub-scales."""
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"):
         d = _f16(blk[..., 0:2])[..., None]
         if kind == "Q8_0":
@@ -131,45 +170,46 @@ def _decode(kind: str, blk: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
         bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23))
         return MXFP4_VALUES[_nibbles(blk[..., 1:], 16)], bits.view(np.float32), None, 8, 32
     lead = blk.shape[:-1]
+    # the K-quants: per super-block of 256 f16 d (and dmin), small integer scales (mins) per group,
+    # kept as they are (two-level; `QuantTensor.one_level` multiplies them out)
+    i8 = lambda a: np.asarray(a).astype(np.int8)                                 # noqa: E731
     if kind == "Q2_K":                  # scales[16], qs[64], d, dmin
         sc, qs = blk[..., 0:16], blk[..., 16:80]
-        d, dmin = _f16(blk[..., 80:82])[..., None], _f16(blk[..., 82:84])[..., None]
+        d, dmin = _f16_raw(blk[..., 80:82]), _f16_raw(blk[..., 82:84])
         q = _bits(qs.reshape(*lead, 2, 32), (0, 2, 4, 6), 3).reshape(*lead, QK_K)
-        scale = d * (sc & 0xF)
-        return q, scale, 8 * scale - dmin * (sc >> 4), 4, 16
+        return q, i8(sc & 0xF), i8(sc >> 4), 4, 16, (d, -dmin, 0)                # d sc q - dmin m
     if kind == "Q3_K":                  # hmask[32], qs[64], scales[12], d
-        hm, qs, s, d = blk[..., 0:32], blk[..., 32:96], blk[..., 96:108], _f16(blk[..., 108:110])[..., None]
+        hm, qs, s, d = blk[..., 0:32], blk[..., 32:96], blk[..., 96:108], _f16_raw(blk[..., 108:110])
         low = _bits(s[..., 0:8], (0, 4), 0xF).reshape(*lead, 16)
         high = _bits(s[..., 8:12], (0, 2, 4, 6), 3).reshape(*lead, 16)
-        sc = (low | (high << 4)).astype(np.float32) - 32
+        sc = (low | (high << 4)).astype(np.int16) - 32
         ql = _bits(qs.reshape(*lead, 2, 32), (0, 2, 4, 6), 3).reshape(*lead, QK_K)
         qh = _bits(hm, tuple(range(8)), 1).reshape(*lead, QK_K)
-        return ql + 4 * qh + 4, d * sc, None, 4, 16      # q - 4 * (1 - h) + 8: 4..11
+        return ql + 4 * qh + 4, i8(sc), None, 4, 16, (d, None, None)           # q - 4 * (1 - h) + 8: 4..11
     if kind == "IQ4_XS":                # d, scales_h (u16), scales_l[4], qs[128]
-        d = _f16(blk[..., 0:2])[..., None]
+        d = _f16_raw(blk[..., 0:2])
         sh = blk[..., 2:4].copy().view(np.uint16)                                 # [..., 1]
         sl = _bits(blk[..., 4:8], (0, 4), 0xF).swapaxes(-1, -2).reshape(*lead, 8)
         shi = (sh >> (2 * np.arange(8, dtype=np.uint16))) & 3
-        ls = (sl | (shi.astype(np.uint8) << 4)).astype(np.float32) - 32
+        ls = (sl | (shi.astype(np.uint8) << 4)).astype(np.int16) - 32
         q = _nibbles(blk[..., 8:].reshape(*lead, 8, 16), 16).reshape(*lead, QK_K)
-        return IQ4_VALUES[q], d * ls, None, 8, 32
+        return IQ4_VALUES[q], i8(ls), None, 8, 32, (d, None, None)
     if kind in ("Q4_K", "Q5_K"):        # d, dmin, scales[12], (qh[32],) qs[128]
-        d, dmin = _f16(blk[..., 0:2])[..., None], _f16(blk[..., 2:4])[..., None]
-        sc, mn = _k_scales(blk[..., 4:16])
-        scale, low = d * sc, dmin * mn                                           # [..., 8]
+        d, dmin = _f16_raw(blk[..., 0:2]), _f16_raw(blk[..., 2:4])
+        sc, mn = _k_scales(blk[..., 4:16])                                       # [..., 8] each
         qs = blk[..., 48:] if kind == "Q5_K" else blk[..., 16:]
         q = _nibbles(qs.reshape(*lead, 4, 32), 32).reshape(*lead, QK_K)          # 4 chunks of 64
-        if kind == "Q4_K":
-            return q, scale, 8 * scale - low, 4, 32                              # d sc (q - 8) + 8 d sc - dmin m
-        qh = _bits(blk[..., 16:48], tuple(range(8)), 1).reshape(*lead, QK_K)
-        return ((q | (qh << 4)) - np.uint8(16)).view(np.int8), scale, 16 * scale - low, 8, 32
+        if kind == "Q5_K":
+            qh = _bits(blk[..., 16:48], tuple(range(8)), 1).reshape(*lead, QK_K)
+            q = (q | (qh << 4)).view(np.int8)                                    # 0..31
+        return q, i8(sc), i8(mn), 4 if kind == "Q4_K" else 8, 32, (d, -dmin, 0)   # d sc q - dmin m
     if kind == "Q6_K":                  # ql[128], qh[64], scales[16] (int8), d
         ql, qh = blk[..., 0:128], blk[..., 128:192]
-        sc, d = blk[..., 192:208].view(np.int8).astype(np.float32), _f16(blk[..., 208:210])[..., None]
+        sc, d = blk[..., 192:208].view(np.int8), _f16_raw(blk[..., 208:210])
         low = _nibbles(ql.reshape(*lead, 2, 64), 64).reshape(*lead, 2, 4, 32)    # per 128: 4 runs of 32
         high = _bits(qh.reshape(*lead, 2, 32), (0, 2, 4, 6), 3)                  # [..., 2, 4, 32]
         codes = ((low | (high << 4)) - np.uint8(32)).view(np.int8).reshape(*lead, QK_K)
-        return codes, d * sc, None, 8, 16
+        return codes, np.ascontiguousarray(sc), None, 8, 16, (d, None, None)
     raise ValueError(f"GGUF type {kind} is not kept quantized")
 
 
@@ -187,11 +227,16 @@ def decode(name: str, kind: str, data: np.ndarray, shape: tuple[int, ...]) -> Qu
     if raw.shape != (n, k // per * size):
         raise ValueError(f"tensor {name}: {kind} data has shape {raw.shape}, expected {(n, k // per * size)} "
                          f"for a [{n}, {k}] matrix")
-    codes, scale, offset, bits, group = _decode(kind, raw.reshape(n, k // per, size))
-    flat = lambda a: None if a is None else np.ascontiguousarray(a, np.float32).reshape(n, k // group)  # noqa: E731
+    codes, scale, offset, bits, group, *two = _decode(kind, raw.reshape(n, k // per, size))
     codes = codes.reshape(n, k)
-    return QuantTensor(kind, packed_rows(codes) if bits == 4 else np.ascontiguousarray(codes), flat(scale),
-                       flat(offset), bits, group)
+    codes = packed_rows(codes) if bits == 4 else np.ascontiguousarray(codes)
+    if two:
+        (sup, osup, zero_point), = two
+        flat = lambda a, cols: None if a is None else np.ascontiguousarray(a).reshape(n, cols)  # noqa: E731
+        return QuantTensor(kind, codes, flat(scale, k // group), flat(offset, k // group), bits, group,
+                           flat(sup, k // per), flat(osup, k // per), zero_point)
+    flat = lambda a: None if a is None else np.ascontiguousarray(a, np.float32).reshape(n, k // group)  # noqa: E731
+    return QuantTensor(kind, codes, flat(scale), flat(offset), bits, group)
 
 
 def packed_rows(codes: np.ndarray) -> np.ndarray:
@@ -207,6 +252,8 @@ def stack(parts: list[QuantTensor], lead: tuple[int, ...], data_sharding: NamedS
     `data_sharding` ([..., in, out]) says: codes, scales and offsets split along the output
     (column-parallel) or along whole groups of the input (row-parallel), as loader/int4.py's
     `stack_int4` places checkpoint int4 weights."""
+    if not _two_level_here(data_sharding):
+        parts = [pt.one_level() for pt in parts]
     layouts = {pt.layout for pt in parts}
     if len(layouts) != 1:
         raise ValueError(f"{what}: layers mix the GGUF types {sorted({pt.kind for pt in parts})}")
@@ -224,10 +271,21 @@ def stack(parts: list[QuantTensor], lead: tuple[int, ...], data_sharding: NamedS
 
     q = stacked([pt.codes for pt in parts])
     place = NamedSharding(data_sharding.mesh, PartitionSpec(*spec))
-    offset = None if parts[0].offset is None else jax.device_put(stacked([pt.offset for pt in parts]), place)
-    return Int4Weight(jax.device_put(np.asarray(q), place), jax.device_put(stacked([pt.scale for pt in parts]), place),
-                      group_size=group, in_shards=shards, offset=offset, bits=bits,
-                      out_shards=out_split_of(data_sharding, len(lead) + 2) if len(lead) <= 1 else 1)
+    def put(field):
+        if getattr(parts[0], field) is None:
+            return None
+        return jax.device_put(stacked([getattr(pt, field) for pt in parts]), place)
+    return Int4Weight(jax.device_put(np.asarray(q), place), put("scale"),
+                      group_size=group, in_shards=shards, offset=put("offset"), bits=bits,
+                      out_shards=out_split_of(data_sharding, len(lead) + 2) if len(lead) <= 1 else 1,
+                      zero_point=parts[0].zero_point, scale_sup=put("scale_sup"), offset_sup=put("offset_sup"))
+
+
+def _two_level_here(data_sharding: NamedSharding) -> bool:
+    """Whether a weight placed so keeps two-level scales: on one CPU device (the fused kernel reads
+    them; the GPU kernels and a split over devices take one-level f32 ones)."""
+    devices = data_sharding.mesh.devices.flat
+    return data_sharding.mesh.devices.size == 1 and all(d.platform == "cpu" for d in devices)
 
 
 def stack_mixed(parts: list[QuantTensor], data_sharding: NamedSharding, what: str) -> Int4Weight | LayerMixWeight:

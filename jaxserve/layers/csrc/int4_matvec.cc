@@ -18,7 +18,10 @@
 // thread then reads one contiguous run of each array, where the first layout gives it six short
 // streams a group (code rows, scales, offsets) that the hardware prefetchers pick up late: on this
 // model's 210 matrices, 20-24 GB/s the first way, 40-43 the second (benchmarks/RESULTS.md).
-// Scales and offsets are f32, or f16 (`Int4Weight` keeps f16 where every value is one: GGUF's).
+// Scales and offsets are f32, or f16 (`Int4Weight` keeps f16 where every value is one: GGUF's), or
+// two-level as GGUF's K-quants store them (`Int4Weight.scale_sup`): int8 sub-scales [G, N] times f16
+// super-block scales [G / S, N], multiplied out in the epilogue (Q4_K: 0.58 bytes a weight read,
+// not 0.75 with f32 scales and offsets).
 //
 // Written with GCC / Clang vector extensions and compiled with -march=native: vectors of L lanes,
 // one register wide (simd.h).
@@ -76,6 +79,11 @@ struct Problem {
   int64_t qb;            // inputs per block (32, 16 or 8: a divisor of g)
   bool k4;               // bits 8: unsigned codes packed four input rows a uint32 word ([K / 4, N])
   bool hi_only;          // x is its high int8 part alone (llama.cpp's Q8 rounding of activations)
+  // two-level scales: `scale` (and `offset`) are int8 sub-scales [G, N], each group's scale
+  // scale_sup[gi / S, n] * scale[gi, n]; the super-block scales f16 [G / S, N] (same layout)
+  const uint16_t* scale_sup;   // or null: one-level scales
+  const uint16_t* offset_sup;  // or null
+  int64_t S;                   // groups a super-block
 };
 
 using jaxserve::L;
@@ -133,12 +141,10 @@ inline int64_t at(const Problem& p, int64_t rows, int64_t r, int64_t n) {
   return blk * rows * p.cb + r * p.cb + col;
 }
 
-// L scales (offsets) from element `i` of `a`, as f32. f16 through the x86 conversion
-// instructions where there are some (GCC converts a _Float16 vector one lane at a time without
-// AVX512-FP16: measured 40% slower on cached matrices).
-inline vf load_scales(const Problem& p, const void* a, int64_t i) {
-  if (!p.half) return load<vf>(static_cast<const float*>(a) + i);
-  const uint16_t* h = static_cast<const uint16_t*>(a) + i;
+// L f16 values from `h`, as f32: through the x86 conversion instructions where there are some (GCC
+// converts a _Float16 vector one lane at a time without AVX512-FP16: measured 40% slower on cached
+// matrices).
+inline vf load_half(const uint16_t* h) {
 #if defined(__AVX512F__)
   return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
 #elif defined(__F16C__)
@@ -147,6 +153,28 @@ inline vf load_scales(const Problem& p, const void* a, int64_t i) {
 #else
   return __builtin_convertvector(load<vh>(h), vf);
 #endif
+}
+
+// L scales (offsets) from element `i` of `a` (one-level), as f32.
+inline vf load_scales(const Problem& p, const void* a, int64_t i) {
+  if (!p.half) return load<vf>(static_cast<const float*>(a) + i);
+  return load_half(static_cast<const uint16_t*>(a) + i);
+}
+
+// Group gi's scales `s` and biases `b` (offset - zero point * scale) of columns [n, n + L).
+inline void scale_bias(const Problem& p, int64_t gi, int64_t n, vf& s, vf& b) {
+  const int64_t G = p.K / p.g, i = at(p, G, gi, n);
+  if (p.scale_sup) {
+    const int64_t j = at(p, G / p.S, gi / p.S, n);
+    s = bytes_to_float(static_cast<const int8_t*>(p.scale) + i) * load_half(p.scale_sup + j);
+    b = p.offset ? bytes_to_float(static_cast<const int8_t*>(p.offset) + i) * load_half(p.offset_sup + j) : vf{};
+  } else {
+    s = load_scales(p, p.scale, i);
+    b = p.offset ? load_scales(p, p.offset, i) : vf{};
+  }
+  vf zp = vf{} + p.sym;
+  if (p.zero) zp = bytes_to_float(p.zero + i);
+  b -= zp * s;
 }
 
 // Ask for the same columns of group gi + 1 (its code rows, scales, zero points, offsets) while
@@ -158,7 +186,7 @@ inline void prefetch_next_group(const Problem& p, int64_t gi, int64_t n0) {
   const int64_t G = p.K / p.g, ahead = p.cb < p.N ? 2 : 1, next = gi + ahead;
   if (next >= G) return;
   const int64_t pack = p.bits == 4 ? 8 : p.k4 ? 4 : 1, R = p.K / pack, code = p.bits == 4 || p.k4 ? 4 : 1,
-                s = p.half ? 2 : 4;
+                s = p.scale_sup ? 1 : p.half ? 2 : 4;
   const char* q = static_cast<const char*>(p.q);
   const int64_t r0 = next * p.g / pack, q0 = at(p, R, r0, n0);
   for (int64_t r = 0; r < p.g / pack; ++r)
@@ -169,18 +197,22 @@ inline void prefetch_next_group(const Problem& p, int64_t gi, int64_t n0) {
     if (p.offset) __builtin_prefetch(static_cast<const char*>(p.offset) + i * s + b);
     if (p.zero && b % 256 == 0) __builtin_prefetch(p.zero + i + b / s);
   }
+  if (p.scale_sup && next % p.S == 0) {
+    const int64_t j = at(p, G / p.S, next / p.S, n0);
+    for (int64_t b = 0; b < V * L * 2; b += 64) {
+      __builtin_prefetch(p.scale_sup + j + b / 2);
+      if (p.offset_sup) __builtin_prefetch(p.offset_sup + j + b / 2);
+    }
+  }
 }
 
 // y[:, columns] += scale * a + bias * (each row's sum of x over the group)
 template <int M, int V>
 inline void epilogue(const Problem& p, int64_t gi, int64_t n0, const vf (&a)[M][V]) {
-  const int64_t N = p.N, G = p.K / p.g, i0 = at(p, G, gi, n0);
+  const int64_t N = p.N, G = p.K / p.g;
   for (int v = 0; v < V; ++v) {
-    const int64_t i = i0 + v * L;
-    const vf s = load_scales(p, p.scale, i);
-    vf zp = vf{} + p.sym;
-    if (p.zero) zp = bytes_to_float(p.zero + i);
-    const vf b = (p.offset ? load_scales(p, p.offset, i) : vf{}) - zp * s;
+    vf s, b;
+    scale_bias(p, gi, n0 + v * L, s, b);
     for (int m = 0; m < M; ++m) {
       float* out = p.y + m * N + n0 + v * L;
       const vf acc = load<vf>(out) + s * a[m][v] + b * p.xsum[m * G + gi];
@@ -312,12 +344,9 @@ inline void chunk_int8(const Problem& p, int64_t n0) {
   for (int64_t gi = 0; gi < G; ++gi) {
     vf a[M][V] = {};
     sums_int8<M, V, false>(p, gi, n0, a);
-    const int64_t i0 = at(p, G, gi, n0);
     for (int v = 0; v < V; ++v) {
-      const vf s = load_scales(p, p.scale, i0 + v * L);
-      vf zp = vf{} + p.sym;
-      if (p.zero) zp = bytes_to_float(p.zero + i0 + v * L);
-      const vf b = (p.offset ? load_scales(p, p.offset, i0 + v * L) : vf{}) - zp * s;
+      vf s, b;
+      scale_bias(p, gi, n0 + v * L, s, b);
       for (int m = 0; m < M; ++m) y[m][v] += s * a[m][v] + b * p.xsum[m * G + gi];
     }
   }
@@ -458,13 +487,34 @@ void prepare_f32(const float* xd0, int64_t M, int64_t K, int64_t G, int64_t grou
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                 ffi::AnyBuffer scale, ffi::Buffer<ffi::U8> zero, ffi::AnyBuffer offset,
-                ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t group_size,
-                int64_t bits, bool int8_x, int64_t zero_point, int64_t col_block, bool int8_hi_only) {
+                ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer scale_sup, ffi::AnyBuffer offset_sup,
+                ffi::ResultBuffer<ffi::F32> y, int64_t group_size, int64_t bits, bool int8_x, int64_t zero_point,
+                int64_t col_block, bool int8_hi_only) {
   jaxserve::QuantWeight w;
+  const bool two = scale_sup.element_count() > 0;
   if (auto err = jaxserve::check_weight("int4_matvec", x, q, scale, zero, offset, layer, group_size, bits,
-                                          col_block, w);
+                                          col_block, w, two);
       err.failure())
     return err;
+  // two-level scales: f16 [.., G / S, ..] beside int8 sub-scales (offsets alike), in their layout
+  const uint16_t *ssup = nullptr, *osup = nullptr;
+  int64_t S = 1;
+  if (two || offset_sup.element_count()) {
+    auto sd = scale.dimensions(), ud = scale_sup.dimensions();
+    const size_t rank = sd.size();
+    const bool has_off = offset.element_count() > 0;
+    bool ok = two && !zero.element_count() && ud.size() == rank && scale_sup.element_type() == ffi::F16 &&
+              has_off == (offset_sup.element_count() > 0) &&
+              (!has_off || (offset_sup.element_type() == ffi::F16 && offset_sup.element_count() == scale_sup.element_count()));
+    for (size_t d = 0; ok && d < rank; ++d) ok = d == rank - 2 ? ud[d] >= 1 && sd[d] % ud[d] == 0 : ud[d] == sd[d];
+    if (!ok) return ffi::Error::InvalidArgument("int4_matvec: two-level scales need int8 sub-scales (offsets) and f16 "
+                                                "super-block scales of the same layout, no zero array");
+    S = sd[rank - 2] / ud[rank - 2];
+    const int64_t per_layer = scale_sup.element_count() / (rank == 3 + (col_block ? 1 : 0) ? sd[0] : 1);
+    const int64_t l = rank == 3 + (col_block ? 1 : 0) ? layer.typed_data()[0] : 0;
+    ssup = static_cast<const uint16_t*>(scale_sup.untyped_data()) + l * per_layer;
+    if (has_off) osup = static_cast<const uint16_t*>(offset_sup.untyped_data()) + l * per_layer;
+  }
   const bool k4 = bits == 8 && q.element_type() == ffi::S32;
   if (int8_x && ((bits != 4 && !k4) || !JAXSERVE_INT8_DOT || (k4 && JAXSERVE_INT8_DOT != 1)))
     return ffi::Error::InvalidArgument("int4_matvec: int8_x needs int4 codes, or 8-bit ones four a word with "
@@ -492,7 +542,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
       prepare_f32(xd0, Mc, K, G, group_size, bits, xq.get(), xsum.get());
     const Problem p{w.q, w.scale, w.zero, w.offset, y->typed_data() + m0 * N, Mc, K, N, group_size, bits,
                     static_cast<float>(zero_point), w.cb, w.half, xsum.get(), xq.get(), xi.get(), xdq.get(), qb,
-                    k4, int8_hi_only};
+                    k4, int8_hi_only, ssup, osup, S};
     // blocks of NB columns, each thread one contiguous range of them (a claim per thread)
     jaxserve::run_claims(pool, (N + NB - 1) / NB, K * N >= (1 << 15), 1,
                          [&p](int64_t b0, int64_t b1) { run(p, b0, b1); });
@@ -511,6 +561,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4Matvec, Impl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("bits")
