@@ -68,3 +68,26 @@ def test_preset_kept_quantized_computes_the_dequantized_model(path):
     top2 = np.sort(want, axis=-1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > 0.05 * scale
     assert (got.argmax(-1) == want.argmax(-1))[clear].all()
+
+
+def test_q8_activations_by_default_from_a_billion_parameters(monkeypatch):
+    """`--q8-activations` unset: llama.cpp's one-part int8 activations for the many-row steps of a
+    GGUF model of `Q8_AUTO_PARAMS` parameters or more, two parts (or bf16 tiles) below; an explicit
+    on or off wins either way."""
+    from jaxserve.layers import int4_cpu
+    from jaxserve.loader import loader
+    if int4_cpu.load() is not None or int4_cpu.int8_dot() is None or int4_cpu.amx():
+        pytest.skip("needs the fused kernel with an integer dot product and no AMX kernel")
+    path = FILES[0]
+
+    def q8_rows(q8):
+        _, w = load_model(path, "float32", quantization="gguf")
+        leaves = jax.tree.leaves(loader.cpu_matmuls_for(w, "auto", q8=q8),
+                                 is_leaf=lambda x: isinstance(x, Int4Weight))
+        return {x.q8_min_rows for x in leaves if isinstance(x, Int4Weight)}
+    _, w = load_model(path, "float32", quantization="gguf")
+    params = loader.parameter_count(w)
+    assert 100_000 < params < loader.Q8_AUTO_PARAMS
+    assert q8_rows(None) == {None} and q8_rows(True) == {int4_cpu.FUSED_MAX_ROWS + 1}
+    monkeypatch.setattr(loader, "Q8_AUTO_PARAMS", params)          # as if the model were that large
+    assert q8_rows(None) == {int4_cpu.FUSED_MAX_ROWS + 1} and q8_rows(False) == {None}

@@ -142,7 +142,7 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
                                             hf_overrides=args.model_overrides(),
                                             fp8_activations=args.fp8_activations)
     weights = cpu_matmuls_for(weights, args.dtype, mesh.size, batch_invariant=args.batch_invariant,
-                              q8=args.q8_activations and args.load_quantization(model_path) == "gguf",
+                              q8=args.q8_activations if args.load_quantization(model_path) == "gguf" else False,
                               donate=True)
     tokenizer = load_tokenizer(args, model_path, reader, model_config)
     # A pooling model (runner "pooling") computes embeddings: prefill-only requests whose

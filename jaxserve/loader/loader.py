@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,8 @@ from jaxserve.host_memory import release_freed_host_memory
 from jaxserve.layers import int4_cpu
 from jaxserve.layers.int4 import BF16_MIN_ROWS, Int4Weight, with_bf16_tiles, with_fused_kernel, with_q8_rows
 from jaxserve.layers.int4_layout import with_cpu_layout
+from jaxserve.layers.layer_mix import LayerMixWeight
+from jaxserve.layers.linear import DenseWeight
 from jaxserve.loader.hf_overrides import apply_hf_overrides
 from jaxserve.models.registry import get_model
 from jaxserve.sharding.mesh import make_mesh
@@ -83,8 +86,20 @@ def _batch_invariant(weights, dtype: str, devices: int, platform: str | None, qu
                                              int8_x=int4_cpu.int8_dot() is not None))
 
 
+# `--q8-activations` unset: on for a GGUF model of this many parameters or more (its prefill and large
+# batches are int8 compute, 1.3-2x faster so; below, the default model keeps two int8 parts or bf16)
+Q8_AUTO_PARAMS = 10**9
+
+
+def parameter_count(weights) -> int:
+    """The model's parameters: every matrix's and vector's logical elements (quantized or not)."""
+    kept = (Int4Weight, LayerMixWeight, DenseWeight)
+    leaves = jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, kept))
+    return sum(math.prod(x.shape) for x in leaves if hasattr(x, "shape"))
+
+
 def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None = None,
-                    batch_invariant: bool = False, q8: bool = False, donate: bool = False):
+                    batch_invariant: bool = False, q8: bool | None = False, donate: bool = False):
     """`weights` as the engine runs them with `--dtype dtype` on `devices` devices: with "auto" on
     CPU (f32 activations), quantized weights take batches of `BF16_MIN_ROWS` rows or more through
     bf16 tiles where they pay (`bf16_tiles_pay`; `layers.int4.with_bf16_tiles`) and, on
@@ -101,10 +116,14 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
     devices, activations not f32, no kernel build).
     `q8` (`--q8-activations`, a GGUF file's weights): matmuls of more rows than the fused kernel's
     decode rows take it too, their activations as one int8 part a block as llama.cpp computes them
-    (`layers.int4.with_q8_rows`), not XLA's bf16 tiles. `donate`: `weights`' arrays may be deleted
+    (`layers.int4.with_q8_rows`), not XLA's bf16 tiles; None: so for models of `Q8_AUTO_PARAMS`
+    parameters or more. `donate`: `weights`' arrays may be deleted
     as they are laid out anew (the engine's load: the model is never held twice)."""
     quantized = any(isinstance(w, Int4Weight) for w in jax.tree.leaves(
         weights, is_leaf=lambda x: isinstance(x, Int4Weight)))
+    explicit_q8 = q8 is not None
+    if q8 is None:
+        q8 = parameter_count(weights) >= Q8_AUTO_PARAMS
     if batch_invariant:
         return _batch_invariant(weights, dtype, devices, platform, quantized)
     if dtype != "auto" or resolve_dtype(dtype, platform) != jnp.float32:     # f32 activations: CPU
@@ -130,10 +149,11 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
             weights = with_cpu_layout(with_fused_kernel(weights, int8_x=dot is not None, amx_min_rows=amx),
                                       donate=donate, k4=dot == "AVX512-VNNI")
             if q8 and dot is not None and not amx:
-                logger.info("--q8-activations: quantized matmuls of more than %d rows take the fused CPU kernel "
-                            "with int8 activations (one part a block, as llama.cpp's)", int4_cpu.FUSED_MAX_ROWS)
+                logger.info("--q8-activations%s: quantized matmuls of more than %d rows take the fused CPU kernel "
+                            "with int8 activations (one part a block, as llama.cpp's)",
+                            "" if explicit_q8 else " (a GGUF model of 1B parameters or more)", int4_cpu.FUSED_MAX_ROWS)
                 weights = with_q8_rows(weights)
-            elif q8:
+            elif q8 and explicit_q8:
                 logger.warning("--q8-activations needs the fused CPU kernel with integer dot products and no "
                                "AMX kernel (int8_dot: %s, amx: %s): not applied", dot, bool(amx))
             return weights

@@ -235,10 +235,11 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                                   "shares its step: on the CPU every quantized matmul takes one "
                                                   "kernel at every batch size (vLLM's VLLM_BATCH_INVARIANT). "
                                                   "CPU only.")),
-    ("q8_activations", "CompilationConfig", dict(action="store_true", help="A GGUF file on the CPU: "
-                                                 "matmuls of more than 16 rows take int8 activations, one part a "
-                                                 "block, as llama.cpp computes them (faster prefill and large "
-                                                 "batches; off: bf16 tiles there).")),
+    ("q8_activations", "CompilationConfig", dict(action=argparse.BooleanOptionalAction,
+                                                 help="A GGUF file on the CPU: matmuls of more than 16 rows take "
+                                                 "int8 activations, one part a block, as llama.cpp computes them "
+                                                 "(faster prefill and large batches; off: bf16 tiles there).",
+                                                 shown_default="on for models of 1B parameters or more")),
     ("compilation_cache_dir", "CompilationConfig", dict(help="Persistent XLA compilation cache "
                                                         "directory ('' disables).",
                                                         shown_default=DEFAULT_COMPILATION_CACHE_DIR)),
