@@ -71,7 +71,7 @@ def test_preset_kept_quantized_computes_the_dequantized_model(path):
 
 
 def test_q8_activations_by_default_from_a_billion_parameters(monkeypatch):
-    """`--q8-activations` unset: llama.cpp's one-part int8 activations for the many-row steps of a
+    """`--q8-activations` unset: llama.cpp's one-part int8 activations at every row count for a
     GGUF model of `Q8_AUTO_PARAMS` parameters or more, two parts (or bf16 tiles) below; an explicit
     on or off wins either way."""
     from jaxserve.layers import int4_cpu
@@ -88,6 +88,6 @@ def test_q8_activations_by_default_from_a_billion_parameters(monkeypatch):
     _, w = load_model(path, "float32", quantization="gguf")
     params = loader.parameter_count(w)
     assert 100_000 < params < loader.Q8_AUTO_PARAMS
-    assert q8_rows(None) == {None} and q8_rows(True) == {int4_cpu.FUSED_MAX_ROWS + 1}
+    assert q8_rows(None) == {None} and q8_rows(True) == {1}
     monkeypatch.setattr(loader, "Q8_AUTO_PARAMS", params)          # as if the model were that large
-    assert q8_rows(None) == {int4_cpu.FUSED_MAX_ROWS + 1} and q8_rows(False) == {None}
+    assert q8_rows(None) == {1} and q8_rows(False) == {None}

@@ -114,9 +114,10 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
     `batch_invariant`: every quantized matmul takes the fused kernel (its rows are independent) at
     every row count; a ValueError says why where that cannot be (a GPU, dense weights, several
     devices, activations not f32, no kernel build).
-    `q8` (`--q8-activations`, a GGUF file's weights): matmuls of more rows than the fused kernel's
-    decode rows take it too, their activations as one int8 part a block as llama.cpp computes them
-    (`layers.int4.with_q8_rows`), not XLA's bf16 tiles; None: so for models of `Q8_AUTO_PARAMS`
+    `q8` (`--q8-activations`, a GGUF file's weights): every matmul takes the fused kernel, its
+    activations as one int8 part a block as llama.cpp computes them (`layers.int4.with_q8_rows`
+    from one row: a row's result then does not depend on its step's size, prefill or decode),
+    not two parts to 16 rows and XLA's bf16 tiles above; None: so for models of `Q8_AUTO_PARAMS`
     parameters or more. `donate`: `weights`' arrays may be deleted
     as they are laid out anew (the engine's load: the model is never held twice)."""
     quantized = any(isinstance(w, Int4Weight) for w in jax.tree.leaves(
@@ -149,10 +150,11 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
             weights = with_cpu_layout(with_fused_kernel(weights, int8_x=dot is not None, amx_min_rows=amx),
                                       donate=donate, k4=dot == "AVX512-VNNI")
             if q8 and dot is not None and not amx:
-                logger.info("--q8-activations%s: quantized matmuls of more than %d rows take the fused CPU kernel "
-                            "with int8 activations (one part a block, as llama.cpp's)",
-                            "" if explicit_q8 else " (a GGUF model of 1B parameters or more)", int4_cpu.FUSED_MAX_ROWS)
-                weights = with_q8_rows(weights)
+                logger.info("--q8-activations%s: every quantized matmul takes the fused CPU kernel with int8 "
+                            "activations, one part a block, as llama.cpp computes them (each row's result "
+                            "independent of its step's size)",
+                            "" if explicit_q8 else " (a GGUF model of 1B parameters or more)")
+                weights = with_q8_rows(weights, min_rows=1)
             elif q8 and explicit_q8:
                 logger.warning("--q8-activations needs the fused CPU kernel with integer dot products and no "
                                "AMX kernel (int8_dot: %s, amx: %s): not applied", dot, bool(amx))

@@ -236,9 +236,10 @@ _ENGINE_FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                                   "kernel at every batch size (vLLM's VLLM_BATCH_INVARIANT). "
                                                   "CPU only.")),
     ("q8_activations", "CompilationConfig", dict(action=argparse.BooleanOptionalAction,
-                                                 help="A GGUF file on the CPU: matmuls of more than 16 rows take "
-                                                 "int8 activations, one part a block, as llama.cpp computes them "
-                                                 "(faster prefill and large batches; off: bf16 tiles there).",
+                                                 help="A GGUF file on the CPU: every matmul takes int8 "
+                                                 "activations, one part a block, as llama.cpp computes them "
+                                                 "(faster prefill and large batches; off: two int8 parts to 16 "
+                                                 "rows, bf16 tiles above).",
                                                  shown_default="on for models of 1B parameters or more")),
     ("compilation_cache_dir", "CompilationConfig", dict(help="Persistent XLA compilation cache "
                                                         "directory ('' disables).",
