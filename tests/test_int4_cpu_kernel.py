@@ -60,6 +60,27 @@ def test_kernel_matches_the_dequantised_reference(kind, k, n, g):
         _close(call(x, w), ref_int4_matmul(x, w))
 
 
+@pytest.mark.parametrize("kind", ["offset", "int8"])
+def test_many_rows_pass_over_spans_of_columns_the_cache_holds(kind):
+    """More rows than the kernel's accumulators (a prompt): every chunk of rows over one span of
+    columns before the next (a wide matrix: several spans a thread), each row its own result,
+    f32 and int8 activations alike."""
+    rng = np.random.default_rng(5)
+    k, n = 4096, 1536                              # ~2-4 KB of codes a column: spans of 256-448
+    w = _weight(rng, k, n, 32, kind)
+    x = jnp.asarray(rng.standard_normal((2 * int4_cpu.MAX_ROWS + 3, k)), jnp.float32)
+    call = jax.jit(lambda x, w: int4_cpu.matmul(x, w.q, w.scale, w.zero, w.offset, None, w.group_size, w.bits))
+    y = call(x, w)
+    _close(y, ref_int4_matmul(x, w))
+    np.testing.assert_array_equal(np.asarray(call(x[5:6], w))[0], np.asarray(y)[5])     # one row alone: the same
+    if kind == "offset" and int4_cpu.int8_dot() is not None:
+        q8 = jax.jit(lambda x, w: int4_cpu.matmul(x, w.q, w.scale, w.zero, w.offset, None, w.group_size, w.bits,
+                                                  int8_x=True, int8_hi_only=True))
+        y8 = np.asarray(q8(x, w))
+        np.testing.assert_array_equal(np.asarray(q8(x[7:8], w))[0], y8[7])
+        assert np.abs(y8 - np.asarray(y)).max() <= 0.02 * np.abs(np.asarray(y)).max()
+
+
 def _int8_parts(x, g):
     """x as the kernel's int8_x takes it: per block of 32 (16, 8) inputs a scale d = max|x| / 127,
     codes round(x / d) and the rest's codes round(254 (x / d - code)), both clipped to +-127."""

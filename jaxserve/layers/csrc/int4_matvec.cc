@@ -411,8 +411,8 @@ void run_range(const Problem& p, int64_t c0, int64_t c1) {
   }
 }
 
-void run(const Problem& p, int64_t b0, int64_t b1) {
-  const int64_t c0 = b0 * NB, c1 = std::min(p.N, b1 * NB);
+// Columns [c0, c1) for the problem's M <= MAX_ROWS rows.
+void run_rows(const Problem& p, int64_t c0, int64_t c1) {
   switch (p.M) {
     case 1: return run_range<1>(p, c0, c1);
     case 2: return run_range<2>(p, c0, c1);
@@ -423,6 +423,37 @@ void run(const Problem& p, int64_t b0, int64_t b1) {
     case 7: return run_range<7>(p, c0, c1);
     default: return run_range<8>(p, c0, c1);
   }
+}
+
+// Rows [m0, m0 + Mc) of the problem (x's prepared arrays and y offset to them).
+Problem rows_of(const Problem& p, int64_t m0, int64_t Mc) {
+  Problem r = p;
+  r.M = Mc;
+  r.y = p.y + m0 * p.N;
+  r.xsum = p.xsum + m0 * (p.K / p.g);
+  if (p.xq) r.xq = p.xq + m0 * p.K;
+  if (p.xi) {
+    r.xi = p.xi + m0 * (p.K / 2);
+    r.xd = p.xd + m0 * (p.K / p.qb);
+  }
+  return r;
+}
+
+// Weight bytes a thread keeps in its cache while every chunk of MAX_ROWS rows passes over them.
+constexpr int64_t CACHED = 1 << 20;
+
+// Column blocks [b0, b1) of y. More than MAX_ROWS rows (the accumulators are templated on the
+// rows): spans of columns whose weight bytes stay in the thread's L2 cache (CACHED), every chunk of
+// rows over a span before the next, so the weight comes from memory once, not once a chunk (a
+// 512-token prompt: 64 passes over each matrix from memory before, at memory bandwidth).
+void run(const Problem& p, int64_t b0, int64_t b1) {
+  const int64_t c0 = b0 * NB, c1 = std::min(p.N, b1 * NB);
+  if (p.M <= MAX_ROWS) return run_rows(p, c0, c1);
+  const int64_t per_col = p.K * (p.bits == 4 ? 1 : 2) / 2 + 1;          // code bytes a column
+  const int64_t span = std::max<int64_t>(NB, CACHED / per_col / NB * NB);
+  for (int64_t s0 = c0; s0 < c1; s0 += span)
+    for (int64_t m0 = 0; m0 < p.M; m0 += MAX_ROWS)
+      run_rows(rows_of(p, m0, std::min(MAX_ROWS, p.M - m0)), s0, std::min(c1, s0 + span));
 }
 
 // x's M rows (K inputs each) as the int8_x kernel takes them (`k4`: each word row's eight inputs in
@@ -521,32 +552,30 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                                        "AVX512-VNNI, and a build with an int8 dot product");
   const int64_t M = w.M, K = w.K, N = w.N, G = w.G;
   const int64_t qb = group_size % 32 == 0 ? 32 : group_size % 16 == 0 ? 16 : 8;
-  const int64_t MC = std::min(M, MAX_ROWS);
-  std::unique_ptr<float[]> xsum(new float[MC * G]);
+  // x's rows prepared at once (on the pool's threads too for many rows), then the columns split
+  std::unique_ptr<float[]> xsum(new float[M * G]);
   std::unique_ptr<float[]> xq, xdq;
   std::unique_ptr<int32_t[]> xi;
   if (int8_x) {
-    xdq.reset(new float[MC * (K / qb)]);
-    xi.reset(new int32_t[MC * K / 2]);
+    xdq.reset(new float[M * (K / qb)]);
+    xi.reset(new int32_t[M * K / 2]);
   } else {
-    xq.reset(new float[MC * K]);
+    xq.reset(new float[M * K]);
   }
-  // rows MAX_ROWS at a time (the accumulators are templated on the rows), the weight read once a
-  // chunk. The engine sends at most 4 rows: 64 took 1.3x the time of XLA's bf16 tiles.
-  for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-    const int64_t Mc = std::min(MAX_ROWS, M - m0);
-    const float* xd0 = x.typed_data() + m0 * K;
+  const float* xd0 = x.typed_data();
+  jaxserve::run_claims(pool, M, M * K >= (1 << 16), 2, [&](int64_t m0, int64_t m1) {
     if (int8_x)
-      prepare_int8(xd0, Mc, K, qb, G, group_size, int8_hi_only, k4, xdq.get(), xi.get(), xsum.get());
+      prepare_int8(xd0 + m0 * K, m1 - m0, K, qb, G, group_size, int8_hi_only, k4, xdq.get() + m0 * (K / qb),
+                   xi.get() + m0 * (K / 2), xsum.get() + m0 * G);
     else
-      prepare_f32(xd0, Mc, K, G, group_size, bits, xq.get(), xsum.get());
-    const Problem p{w.q, w.scale, w.zero, w.offset, y->typed_data() + m0 * N, Mc, K, N, group_size, bits,
-                    static_cast<float>(zero_point), w.cb, w.half, xsum.get(), xq.get(), xi.get(), xdq.get(), qb,
-                    k4, int8_hi_only, ssup, osup, S};
-    // blocks of NB columns, each thread one contiguous range of them (a claim per thread)
-    jaxserve::run_claims(pool, (N + NB - 1) / NB, K * N >= (1 << 15), 1,
-                         [&p](int64_t b0, int64_t b1) { run(p, b0, b1); });
-  }
+      prepare_f32(xd0 + m0 * K, m1 - m0, K, G, group_size, bits, xq.get() + m0 * K, xsum.get() + m0 * G);
+  });
+  const Problem p{w.q, w.scale, w.zero, w.offset, y->typed_data(), M, K, N, group_size, bits,
+                  static_cast<float>(zero_point), w.cb, w.half, xsum.get(), xq.get(), xi.get(), xdq.get(), qb,
+                  k4, int8_hi_only, ssup, osup, S};
+  // blocks of NB columns, each thread one contiguous range of them (a claim per thread)
+  jaxserve::run_claims(pool, (N + NB - 1) / NB, K * N >= (1 << 15), 1,
+                       [&p](int64_t b0, int64_t b1) { run(p, b0, b1); });
   return ffi::Error::Success();
 }
 
