@@ -91,3 +91,29 @@ def test_q8_activations_by_default_from_a_billion_parameters(monkeypatch):
     assert q8_rows(None) == {None} and q8_rows(True) == {1}
     monkeypatch.setattr(loader, "Q8_AUTO_PARAMS", params)          # as if the model were that large
     assert q8_rows(None) == {1} and q8_rows(False) == {None}
+
+
+def test_a_billion_parameter_gguf_on_the_cpu_gets_llama_cpps_16_bit_kv_cache(monkeypatch):
+    """`--kv-cache-dtype auto` with a GGUF model of `Q8_AUTO_PARAMS` parameters or more on the CPU:
+    bf16 pages (llama.cpp's f16 KV size), the same greedy tokens here as f32 pages; an explicit
+    dtype wins; below the size, f32 pages."""
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.default_model import default_model_path
+    from jaxserve.loader import loader
+    path = str(FILES[0])
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(**kw):
+        llm = LLM(model=path, tokenizer=str(default_model_path()), max_num_seqs=2, max_model_len=64, warmup=False,
+                  **kw)                                             # (the tiny files carry no tokenizer)
+        try:
+            out = llm.generate([{"prompt_token_ids": [5, 9, 17, 3]}], sp, use_tqdm=False)[0].outputs[0].token_ids
+            return llm.llm_engine.config_info()["cache"]["cache_dtype"], out
+        finally:
+            llm.llm_engine.shutdown()
+    small = run()
+    assert small[0] == "auto"
+    monkeypatch.setattr(loader, "Q8_AUTO_PARAMS", 1000)                 # as if the model were that large
+    large = run(q8_activations=False)
+    assert large == ("bfloat16", small[1])
+    assert run(q8_activations=False, kv_cache_dtype="int8")[0] == "int8"

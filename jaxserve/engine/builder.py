@@ -37,11 +37,11 @@ from jaxserve.layers.host_weights import offload_layer_weights
 from jaxserve.layers.int4 import Int4Weight, fused_kernel_rows
 from jaxserve.layers.int4_layout import dense_as_int8
 from jaxserve.layers.linear import DenseWeight
-from jaxserve.loader import generation_config
+from jaxserve.loader import generation_config, loader
 from jaxserve.loader.fp8 import kernels_in, with_kernel
 from jaxserve.loader.gguf import read_gguf
 from jaxserve.loader.hub import resolve_model
-from jaxserve.loader.loader import ModelLoadError, cpu_matmuls_for, load_model, resolve_dtype
+from jaxserve.loader.loader import ModelLoadError, cpu_matmuls_for, load_model, parameter_count, resolve_dtype
 from jaxserve.loader.pooling_config import resolve_pooler
 from jaxserve.lora.manager import setup_lora
 from jaxserve.lora.weight import LoraWeight
@@ -141,9 +141,10 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
                                             expert_parallel=args.enable_expert_parallel,
                                             hf_overrides=args.model_overrides(),
                                             fp8_activations=args.fp8_activations)
+    gguf = args.load_quantization(model_path) == "gguf"
     weights = cpu_matmuls_for(weights, args.dtype, mesh.size, batch_invariant=args.batch_invariant,
-                              q8=args.q8_activations if args.load_quantization(model_path) == "gguf" else False,
-                              donate=True)
+                              q8=args.q8_activations if gguf else False, donate=True)
+    args = _real_size_gguf_kv(args, gguf, weights, dtype, mesh)
     tokenizer = load_tokenizer(args, model_path, reader, model_config)
     # A pooling model (runner "pooling") computes embeddings: prefill-only requests whose
     # runner pools hidden states instead of sampling (engine/pooling.py).
@@ -418,6 +419,19 @@ def _process_memory() -> str:
         return "(unknown)"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return f"{now / 2**30:.2f} GiB resident (peak {peak / 2**30:.2f} GiB)"
+
+
+def _real_size_gguf_kv(args: EngineArgs, gguf: bool, weights, dtype, mesh) -> EngineArgs:
+    """`--kv-cache-dtype auto` for a GGUF model of 1B parameters or more on the CPU (f32 activations):
+    bf16 pages, llama.cpp's 16-bit KV cache (half f32's memory, half the bytes decode attention
+    reads), as `--q8-activations` is on there (`loader.Q8_AUTO_PARAMS`); `args` unchanged elsewhere
+    and with an explicit `--dtype float32` (f32 everything, as its matmuls)."""
+    if (not gguf or args.kv_cache_dtype != "auto" or args.dtype != "auto" or dtype != jax.numpy.float32
+            or mesh.devices.flat[0].platform != "cpu" or parameter_count(weights) < loader.Q8_AUTO_PARAMS):
+        return args
+    logger.info("--kv-cache-dtype auto: bfloat16 pages for a GGUF model of 1B parameters or more on the CPU "
+                "(llama.cpp's 16-bit KV cache; --dtype float32 keeps f32 pages)")
+    return dataclasses.replace(args, kv_cache_dtype="bfloat16")
 
 
 def kv_quantization(kv_cache_dtype: str, model_dtype):
