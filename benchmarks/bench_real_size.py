@@ -21,7 +21,8 @@ counts it. Peak RSS is the process's (ru_maxrss). llama.cpp runs with 2 threads 
 of `kv_tokens` = max(prompt + tokens + 16, 128 x the largest batch) tokens shared by all
 sequences (f16, its default); jaxserve with default flags but the same context and pool:
 `LLM(model=FILE, max_num_seqs=largest batch, max_model_len=prompt + tokens + 16,
-kv_cache_memory_bytes=kv_tokens x its bytes a token)`. Rounds alternate A B A B; the best of
+num_gpu_blocks_override=kv_tokens / 16)` (whatever its KV dtype: bf16 pages by default for these
+1B+ GGUF models, as llama.cpp's f16). Rounds alternate A B A B; the best of
 the rounds is reported.
 """
 
@@ -119,7 +120,7 @@ import json, resource, sys, time
 t0 = time.perf_counter()
 from jaxserve import LLM, SamplingParams
 cfg = json.loads(sys.argv[1])
-args = dict(max_model_len=cfg["max_model_len"], kv_cache_memory_bytes=cfg["kv_bytes"], **cfg["engine_args"])
+args = dict(max_model_len=cfg["max_model_len"], num_gpu_blocks_override=cfg["kv_blocks"], **cfg["engine_args"])
 llm = LLM(model=cfg["path"], max_num_seqs=max(cfg["batches"]), warmup=False, **args)
 res = {"load_s": time.perf_counter() - t0}
 long = {"prompt_token_ids": [100 + (i * 7919) % 40000 for i in range(cfg["prompt_tokens"])]}
@@ -196,20 +197,17 @@ print("RESULT" + json.dumps(res), flush=True)
 
 
 # bytes per KV element by --kv-cache-dtype (int8: codes plus a f32 scale per token and head, ~1)
-_KV_BYTES = {"auto": 4, "float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8": 1}
 
 
 def run(engine: str, path: Path, args) -> dict:
     """Both engines hold the same number of KV tokens: `kv_tokens` (llama.cpp's n_ctx, one pool
-    all sequences share; jaxserve's `kv_cache_memory_bytes` at its KV dtype's bytes)."""
-    E, L, H, KV, _ = SHAPES[args.shape]
+    all sequences share; jaxserve's pool of as many 16-token blocks, `num_gpu_blocks_override`)."""
     extra = json.loads(args.engine_args)
     max_model_len = args.prompt_tokens + args.tokens + 16
     kv_tokens = max(max_model_len, max(args.batches) * 128)
-    per_token = 2 * L * KV * (E // H) * _KV_BYTES[extra.get("kv_cache_dtype", "auto")]
     cfg = {"path": str(path), "batches": args.batches, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
            "prompts": prompts(max(args.batches)), "engine_args": extra, "max_model_len": max_model_len,
-           "kv_tokens": kv_tokens, "kv_bytes": kv_tokens * per_token}
+           "kv_tokens": kv_tokens, "kv_blocks": -(-kv_tokens // 16)}
     python, script = (sys.executable, _JAXSERVE) if engine == "jaxserve" else (args.peer, _LLAMA_CPP)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.run([python, "-c", script, json.dumps(cfg)], capture_output=True, text=True, env=env,

@@ -417,3 +417,30 @@ def test_int4_lm_head_is_dequantised_to_the_model_dtype(tmp_path):
         ref = _logprobs(model(torch.tensor([ids])).logits[0].float().numpy())
     got = _logprobs(PagedRunner(cfg, weights, block_size=4, num_blocks=32, max_blocks_per_seq=8).prefill_logits(ids))
     assert float(np.abs(got - ref).max()) < 1e-3
+
+
+@pytest.mark.parametrize("case", ["awq-g32", "gptq-asym-actorder-g32"])
+def test_int4_checkpoint_on_the_cpu_engine_path_computes_its_dequantized_weights(tmp_path, case):
+    """A W4A16 checkpoint as the engine lays it out on the CPU (`cpu_matmuls_for(..., w4a16=True)`):
+    f32 activations in the fused kernel (few rows) and f32 tiles (many), so its logprobs are its own
+    dequantized weights' to f32 rounding; `--q8-activations` opts into int8 ones."""
+    from jaxserve.layers import int4_cpu
+    from jaxserve.loader.loader import cpu_matmuls_for
+    method, g, sym, act_order = CASES[case]
+    write_int4_checkpoint(tmp_path / "q", method, g, sym, act_order)
+    cfg, weights = load_model(tmp_path / "q", "float32")
+    runner = lambda w: PagedRunner(cfg, w, block_size=4, num_blocks=32, max_blocks_per_seq=8)   # noqa: E731
+    engine = cpu_matmuls_for(load_model(tmp_path / "q", "float32")[1], "auto", w4a16=True)
+    leaves = [x for x in jax.tree.leaves(engine, is_leaf=lambda x: isinstance(x, Int4Weight))
+              if isinstance(x, Int4Weight)]
+    assert leaves and not any(x.fused_int8_x or x.bf16_min_rows or x.amx_min_rows or x.q8_min_rows for x in leaves)
+    if int4_cpu.load() is None and not act_order:
+        assert all(x.fused_max_rows for x in leaves)               # the fused kernel, f32 activations
+    for n in (3, 24):                                               # the kernel's rows, and the tiles'
+        ids = np.random.default_rng(n).integers(0, 96, size=n).tolist()
+        want = _logprobs(runner(weights).prefill_logits(ids))
+        assert float(np.abs(_logprobs(runner(engine).prefill_logits(ids)) - want).max()) < 1e-4
+    if int4_cpu.load() is None and int4_cpu.int8_dot() is not None:
+        q8 = cpu_matmuls_for(load_model(tmp_path / "q", "float32")[1], "auto", w4a16=True, q8=True)
+        assert any(x.q8_min_rows == 1 for x in jax.tree.leaves(q8, is_leaf=lambda x: isinstance(x, Int4Weight))
+                   if isinstance(x, Int4Weight))

@@ -142,8 +142,11 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
                                             hf_overrides=args.model_overrides(),
                                             fp8_activations=args.fp8_activations)
     gguf = args.load_quantization(model_path) == "gguf"
+    # a GGUF file computes as llama.cpp does (int8 activations); int4 checkpoints (W4A16) as their
+    # dequantized weights unless --q8-activations asks otherwise
     weights = cpu_matmuls_for(weights, args.dtype, mesh.size, batch_invariant=args.batch_invariant,
-                              q8=args.q8_activations if gguf else False, donate=True)
+                              q8=args.q8_activations if gguf else bool(args.q8_activations), donate=True,
+                              w4a16=not gguf)
     args = _real_size_gguf_kv(args, gguf, weights, dtype, mesh)
     tokenizer = load_tokenizer(args, model_path, reader, model_config)
     # A pooling model (runner "pooling") computes embeddings: prefill-only requests whose

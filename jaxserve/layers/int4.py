@@ -356,6 +356,8 @@ def int4_linear(x: jax.Array, w: Int4Weight, out_dtype=None) -> jax.Array:
     if w.col_block and int4_cpu.load() is None:
         layer, w = w.layer, dataclasses.replace(w, layer=None)
         scale_layer = layer
+        if layer is not None and w.perm is not None:      # the layer's act-order permutation
+            w = dataclasses.replace(w, perm=jax.lax.dynamic_index_in_dim(w.perm, layer, keepdims=False))
         if w.two_level:          # this layer's scales multiplied out (a 32nd of the codes' elements)
             w = plain_scales(_at_layer(dataclasses.replace(w, layer=layer), only_scales=True) if layer is not None
                              else w)

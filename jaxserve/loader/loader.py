@@ -99,7 +99,8 @@ def parameter_count(weights) -> int:
 
 
 def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None = None,
-                    batch_invariant: bool = False, q8: bool | None = False, donate: bool = False):
+                    batch_invariant: bool = False, q8: bool | None = False, donate: bool = False,
+                    w4a16: bool = False):
     """`weights` as the engine runs them with `--dtype dtype` on `devices` devices: with "auto" on
     CPU (f32 activations), quantized weights take batches of `BF16_MIN_ROWS` rows or more through
     bf16 tiles where they pay (`bf16_tiles_pay`; `layers.int4.with_bf16_tiles`) and, on
@@ -119,7 +120,10 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
     from one row: a row's result then does not depend on its step's size, prefill or decode),
     not two parts to 16 rows and XLA's bf16 tiles above; None: so for models of `Q8_AUTO_PARAMS`
     parameters or more. `donate`: `weights`' arrays may be deleted
-    as they are laid out anew (the engine's load: the model is never held twice)."""
+    as they are laid out anew (the engine's load: the model is never held twice).
+    `w4a16`: the quantized weights are a checkpoint's made for W4A16 (AWQ, GPTQ, compressed-tensors
+    int4), computed as their dequantized weights: f32 activations in the fused kernel and f32
+    tiles above its rows (no int8 parts, no bf16 tiles, no AMX), unless `q8` asks for int8 ones."""
     quantized = any(isinstance(w, Int4Weight) for w in jax.tree.leaves(
         weights, is_leaf=lambda x: isinstance(x, Int4Weight)))
     explicit_q8 = q8 is not None
@@ -129,20 +133,26 @@ def cpu_matmuls_for(weights, dtype: str, devices: int = 1, platform: str | None 
         return _batch_invariant(weights, dtype, devices, platform, quantized)
     if dtype != "auto" or resolve_dtype(dtype, platform) != jnp.float32:     # f32 activations: CPU
         return weights
-    if bf16_tiles_pay():
+    exact = w4a16 and not q8
+    if exact and quantized:
+        logger.info("int4 checkpoint (W4A16): quantized matmuls take f32 activations, as its dequantized "
+                    "weights compute (--q8-activations: int8 ones)")
+    if not exact and bf16_tiles_pay():
         weights = with_bf16_tiles(weights)
-    elif quantized:
+    elif quantized and not exact:
         logger.info("quantized matmuls of many rows keep f32 tiles: this CPU has no bf16 multiplies "
                     "(JAXSERVE_CPU_BF16_TILES=1 takes bf16 tiles)")
     if devices == 1 and quantized:
         why = int4_cpu.load()
         if why is None:
-            dot = int4_cpu.int8_dot()
+            dot = None if exact else int4_cpu.int8_dot()
             logger.info("quantized matmuls of up to %d rows use the fused CPU kernel%s", int4_cpu.FUSED_MAX_ROWS,
                         f", int4 ones with int8 activations ({dot})" if dot else
+                        " (f32 activations)" if exact else
                         " (f32 activations: this build has no integer dot product)")
             # AMX where the bf16 tiles ran (past the fused kernel's rows): the same numbers
-            amx = max(BF16_MIN_ROWS, int4_cpu.FUSED_MAX_ROWS + 1) if int4_cpu.amx() and bf16_tiles_pay() else None
+            amx = (max(BF16_MIN_ROWS, int4_cpu.FUSED_MAX_ROWS + 1) if int4_cpu.amx() and bf16_tiles_pay()
+                   and not exact else None)
             if amx:
                 logger.info("quantized matmuls of %d to %d rows use the AMX kernel (the bf16 tiles' arithmetic)",
                             amx, int4_cpu.AMX_MAX_ROWS)
