@@ -244,7 +244,7 @@ def _times_sup(sub: jax.Array | None, sup: jax.Array | None) -> jax.Array | None
 
 def plain_scales(w: Int4Weight) -> Int4Weight:
     """`w` with two-level scales (`Int4Weight.scale_sup`) multiplied out to f32 (the same matrix):
-    what the tiles, the AMX kernel and `dequantize` read."""
+    what the tiles and `dequantize` read (the AMX kernel takes no two-level weight: `_amx`)."""
     if not w.two_level:
         return w
     return dataclasses.replace(w, scale=_times_sup(w.scale, w.scale_sup), offset=_times_sup(w.offset, w.offset_sup),
