@@ -147,7 +147,7 @@ def build_engine(args: EngineArgs, warmup: bool | str = True) -> EngineParts:
     weights = cpu_matmuls_for(weights, args.dtype, mesh.size, batch_invariant=args.batch_invariant,
                               q8=args.q8_activations if gguf else bool(args.q8_activations), donate=True,
                               w4a16=not gguf)
-    args = _real_size_gguf_kv(args, gguf, weights, dtype, mesh)
+    args = _real_size_gguf_kv(args, gguf, weights, mesh)
     tokenizer = load_tokenizer(args, model_path, reader, model_config)
     # A pooling model (runner "pooling") computes embeddings: prefill-only requests whose
     # runner pools hidden states instead of sampling (engine/pooling.py).
@@ -424,12 +424,12 @@ def _process_memory() -> str:
     return f"{now / 2**30:.2f} GiB resident (peak {peak / 2**30:.2f} GiB)"
 
 
-def _real_size_gguf_kv(args: EngineArgs, gguf: bool, weights, dtype, mesh) -> EngineArgs:
+def _real_size_gguf_kv(args: EngineArgs, gguf: bool, weights, mesh) -> EngineArgs:
     """`--kv-cache-dtype auto` for a GGUF model of 1B parameters or more on the CPU (f32 activations):
     bf16 pages, llama.cpp's 16-bit KV cache (half f32's memory, half the bytes decode attention
     reads), as `--q8-activations` is on there (`loader.Q8_AUTO_PARAMS`); `args` unchanged elsewhere
     and with an explicit `--dtype float32` (f32 everything, as its matmuls)."""
-    if (not gguf or args.kv_cache_dtype != "auto" or args.dtype != "auto" or dtype != jax.numpy.float32
+    if (not gguf or args.kv_cache_dtype != "auto" or args.dtype != "auto"         # "auto" on the CPU: f32
             or mesh.devices.flat[0].platform != "cpu" or parameter_count(weights) < loader.Q8_AUTO_PARAMS):
         return args
     logger.info("--kv-cache-dtype auto: bfloat16 pages for a GGUF model of 1B parameters or more on the CPU "

@@ -118,9 +118,14 @@ class QuantTensor:
         return dataclasses.replace(self, scale=scale, offset=offset, scale_sup=None, offset_sup=None, zero_point=None)
 
 
+def _f16_raw(b: np.ndarray) -> np.ndarray:
+    """Two bytes [..., 2] -> their f16 value [..., 1] (a super-block scale kept as the file has it)."""
+    return np.ascontiguousarray(b).view(np.float16)
+
+
 def _f16(b: np.ndarray) -> np.ndarray:
     """Two bytes [..., 2] -> their f16 value as f32 [...]."""
-    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+    return _f16_raw(b)[..., 0].astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray, half: int) -> np.ndarray:
@@ -139,11 +144,6 @@ def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc = np.concatenate([d & 63, (hi & 0xF) | ((d >> 6) << 4)], axis=-1)
     mn = np.concatenate([m & 63, (hi >> 4) | ((m >> 6) << 4)], axis=-1)
     return sc, mn
-
-
-def _f16_raw(b: np.ndarray) -> np.ndarray:
-    """Two bytes [..., 2] -> their f16 value [..., 1] (a super-block scale kept as the file has it)."""
-    return np.ascontiguousarray(b).view(np.float16)
 
 
 def _decode(kind: str, blk: np.ndarray) -> tuple:
